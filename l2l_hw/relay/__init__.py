@@ -1,0 +1,4 @@
+"""The layer-to-layer relay: layer-major execution over micro-batches with an EPS."""
+from l2l_hw.relay.executor import Relay
+
+__all__ = ["Relay"]

@@ -1,0 +1,48 @@
+"""Weight streams: the next layer's weights move to the device while the current one runs.
+
+On CUDA the copies run on a side stream from pinned host memory and an event tells
+the compute stream when they have landed (a double buffer: the layer running and the
+layer arriving). On the CPU the same code runs with synchronous copies, which for
+host tensors are no copies at all.
+"""
+from __future__ import annotations
+
+import torch
+
+from l2l_hw.eps.base import EPS
+
+
+class WeightStream:
+    def __init__(self, eps: EPS, device: torch.device):
+        self.eps = eps
+        self.device = device
+        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._inflight: dict[str, tuple[dict[str, torch.Tensor], object]] = {}
+
+    def prefetch(self, keys: list[str]) -> None:
+        """Start moving the working copies of `keys` to the device (no-op if already under way)."""
+        for key in keys:
+            if key in self._inflight:
+                continue
+            host = self.eps.fetch(key)
+            if self.copy_stream is None:
+                self._inflight[key] = ({n: t.to(self.device) for n, t in host.items()}, None)
+                continue
+            with torch.cuda.stream(self.copy_stream):
+                dev = {n: t.to(self.device, non_blocking=True) for n, t in host.items()}
+                ready = torch.cuda.Event()
+                ready.record(self.copy_stream)
+            self._inflight[key] = (dev, ready)
+
+    def get(self, key: str) -> dict[str, torch.Tensor]:
+        """The device tensors of `key`, once their copy has landed on the compute stream."""
+        self.prefetch([key])
+        dev, ready = self._inflight.pop(key)
+        if ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(ready)
+            for t in dev.values():  # the allocator must not reuse them before compute is done
+                t.record_stream(torch.cuda.current_stream(self.device))
+        return dev
+
+    def clear(self) -> None:
+        self._inflight.clear()
