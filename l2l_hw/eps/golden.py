@@ -4,7 +4,8 @@ Every line of `apply_rule` is one IEEE-754 binary32 operation, rounded to neares
 even, with no fused multiply-add and no reassociation. The host kernel and the RTL
 implement exactly this sequence; docs/NUMERICS.md explains each choice. The order of
 operations mirrors torch.optim's CPU kernels (addcmul computes (value*t1)*t2, addcdiv
-computes (value*t1)/t2) so that the rule stays within a few ulp of torch.optim.
+computes (value*t1)/t2, lerp computes m + (g - m)*w) so that the rule stays within
+2 ulp of torch.optim (torch fuses the last multiply-add of lerp and addcmul; we don't).
 
 Per-step scalars are computed once per step in float64 and rounded to float32; they
 are handed to the rule as Python floats holding those exact float32 values, so the
@@ -90,8 +91,8 @@ def apply_rule(optimizer: str, s: StepScalars, p, m, v, g, sqrt):
         g = g + p * s.weight_decay
     if optimizer == "adamw" and s.weight_decay != 0:
         p = p * s.decay
-    m = m * s.beta1 + g * s.one_minus_beta1
-    v = v * s.beta2 + (g * s.one_minus_beta2) * g
+    m = m + (g - m) * s.one_minus_beta1  # torch's lerp_, unfused
+    v = v * s.beta2 + (g * s.one_minus_beta2) * g  # torch's mul_ then addcmul_, unfused
     denom = sqrt(v) / s.bias_correction2_sqrt + s.eps
     return p - (m * s.step_size) / denom, m, v
 
@@ -113,7 +114,8 @@ def to_bf16_bits(x: np.ndarray) -> np.ndarray:
 
 def to_fp16_bits(x: np.ndarray) -> np.ndarray:
     """float32 -> IEEE half bit patterns, round to nearest even, NaN -> 0x7E00."""
-    bits = x.astype(np.float16).view(np.uint16)
+    with np.errstate(over="ignore"):  # overflow to +-Inf is the IEEE result
+        bits = x.astype(np.float16).view(np.uint16)
     bits[np.isnan(x)] = CANONICAL_NAN_FP16
     return bits
 

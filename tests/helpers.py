@@ -1,0 +1,38 @@
+"""Shared test utilities: relative difference, ulp distance, small models."""
+import numpy as np
+import torch
+from torch import nn
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b| over the tensor: the tensor-wise relative difference."""
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def ulp_distance(a, b) -> np.ndarray:
+    """Number of float32 values between a and b (0 = bit-identical)."""
+    def ordered(x):
+        i = np.asarray(x, dtype=np.float32).view(np.int32).astype(np.int64)
+        return np.where(i < 0, -(i & 0x7FFFFFFF), i)
+    return np.abs(ordered(a) - ordered(b))
+
+
+class ResidualMLP(nn.Module):
+    """x + W2 gelu(W1 LN(x)), with odd widths."""
+
+    def __init__(self, width: int, hidden: int, dropout: float = 0.0):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, hidden)
+        self.fc2 = nn.Linear(hidden, width)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        return x + self.drop(self.fc2(nn.functional.gelu(self.fc1(self.norm(x)))))
+
+
+def mlp_layers(seed=0, width=19, hidden=45, depth=3, n_in=11, n_out=7, dropout=0.0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(n_in, width), *[ResidualMLP(width, hidden, dropout) for _ in range(depth)],
+                         nn.Sequential(nn.LayerNorm(width), nn.Linear(width, n_out)))
