@@ -1,0 +1,1 @@
+"""Benchmarks behind `l2l bench`; each returns a JSON-able report."""

