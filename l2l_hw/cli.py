@@ -30,7 +30,7 @@ TRAIN_DEFAULTS = dict(
     layers=4, width=128, heads=4, context=128, batch_size=32, micro_batches=4, steps=200,
     lr=2e-3, schedule="cosine", warmup=None, optimizer="adamw", momentum=0.0, weight_decay=0.1,
     eps_backend="cpu", device="cpu", seed=1337, dropout=0.0, tie_weights=False, eval_every=50,
-    data=None,
+    data=None, recompute=True,
 )
 EVAL_BATCHES = 4  # validation minibatches per eval point; the same windows every time
 SAMPLE_PROMPT, SAMPLE_BYTES = b"def ", 200
@@ -54,7 +54,8 @@ def _make_relay(cfg: dict):
         cfg["eps_backend"], optimizer=cfg["optimizer"], lr=cfg["lr"], weight_decay=cfg["weight_decay"],
         momentum=cfg["momentum"], schedule=cfg["schedule"], warmup_steps=cfg["warmup"],
         total_steps=cfg["steps"], min_lr=cfg["lr"] / 10)  # floor at lr/10, as nanoGPT
-    return l2l_hw.Relay(layers, lm_loss, eps=eps, device=cfg["device"], micro_batches=cfg["micro_batches"])
+    return l2l_hw.Relay(layers, lm_loss, eps=eps, device=cfg["device"], micro_batches=cfg["micro_batches"],
+                        recompute=cfg.get("recompute", True))
 
 
 def _rng_tensors(data_rng: torch.Generator) -> dict:
@@ -268,6 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dropout", type=float, help=f"(default {d['dropout']})")
     t.add_argument("--tie-weights", action="store_true", default=None, help="share the token table with the LM head")
     t.add_argument("--eval-every", type=int, help=f"steps between validation and checkpoint (default {d['eval_every']})")
+    t.add_argument("--no-recompute", dest="recompute", action="store_false", default=None,
+                   help="keep each layer's forward graph instead of recomputing it in the backward "
+                        "(faster by one forward per step, memory grows with depth)")
     t.add_argument("--data", help="a text file or folder to train on (default: this Python's stdlib sources)")
     t.add_argument("--out", default="runs/latest", help="output folder (default runs/latest)")
     t.add_argument("--resume", action="store_true", help="continue exactly from --out's checkpoint and metrics")

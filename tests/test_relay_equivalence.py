@@ -58,8 +58,9 @@ def train_plain(model, make_opt, loss_fn, batches):
     return losses
 
 
-def train_relay(model, eps_options, loss_fn, batches, u, backend="cpu"):
-    relay = l2l_hw.Relay(model, loss_fn, eps=l2l_hw.make_eps(backend, **eps_options), micro_batches=u)
+def train_relay(model, eps_options, loss_fn, batches, u, backend="cpu", recompute=True):
+    relay = l2l_hw.Relay(model, loss_fn, eps=l2l_hw.make_eps(backend, **eps_options), micro_batches=u,
+                         recompute=recompute)
     return [relay.train_step(x, y) for x, y in batches], relay
 
 
@@ -81,6 +82,17 @@ def test_relay_matches_pytorch_loss_and_parameters(model, opt, u):
     plain = build()
     plain_losses = train_plain(plain, make_opt, loss_fn, data)
     relay_losses, relay = train_relay(build(), eps_options, loss_fn, data, u)
+    assert_same_training(plain_losses, plain, relay_losses, relay)
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_relay_without_recompute_matches_pytorch(model):
+    build, batches, loss_fn = MODELS[model]
+    eps_options, make_opt = OPTIMIZERS["adamw"]
+    data = batches(STEPS)
+    plain = build()
+    plain_losses = train_plain(plain, make_opt, loss_fn, data)
+    relay_losses, relay = train_relay(build(), eps_options, loss_fn, data, u=4, recompute=False)
     assert_same_training(plain_losses, plain, relay_losses, relay)
 
 

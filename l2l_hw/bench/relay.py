@@ -3,7 +3,8 @@
 Both train the same GPT (built with the same seed) on the same minibatch with
 AdamW. PyTorch runs the whole minibatch at once with torch.optim.AdamW
 (fused on CUDA, foreach on the CPU); the relay runs it layer by layer in
-u = 1, 4, 8 micro-batches. Warm-up steps are not timed; the variants take
+u = 1, 4, 8 micro-batches with recompute (the constant-memory default), and at
+u = 4 without recompute (each layer's forward graph kept). Warm-up steps are not timed; the variants take
 turns step by step, and each figure is the median of its timed steps.
 ratio = relay step time / PyTorch step time.
 """
@@ -20,6 +21,7 @@ from l2l_hw.models import Corpus, GPTConfig, build_gpt, lm_loss
 MODEL = GPTConfig(n_layer=6, n_embd=256, n_head=8, block_size=128)
 BATCH_SIZE = 32
 MICRO_BATCHES = (1, 4, 8)
+NO_RECOMPUTE = "u4_no_recompute"
 WARMUP_STEPS = 1
 LR, SEED = 1e-3, 0
 
@@ -43,10 +45,11 @@ def _torch_trainer(x, y, device: torch.device):
     return step
 
 
-def _relay_trainer(x, y, micro_batches: int, device: torch.device):
+def _relay_trainer(x, y, micro_batches: int, device: torch.device, recompute: bool = True):
     torch.manual_seed(SEED)
     eps = l2l_hw.make_eps("cpu", optimizer="adamw", lr=LR)
-    relay = l2l_hw.Relay(build_gpt(MODEL), lm_loss, eps=eps, device=str(device), micro_batches=micro_batches)
+    relay = l2l_hw.Relay(build_gpt(MODEL), lm_loss, eps=eps, device=str(device), micro_batches=micro_batches,
+                         recompute=recompute)
     return lambda: relay.train_step(x, y)
 
 
@@ -56,6 +59,7 @@ def run(steps: int = 5, device: str = "cpu") -> dict:
     tokens = BATCH_SIZE * MODEL.block_size
     trainers = {"torch": _torch_trainer(x, y, dev)}
     trainers.update({f"u{u}": _relay_trainer(x, y, u, dev) for u in MICRO_BATCHES})
+    trainers[NO_RECOMPUTE] = _relay_trainer(x, y, 4, dev, recompute=False)
     for step in trainers.values():
         for _ in range(WARMUP_STEPS):
             step()
@@ -79,9 +83,9 @@ def run(steps: int = 5, device: str = "cpu") -> dict:
         "steps": steps, "warmup_steps": WARMUP_STEPS,
         "torch_step_s": median["torch"], "torch_tokens_per_s": tokens / median["torch"],
     }
-    for u in MICRO_BATCHES:
-        s = median[f"u{u}"]
-        report[f"u{u}"] = {"step_s": s, "tokens_per_s": tokens / s, "ratio": s / median["torch"]}
+    for name in [f"u{u}" for u in MICRO_BATCHES] + [NO_RECOMPUTE]:
+        s = median[name]
+        report[name] = {"step_s": s, "tokens_per_s": tokens / s, "ratio": s / median["torch"]}
     return report
 
 
@@ -89,9 +93,9 @@ def format_report(r: dict) -> str:
     m = r["model"]
     lines = [f"relay vs PyTorch on {r['device']}: {m['n_layer']} layers x {m['n_embd']}, context {m['block_size']}, "
              f"batch {m['batch_size']} ({m['params'] / 1e6:.1f} M params), median of {r['steps']} steps",
-             f"  {'':<10}{'step s':>10}{'tokens/s':>12}{'ratio':>8}",
-             f"  {'pytorch':<10}{r['torch_step_s']:>10.3f}{r['torch_tokens_per_s']:>12,.0f}{1.0:>8.2f}"]
-    for u in MICRO_BATCHES:
-        v = r[f"u{u}"]
-        lines.append(f"  {f'relay u={u}':<10}{v['step_s']:>10.3f}{v['tokens_per_s']:>12,.0f}{v['ratio']:>8.2f}")
+             f"  {'':<24}{'step s':>10}{'tokens/s':>12}{'ratio':>8}",
+             f"  {'pytorch':<24}{r['torch_step_s']:>10.3f}{r['torch_tokens_per_s']:>12,.0f}{1.0:>8.2f}"]
+    for name, label in [(f"u{u}", f"relay u={u}") for u in MICRO_BATCHES] + [(NO_RECOMPUTE, "relay u=4, no recompute")]:
+        v = r[name]
+        lines.append(f"  {label:<24}{v['step_s']:>10.3f}{v['tokens_per_s']:>12,.0f}{v['ratio']:>8.2f}")
     return "\n".join(lines)

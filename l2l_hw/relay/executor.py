@@ -6,6 +6,8 @@
     backward  for layer i = L-2..0: fetch w_i, recompute layer i per micro-batch with
               its forward RNG state replayed, backprop, accumulate dW_i over
               micro-batches, push dW_i to the EPS (its update overlaps layer i-1)
+              (recompute=False keeps each layer's forward graph instead: one forward
+              less per step, at the memory cost of every layer's intermediates)
     commit    the EPS finishes the step's updates
 
 A parameter used by several layers (tied embedding and head) belongs to the EPS group
@@ -77,7 +79,7 @@ class Relay:
     """Train `layers` with their weights in `eps`, one layer at a time on `device`."""
 
     def __init__(self, layers: nn.Sequential | Sequence[nn.Module], loss_fn: Callable, eps: EPS,
-                 device: str | torch.device = "cpu", micro_batches: int = 1):
+                 device: str | torch.device = "cpu", micro_batches: int = 1, recompute: bool = True):
         self.layers = list(layers)
         if not self.layers:
             raise ValueError("Relay needs at least one layer")
@@ -92,6 +94,7 @@ class Relay:
         self.eps = eps
         self.device = torch.device(device)
         self.micro_batches = int(micro_batches)
+        self.recompute = bool(recompute)
         self.plans = self._plan()
         self.weights = WeightStream(eps, self.device)
         # Layers that use each EPS group: it is pushed after its lowest user's backward.
@@ -200,26 +203,35 @@ class Relay:
         xs, ts, weights = self._split(inputs, targets)
         L, u = len(self.layers), self.micro_batches
         live: dict[str, dict[str, torch.Tensor]] = {}  # EPS groups on the device now
-        stash, rng, buffer_snapshots = [], [], []  # per layer i < L-1, per micro-batch
+        # Per layer i < L-1 and micro-batch j: the input, the RNG state and the buffers the
+        # forward saw (for the recompute), or the forward graph (without recompute).
+        stash, rng, buffer_snapshots, graphs = [], [], [], []
         acts = xs
         try:
-            # Forward, layer-major; no graph is kept.
+            # Forward, layer-major.
             for i in range(L - 1):
                 params = self._params(i, live)
                 self.weights.prefetch([k for k in self.plans[i + 1].groups if k not in live])
                 stash.append(acts)
                 rng.append([])
                 buffer_snapshots.append([])
+                graphs.append([])
                 outs = []
-                with torch.no_grad():
+                with torch.set_grad_enabled(not self.recompute):
                     for j in range(u):
-                        rng[i].append(_rng_state(self.device))
-                        snap = {n: b.clone() for n, b in self.plans[i].buffers.items()} or None
-                        buffer_snapshots[i].append(snap)
+                        if self.recompute:
+                            rng[i].append(_rng_state(self.device))
+                            buffer_snapshots[i].append({n: b.clone() for n, b in self.plans[i].buffers.items()})
+                        x = acts[j] if self.recompute else self._grad_leaf(acts[j])
                         bufs = self._device_buffers(i)
-                        outs.append(self._call(i, acts[j], params, bufs))
+                        out = self._call(i, x, params, bufs)
                         self._store_buffers(i, bufs)
-                self._release(i, live, backward=False)
+                        if not self.recompute:
+                            graphs[i].append((x, out))
+                            out = _unflatten(out, [t.detach() for t in _flatten(out)])
+                        outs.append(out)
+                if self.recompute:
+                    self._release(i, live, backward=False)
                 acts = outs
 
             # Last layer: forward, loss and backward together, micro-batch by micro-batch.
@@ -245,18 +257,21 @@ class Relay:
                     self.weights.prefetch([k for k in self.plans[i - 1].groups if k not in live])
                 grads_out, grads_in = grads_in, []
                 for j in range(u):
-                    x = self._grad_leaf(stash[i][j])
-                    saved = _rng_state(self.device)
-                    _set_rng_state(self.device, rng[i][j])
-                    try:
-                        out = self._call(i, x, params, self._device_buffers(i, buffer_snapshots[i][j]))
-                    finally:
-                        _set_rng_state(self.device, saved)
+                    if self.recompute:
+                        x = self._grad_leaf(stash[i][j])
+                        saved = _rng_state(self.device)
+                        _set_rng_state(self.device, rng[i][j])
+                        try:
+                            out = self._call(i, x, params, self._device_buffers(i, buffer_snapshots[i][j]))
+                        finally:
+                            _set_rng_state(self.device, saved)
+                    else:
+                        x, out = graphs[i][j]
                     pairs = [(o, g) for o, g in zip(_flatten(out), grads_out[j]) if g is not None and o.requires_grad]
                     if pairs:
                         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
                     grads_in.append(self._input_grads(x))
-                stash[i] = None  # this layer's inputs are done with
+                stash[i] = graphs[i] = None  # this layer's inputs are done with
                 self._release(i, live, backward=True)
         except BaseException:
             self.weights.clear()
