@@ -1,0 +1,259 @@
+// SPDX-License-Identifier: Apache-2.0
+// IEEE-754 binary32 divider: y = a / b.
+//
+// Round to nearest even; subnormal inputs and outputs exact (no flush to
+// zero); every NaN result is the canonical quiet NaN 0x7FC00000; a signalling
+// NaN operand raises invalid, as do 0/0 and Inf/Inf; finite nonzero / 0 gives
+// a signed infinity and raises divide_by_zero.
+//
+// flags = {invalid, divide_by_zero, overflow, underflow, inexact} = [4:0]: the
+// bit layout of Berkeley SoftFloat's softfloat_exceptionFlags (inexact = 1,
+// underflow = 2, overflow = 4, infinite = 8, invalid = 16). Tininess is
+// detected after rounding.
+//
+// Scheme: radix-2 restoring division, unrolled. Both significands are
+// normalized to [1, 2) first, so the quotient lies in (1/2, 2): 26 quotient
+// bits (the integer bit, 23 mantissa bits, guard, and one spare for the
+// quotient < 1 case) plus the sticky bit "remainder != 0" give the exactly
+// rounded result. Each step is one 25-bit compare-subtract; STEPS_PER_STAGE
+// steps share a pipeline stage.
+//
+// Fully pipelined: one operation per clock, LATENCY = 3 + ceil(26 /
+// STEPS_PER_STAGE) cycles (10 with the default 4) from an input accepted
+// (in_valid with ce high) to out_valid. ce low holds every stage, out_valid
+// included.
+//   stage 1        classify, special results
+//   stage 2        normalize subnormal significands (leading-zero count)
+//   stages 3..     DIV_STAGES stages of STEPS_PER_STAGE restoring steps
+//   last stage     select quotient alignment, round and pack, output register
+
+`resetall
+`timescale 1ns / 1ps
+`default_nettype none
+
+module fp32_div #
+(
+    // Restoring steps per pipeline stage: more steps, fewer registers and
+    // cycles but a longer combinational path (one 25-bit carry chain each).
+    parameter STEPS_PER_STAGE = 4
+)
+(
+    input  wire        clk,
+    input  wire        rst,
+    input  wire        ce,
+
+    input  wire        in_valid,
+    input  wire [31:0] a,
+    input  wire [31:0] b,
+
+    output wire        out_valid,
+    output wire [31:0] y,
+    output wire [4:0]  flags
+);
+
+localparam QUO_W = 26;  // quotient bits computed
+localparam REM_W = 25;  // partial remainder r < 2 * divisor < 2^25
+localparam DIV_STAGES = (QUO_W + STEPS_PER_STAGE - 1) / STEPS_PER_STAGE;
+// Cycles from input to output; the bench checks it.
+/* verilator lint_off UNUSEDPARAM */
+localparam LATENCY = 3 + DIV_STAGES;
+/* verilator lint_on UNUSEDPARAM */
+localparam [31:0] QNAN = 32'h7FC00000;
+localparam BIAS = 127;
+
+// ---------------------------------------------------------------- stage 1
+wire        a_sign, b_sign;
+wire [7:0]  a_exp, b_exp;
+wire [23:0] a_sig, b_sig;
+wire a_zero, a_inf, a_nan, a_snan;
+wire b_zero, b_inf, b_nan, b_snan;
+
+fp_classify #(.EXP_W(8), .MAN_W(23)) classify_a (
+    .x(a), .sign(a_sign), .exp_eff(a_exp), .sig(a_sig),
+    .is_zero(a_zero), .is_inf(a_inf), .is_nan(a_nan), .is_snan(a_snan)
+);
+
+fp_classify #(.EXP_W(8), .MAN_W(23)) classify_b (
+    .x(b), .sign(b_sign), .exp_eff(b_exp), .sig(b_sig),
+    .is_zero(b_zero), .is_inf(b_inf), .is_nan(b_nan), .is_snan(b_snan)
+);
+
+wire sign = a_sign ^ b_sign;
+wire invalid_op = (a_zero && b_zero) || (a_inf && b_inf);
+wire div_by_zero = b_zero && !a_zero && !a_inf && !a_nan;
+wire special = a_nan || b_nan || a_inf || b_inf || a_zero || b_zero;
+wire [31:0] special_y = (a_nan || b_nan || invalid_op) ? QNAN :
+                        (a_inf || b_zero) ? {sign, 8'hFF, 23'd0} : {sign, 31'd0};
+wire [4:0] special_flags = {a_snan || b_snan || invalid_op, div_by_zero, 3'b000};
+
+reg        s1_valid;
+reg        s1_special;
+reg [31:0] s1_special_y;
+reg [4:0]  s1_special_flags;
+reg        s1_sign;
+reg [7:0]  s1_a_exp, s1_b_exp;
+reg [23:0] s1_a_sig, s1_b_sig;
+
+always @(posedge clk) begin
+    if (ce) begin
+        s1_valid         <= in_valid;
+        s1_special       <= special;
+        s1_special_y     <= special_y;
+        s1_special_flags <= special_flags;
+        s1_sign          <= sign;
+        s1_a_exp         <= a_exp;
+        s1_b_exp         <= b_exp;
+        s1_a_sig         <= a_sig;
+        s1_b_sig         <= b_sig;
+    end
+    if (rst) begin
+        s1_valid <= 1'b0;
+    end
+end
+
+// ---------------------------------------------------------------- stage 2
+wire [4:0] a_lz, b_lz;
+
+fp_lzc #(.WIDTH(24), .COUNT_W(5)) lzc_a (.in(s1_a_sig), .count(a_lz));
+fp_lzc #(.WIDTH(24), .COUNT_W(5)) lzc_b (.in(s1_b_sig), .count(b_lz));
+
+// a / b = (na / nb) * 2^(exp - BIAS) with na, nb in [2^23, 2^24).
+wire signed [9:0] quo_exp = $signed({2'b00, s1_a_exp}) - $signed({5'b00000, a_lz})
+                          - $signed({2'b00, s1_b_exp}) + $signed({5'b00000, b_lz}) + BIAS;
+
+// Side band that travels alongside the recurrence: special, y, flags, sign, exp.
+localparam SIDE_W = 1 + 32 + 5 + 1 + 10;
+
+reg              s2_valid;
+reg [SIDE_W-1:0] s2_side;
+reg [23:0]       s2_dividend;
+reg [23:0]       s2_divisor;
+
+always @(posedge clk) begin
+    if (ce) begin
+        s2_valid    <= s1_valid;
+        s2_side     <= {s1_special, s1_special_y, s1_special_flags, s1_sign, quo_exp};
+        s2_dividend <= s1_a_sig << a_lz;
+        s2_divisor  <= s1_b_sig << b_lz;
+    end
+    if (rst) begin
+        s2_valid <= 1'b0;
+    end
+end
+
+// ---------------------------------------------------------------- recurrence
+// Stage k reads slice k of each chain and writes slice k+1.
+wire [(DIV_STAGES+1)*REM_W-1:0] rem_chain;
+wire [(DIV_STAGES+1)*QUO_W-1:0] quo_chain;
+// The divisor copy after the last stage is unused; synthesis drops it.
+/* verilator lint_off UNUSEDSIGNAL */
+wire [(DIV_STAGES+1)*24-1:0]    dvs_chain;
+/* verilator lint_on UNUSEDSIGNAL */
+
+assign rem_chain[REM_W-1:0] = {1'b0, s2_dividend};
+assign quo_chain[QUO_W-1:0] = {QUO_W{1'b0}};
+assign dvs_chain[23:0]      = s2_divisor;
+
+genvar k;
+generate
+    for (k = 0; k < DIV_STAGES; k = k + 1) begin : div_stage
+        wire [REM_W-1:0] rem_in = rem_chain[k*REM_W +: REM_W];
+        wire [QUO_W-1:0] quo_in = quo_chain[k*QUO_W +: QUO_W];
+        wire [23:0]      dvs_in = dvs_chain[k*24 +: 24];
+
+        reg [REM_W-1:0] rem_next;
+        reg [QUO_W-1:0] quo_next;
+        integer j;
+
+        // One restoring step: quotient bit = (r >= d); r = 2 * (r - bit * d).
+        always @* begin
+            rem_next = rem_in;
+            quo_next = quo_in;
+            for (j = 0; j < STEPS_PER_STAGE; j = j + 1) begin
+                if (k * STEPS_PER_STAGE + j < QUO_W) begin
+                    if (rem_next >= {1'b0, dvs_in}) begin
+                        rem_next = (rem_next - {1'b0, dvs_in}) << 1;
+                        quo_next = {quo_next[QUO_W-2:0], 1'b1};
+                    end else begin
+                        rem_next = rem_next << 1;
+                        quo_next = {quo_next[QUO_W-2:0], 1'b0};
+                    end
+                end
+            end
+        end
+
+        reg [REM_W-1:0] rem_reg;
+        reg [QUO_W-1:0] quo_reg;
+        reg [23:0]      dvs_reg;
+
+        always @(posedge clk) begin
+            if (ce) begin
+                rem_reg <= rem_next;
+                quo_reg <= quo_next;
+                dvs_reg <= dvs_in;
+            end
+        end
+
+        assign rem_chain[(k+1)*REM_W +: REM_W] = rem_reg;
+        assign quo_chain[(k+1)*QUO_W +: QUO_W] = quo_reg;
+        assign dvs_chain[(k+1)*24 +: 24]       = dvs_reg;
+    end
+endgenerate
+
+wire              rec_valid;
+wire [SIDE_W-1:0] rec_side;
+
+fp_pipe #(.WIDTH(SIDE_W), .DEPTH(DIV_STAGES)) side_pipe (
+    .clk(clk), .rst(rst), .ce(ce),
+    .in_valid(s2_valid), .in_data(s2_side),
+    .out_valid(rec_valid), .out_data(rec_side)
+);
+
+// ---------------------------------------------------------------- last stage
+wire             rec_special = rec_side[SIDE_W-1];
+wire [31:0]      rec_special_y = rec_side[SIDE_W-2 -: 32];
+wire [4:0]       rec_special_flags = rec_side[15:11];
+wire             rec_sign = rec_side[10];
+wire signed [9:0] rec_exp = rec_side[9:0];
+wire [REM_W-1:0] rem_final = rem_chain[DIV_STAGES*REM_W +: REM_W];
+wire [QUO_W-1:0] quo_final = quo_chain[DIV_STAGES*QUO_W +: QUO_W];
+
+// Quotient >= 1 has its leading one at bit 25; otherwise at bit 24, one
+// binade lower.
+wire              quo_high = quo_final[QUO_W-1];
+wire [QUO_W-1:0]  quo_sig  = quo_high ? quo_final : {quo_final[QUO_W-2:0], 1'b0};
+wire signed [9:0] quo_exp_final = quo_high ? rec_exp : rec_exp - 10'sd1;
+
+wire [31:0] rounded_y;
+wire rounded_overflow, rounded_underflow, rounded_inexact;
+
+fp_round_pack #(.EXP_W(8), .MAN_W(23), .SIG_W(QUO_W), .E_W(10)) round_quo (
+    .sign(rec_sign), .exp(quo_exp_final), .sig(quo_sig), .sticky(|rem_final),
+    .y(rounded_y), .overflow(rounded_overflow), .underflow(rounded_underflow),
+    .inexact(rounded_inexact)
+);
+
+reg        out_valid_reg;
+reg [31:0] y_reg;
+reg [4:0]  flags_reg;
+
+always @(posedge clk) begin
+    if (ce) begin
+        out_valid_reg <= rec_valid;
+        y_reg         <= rec_special ? rec_special_y : rounded_y;
+        flags_reg     <= rec_special ? rec_special_flags
+                                     : {2'b00, rounded_overflow, rounded_underflow, rounded_inexact};
+    end
+    if (rst) begin
+        out_valid_reg <= 1'b0;
+    end
+end
+
+assign out_valid = out_valid_reg;
+assign y         = y_reg;
+assign flags     = flags_reg;
+
+endmodule
+
+`resetall
+`default_nettype wire

@@ -1,0 +1,101 @@
+// SPDX-License-Identifier: Apache-2.0
+// Round a normalized significand to an IEEE-754 format (round to nearest,
+// ties to even) and pack it, with the overflow, underflow and inexact flags.
+// Shared by every unit whose result may need rounding.
+//
+// Input: value = sig * 2^(exp - BIAS - (SIG_W-1)), sig[SIG_W-1] == 1, plus a
+// sticky bit for anything below sig. exp is the biased exponent of the leading
+// one, signed, and may be <= 0 (result below the normal range) or >= all-ones
+// (overflow). SIG_W must be >= MAN_W + 3 (hidden bit, mantissa, guard, one
+// more bit; callers pad with zeros).
+//
+// Subnormal results: the significand is shifted right by 1 - exp first, every
+// bit shifted out goes to sticky, and the rounding carry may promote the
+// result to the smallest normal number (the exponent field is formed by
+// addition, as in SoftFloat's packToF32 with the hidden bit included).
+//
+// Tininess is detected AFTER rounding (IEEE 754-2008 option, SoftFloat's
+// softfloat_tininess_afterRounding): the result is tiny when it would be below
+// 2^emin even if rounded to full precision with an unbounded exponent. That
+// differs from "exp <= 0" only for exp == 0 with a significand that rounds up
+// to 2.0 at full precision. Underflow = tiny and inexact (IEEE default
+// exception handling; an exact subnormal result raises nothing).
+//
+// Overflow returns infinity (the round-to-nearest overflow result) and raises
+// overflow and inexact.
+
+`resetall
+`timescale 1ns / 1ps
+`default_nettype none
+
+module fp_round_pack #
+(
+    parameter EXP_W = 8,
+    parameter MAN_W = 23,
+    parameter SIG_W = 28,
+    parameter E_W   = 10
+)
+(
+    input  wire                 sign,
+    input  wire signed [E_W-1:0] exp,
+    input  wire [SIG_W-1:0]     sig,
+    input  wire                 sticky,
+
+    output wire [EXP_W+MAN_W:0] y,
+    output wire                 overflow,
+    output wire                 underflow,
+    output wire                 inexact
+);
+
+localparam SH_W = $clog2(SIG_W+2);
+localparam [EXP_W-1:0] EXP_ONES = {EXP_W{1'b1}};
+// Largest shift worth doing: SIG_W+1 moves every bit of sig into sticky.
+localparam integer SH_MAX_INT = SIG_W + 1;
+localparam [SH_W-1:0] SH_MAX = SH_MAX_INT[SH_W-1:0];
+localparam integer SIG_W_INT = SIG_W;
+localparam integer EXP_MAX_INT = (1 << EXP_W) - 1;
+// Wires rather than localparams: their widths follow this instance's E_W (the
+// multi-top lint of the whole tree sizes localparams from the defaults).
+wire signed [E_W:0]   sig_w_s = SIG_W_INT[E_W:0];
+wire signed [E_W-1:0] exp_max = EXP_MAX_INT[E_W-1:0];
+
+wire denorm = (exp < 1);
+
+// Shift distance for a subnormal result: 1 - exp, saturated.
+wire signed [E_W:0] shift_full = 1 - {exp[E_W-1], exp};
+wire [SH_W-1:0] shift = !denorm ? {SH_W{1'b0}} :
+                        (shift_full > sig_w_s) ? SH_MAX : shift_full[SH_W-1:0];
+
+wire [SIG_W-1:0] shifted     = sig >> shift;
+wire             shifted_out = |(sig & ~({SIG_W{1'b1}} << shift));
+
+// kept = hidden bit + mantissa; guard is the first bit below; the rest is sticky.
+wire [MAN_W:0] kept  = shifted[SIG_W-1 -: MAN_W+1];
+wire           guard = shifted[SIG_W-2-MAN_W];
+wire           rest  = |shifted[SIG_W-3-MAN_W:0] | sticky | shifted_out;
+
+wire round_up = guard && (rest || kept[0]);
+
+// Exponent field minus the hidden bit: adding `kept` (hidden bit included)
+// restores it, and a rounding carry out of the mantissa bumps the exponent.
+wire [EXP_W-1:0] exp_base = denorm ? {EXP_W{1'b0}} : exp[EXP_W-1:0] - 1'b1;
+wire [EXP_W+MAN_W-1:0] packed_abs = {exp_base, {MAN_W{1'b0}}} + {{(EXP_W-1){1'b0}}, kept} + {{(EXP_W+MAN_W-1){1'b0}}, round_up};
+
+wire exp_too_big = !denorm && (exp >= exp_max);
+assign overflow  = exp_too_big || (packed_abs[EXP_W+MAN_W-1:MAN_W] == EXP_ONES);
+
+// Tiny after rounding: below 2^emin unless exp == 0 and full-precision
+// rounding (all ones kept, guard set) would carry up to 2^emin.
+wire carries_at_full_precision = (&sig[SIG_W-1 -: MAN_W+1]) && sig[SIG_W-2-MAN_W];
+wire tiny = denorm && !((exp == 0) && carries_at_full_precision);
+
+wire lost = guard || rest;
+assign inexact   = lost || overflow;
+assign underflow = tiny && lost;
+
+assign y = overflow ? {sign, EXP_ONES, {MAN_W{1'b0}}} : {sign, packed_abs};
+
+endmodule
+
+`resetall
+`default_nettype wire

@@ -1,0 +1,29 @@
+"""fp16_to_fp32 against SoftFloat f16_to_f32 on all 65,536 inputs."""
+
+import cocotb
+import softfloatpy as sf
+
+from fp_common import F16, F32, FpTB
+
+LATENCY = 2
+
+
+class TB(FpTB):
+    OPERAND_PORTS = ("a",)
+
+    async def check_ops(self, name, operands, stall=True):
+        await self.check(name, sf.f16_to_f32, (F16,), F32, operands, stall)
+
+
+@cocotb.test()
+async def run_test_all_inputs(dut):
+    tb = TB(dut, LATENCY, seed=1)
+    await tb.cycle_reset()
+    await tb.check_ops("all inputs", [(x,) for x in range(1 << 16)])
+
+
+@cocotb.test()
+async def run_test_back_to_back(dut):
+    tb = TB(dut, LATENCY, seed=2)
+    await tb.cycle_reset()
+    await tb.check_back_to_back([(x,) for x in F16.specials()] * 3)
