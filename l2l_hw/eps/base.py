@@ -96,6 +96,10 @@ class EPS(ABC):
         self.shapes: dict[str, dict[str, torch.Size]] = {}
         self._pushed: set[str] = set()  # groups updated in the step under way
         self.found_nonfinite = False  # a non-finite gradient was seen in the step under way
+        # Deferred updates run at commit, all scaled by one factor (global-norm clipping):
+        # the gradients wait in host memory and the updates no longer overlap the backward.
+        self.defer_updates = False
+        self._deferred: list[tuple[str, dict[str, torch.Tensor], float]] = []
 
     # -- registration ---------------------------------------------------------
     def register(self, key: str, params: dict[str, torch.Tensor]) -> None:
@@ -120,17 +124,30 @@ class EPS(ABC):
         if key in self._pushed:
             raise RuntimeError(f"gradients for EPS group {key!r} were pushed twice in step {self.step + 1}")
         self._pushed.add(key)
-        self._push(key, grads, inv_scale)
+        if self.defer_updates:
+            self._deferred.append((key, {n: g.detach().to("cpu") for n, g in grads.items()}, inv_scale))
+        else:
+            self._push(key, grads, inv_scale)
 
-    def commit_step(self) -> bool:
-        """Wait for every update of the step and make it the committed state.
+    def commit_step(self, grad_scale: float = 1.0) -> bool:
+        """Run deferred updates with their gradients times `grad_scale`, wait for every
+        update of the step and make it the committed state.
 
         Returns whether a non-finite gradient was seen in the step."""
+        for key, grads, inv_scale in self._deferred:
+            self._push(key, grads, inv_scale * grad_scale)
+        self._deferred.clear()
         self.wait()
         self.step += 1
         self._pushed.clear()
         found, self.found_nonfinite = self.found_nonfinite, False
         return found
+
+    def discard_step(self) -> None:
+        """Forget the step under way (after an error): deferred gradients are dropped."""
+        self._deferred.clear()
+        self._pushed.clear()
+        self.found_nonfinite = False
 
     def _check_grads(self, key: str, grads: dict[str, torch.Tensor]) -> None:
         if key not in self.shapes:

@@ -25,7 +25,9 @@ from torch import nn
 from torch.func import functional_call
 
 from l2l_hw.eps.base import EPS
+from l2l_hw.relay.memory import DeviceMemory
 from l2l_hw.relay.prefetch import WeightStream
+from l2l_hw.relay.stash import ActivationStash
 
 Activation = torch.Tensor | tuple  # what a layer takes and returns
 
@@ -79,7 +81,10 @@ class Relay:
     """Train `layers` with their weights in `eps`, one layer at a time on `device`."""
 
     def __init__(self, layers: nn.Sequential | Sequence[nn.Module], loss_fn: Callable, eps: EPS,
-                 device: str | torch.device = "cpu", micro_batches: int = 1, recompute: bool = True):
+                 device: str | torch.device = "cpu", micro_batches: int = 1, recompute: bool = True,
+                 activations: str = "device", layer_drop: float | Callable[[int], float] = 0.0,
+                 droppable: Sequence[int] | None = None, layer_drop_seed: int = 0,
+                 clip_grad_norm: float | None = None, clip_mode: str = "layer"):
         self.layers = list(layers)
         if not self.layers:
             raise ValueError("Relay needs at least one layer")
@@ -95,13 +100,22 @@ class Relay:
         self.device = torch.device(device)
         self.micro_batches = int(micro_batches)
         self.recompute = bool(recompute)
+        if activations == "host" and not self.recompute:
+            raise ValueError('activations="host" needs recompute=True: without recompute the forward '
+                             "graphs keep every layer's intermediates on the device")
+        self.stash = ActivationStash(activations, self.device)
+        self.memory = DeviceMemory(self.device)
+        self.layer_drop, self.layer_drop_seed = layer_drop, layer_drop_seed
+        self.droppable = set(range(1, len(self.layers) - 1) if droppable is None else droppable)
+        if clip_mode not in ("layer", "global"):
+            raise ValueError(f"clip_mode must be 'layer' or 'global', got {clip_mode!r}")
+        if clip_grad_norm is not None and not clip_grad_norm > 0:
+            raise ValueError(f"clip_grad_norm must be > 0, got {clip_grad_norm}")
+        self.clip_norm = clip_grad_norm
+        self.clip_mode = clip_mode if clip_grad_norm is not None else None
         self.plans = self._plan()
         self.weights = WeightStream(eps, self.device)
-        # Layers that use each EPS group: it is pushed after its lowest user's backward.
-        self.users: dict[str, list[int]] = {}
-        for i, plan in enumerate(self.plans):
-            for key in plan.groups:
-                self.users.setdefault(key, []).append(i)
+        self.groups = sorted({key for plan in self.plans for key in plan.groups})
 
     # -- set-up ---------------------------------------------------------------
     def _plan(self) -> list[LayerPlan]:
@@ -198,30 +212,57 @@ class Relay:
         weights = [_flatten(t)[0].shape[0] / n for t in ts]
         return xs, ts, weights
 
-    def train_step(self, inputs, targets) -> float:
-        """One optimizer step on the minibatch; returns its mean loss."""
+    def _active_layers(self, layers) -> list[int]:
+        """The layers this step runs, in order: given, or drawn from the layer-drop schedule."""
+        L = len(self.layers)
+        if layers is None:
+            p = self.layer_drop(self.step + 1) if callable(self.layer_drop) else self.layer_drop
+            if not p:
+                return list(range(L))
+            # Own generator keyed by the step: resumable, and dropout's RNG stream is untouched.
+            g = torch.Generator().manual_seed(self.layer_drop_seed * 1_000_003 + self.step + 1)
+            drawn = torch.rand(L, generator=g)
+            return [i for i in range(L) if i not in self.droppable or float(drawn[i]) >= p]
+        chosen = sorted(set(layers))
+        if not chosen or chosen[-1] != L - 1 or any(not 0 <= i < L for i in chosen):
+            raise ValueError(f"layers={list(layers)} must be indices in [0, {L}) and include the last layer {L - 1}")
+        return chosen
+
+    def train_step(self, inputs, targets, layers: Sequence[int] | None = None) -> float:
+        """One optimizer step on the minibatch; returns its mean loss.
+
+        `layers` selects the layers to run this step (the last one always runs); a
+        skipped layer passes its input through and costs neither transfer nor compute,
+        and its weights get no update. Without it, the layer-drop schedule decides."""
         xs, ts, weights = self._split(inputs, targets)
-        L, u = len(self.layers), self.micro_batches
+        order = self._active_layers(layers)
+        users: dict[str, list[int]] = {}  # EPS group -> active layers using it, ascending
+        for i in order:
+            for key in self.plans[i].groups:
+                users.setdefault(key, []).append(i)
+        u = self.micro_batches
         live: dict[str, dict[str, torch.Tensor]] = {}  # EPS groups on the device now
-        # Per layer i < L-1 and micro-batch j: the input, the RNG state and the buffers the
-        # forward saw (for the recompute), or the forward graph (without recompute).
-        stash, rng, buffer_snapshots, graphs = [], [], [], []
+        # Per layer and micro-batch: the RNG state and buffers the forward saw (for the
+        # recompute), or the forward graph (without recompute).
+        rng, buffer_snapshots, graphs = {}, {}, {}
+        self._sq_norm = torch.zeros((), dtype=torch.float32)  # for global-norm clipping
+        self.eps.defer_updates = self.clip_mode == "global"
+        meter = self.memory
         acts = xs
         try:
             # Forward, layer-major.
-            for i in range(L - 1):
+            for n, i in enumerate(order[:-1]):
                 params = self._params(i, live)
-                self.weights.prefetch([k for k in self.plans[i + 1].groups if k not in live])
-                stash.append(acts)
-                rng.append([])
-                buffer_snapshots.append([])
-                graphs.append([])
+                self.weights.prefetch([k for k in self.plans[order[n + 1]].groups if k not in live])
+                if self.recompute:
+                    self.stash.put(i, acts)
+                rng[i], buffer_snapshots[i], graphs[i] = [], [], []
                 outs = []
-                with torch.set_grad_enabled(not self.recompute):
+                with torch.set_grad_enabled(not self.recompute), meter.saving():
                     for j in range(u):
                         if self.recompute:
                             rng[i].append(_rng_state(self.device))
-                            buffer_snapshots[i].append({n: b.clone() for n, b in self.plans[i].buffers.items()})
+                            buffer_snapshots[i].append({n_: b.clone() for n_, b in self.plans[i].buffers.items()})
                         x = acts[j] if self.recompute else self._grad_leaf(acts[j])
                         bufs = self._device_buffers(i)
                         out = self._call(i, x, params, bufs)
@@ -230,54 +271,73 @@ class Relay:
                             graphs[i].append((x, out))
                             out = _unflatten(out, [t.detach() for t in _flatten(out)])
                         outs.append(out)
+                        meter.sample(live, acts, outs, self.stash.on_device(), self.weights.on_device())
                 if self.recompute:
-                    self._release(i, live, backward=False)
+                    self._release(i, live, users, backward=False)
+                    meter.drop_saved()  # nothing was saved: no graph
                 acts = outs
 
             # Last layer: forward, loss and backward together, micro-batch by micro-batch.
+            last = order[-1]
             total = torch.zeros((), dtype=torch.float32, device=self.device)
-            params = self._params(L - 1, live)
-            if L > 1:
-                self.weights.prefetch([k for k in self.plans[L - 2].groups if k not in live])
+            params = self._params(last, live)
+            if len(order) > 1:
+                self.weights.prefetch([k for k in self.plans[order[-2]].groups if k not in live])
+                self.stash.prefetch(order[-2])
             grads_in = []
             for j in range(u):
                 x = self._grad_leaf(acts[j])
-                bufs = self._device_buffers(L - 1)
-                loss = self._loss(self._call(L - 1, x, params, bufs), ts[j])
-                self._store_buffers(L - 1, bufs)
+                bufs = self._device_buffers(last)
+                with meter.saving(keep=not self.recompute):
+                    loss = self._loss(self._call(last, x, params, bufs), ts[j])
+                self._store_buffers(last, bufs)
+                meter.sample(live, acts, grads_in, self.stash.on_device(), self.weights.on_device())
                 (loss * weights[j]).backward()
                 total += loss.detach().float() * weights[j]
                 grads_in.append(self._input_grads(x))
-            self._release(L - 1, live, backward=True)
+                if self.recompute:
+                    meter.drop_saved()
+            self._release(last, live, users, backward=True)
 
             # Backward, reverse layer order, recomputing each layer per micro-batch.
-            for i in range(L - 2, -1, -1):
+            for n in range(len(order) - 2, -1, -1):
+                i = order[n]
                 params = self._params(i, live)
-                if i > 0:
-                    self.weights.prefetch([k for k in self.plans[i - 1].groups if k not in live])
+                if n > 0:
+                    self.weights.prefetch([k for k in self.plans[order[n - 1]].groups if k not in live])
+                    self.stash.prefetch(order[n - 1])
+                inputs_i = self.stash.take(i) if self.recompute else None
                 grads_out, grads_in = grads_in, []
                 for j in range(u):
                     if self.recompute:
-                        x = self._grad_leaf(stash[i][j])
+                        x = self._grad_leaf(inputs_i[j])
                         saved = _rng_state(self.device)
                         _set_rng_state(self.device, rng[i][j])
                         try:
-                            out = self._call(i, x, params, self._device_buffers(i, buffer_snapshots[i][j]))
+                            with meter.saving():
+                                out = self._call(i, x, params, self._device_buffers(i, buffer_snapshots[i][j]))
                         finally:
                             _set_rng_state(self.device, saved)
                     else:
                         x, out = graphs[i][j]
+                    meter.sample(live, inputs_i, grads_out, grads_in, self.stash.on_device(), self.weights.on_device())
                     pairs = [(o, g) for o, g in zip(_flatten(out), grads_out[j]) if g is not None and o.requires_grad]
                     if pairs:
                         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
                     grads_in.append(self._input_grads(x))
-                stash[i] = graphs[i] = None  # this layer's inputs are done with
-                self._release(i, live, backward=True)
+                    if self.recompute:
+                        meter.drop_saved()
+                graphs[i] = inputs_i = None  # this layer's inputs are done with
+                self._release(i, live, users, backward=True)
         except BaseException:
             self.weights.clear()
+            self.stash.clear()
+            meter.drop_saved()
             self.eps.wait()  # let scheduled updates finish before the error propagates
+            self.eps.discard_step()
             raise
-        self.eps.commit_step()
+        meter.drop_saved()
+        self.eps.commit_step(grad_scale=self._global_clip_factor())
         return float(total)
 
     @staticmethod
@@ -289,15 +349,40 @@ class Relay:
         return [t.grad if t.grad is not None or not t.requires_grad else torch.zeros_like(t)
                 for t in _flatten(x)]
 
-    def _release(self, i: int, live: dict, backward: bool) -> None:
+    def _release(self, i: int, live: dict, users: dict[str, list[int]], backward: bool) -> None:
         """Drop device weights layer i no longer needs; after its last backward use, push the gradients."""
         for key in self.plans[i].groups:
-            users = self.users[key]
-            if backward and i == users[0]:
+            if backward and i == users[key][0]:
                 tensors = live.pop(key)
-                self.eps.push_grads(key, {n: t.grad for n, t in tensors.items() if t.grad is not None})
-            elif not backward and len(users) == 1:
+                self.eps.push_grads(key, self._clip({n: t.grad for n, t in tensors.items() if t.grad is not None}))
+            elif not backward and len(users[key]) == 1:
                 live.pop(key)  # fetched again for the backward sweep
+
+    def _clip(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Per-layer clipping scales the group's gradients as torch.nn.utils.clip_grad_norm_
+        does; global clipping only accumulates the squared norm (applied at commit)."""
+        if self.clip_mode is None or not grads:
+            return grads
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads.values()]))
+        if self.clip_mode == "global":
+            self._sq_norm += norm.to("cpu") ** 2
+            return grads
+        coef = torch.clamp(self.clip_norm / (norm + 1e-6), max=1.0)
+        return {n: g.mul_(coef.to(g.dtype)) for n, g in grads.items()}
+
+    def _global_clip_factor(self) -> float:
+        """Global-norm clipping: the factor every deferred update's gradient is scaled by."""
+        if self.clip_mode != "global":
+            return 1.0
+        total = self._sq_norm.sqrt()
+        return float(torch.clamp(self.clip_norm / (total + 1e-6), max=1.0))
+
+    def memory_report(self) -> dict:
+        """Peak device memory since the relay was built (or the last reset_memory())."""
+        return self.memory.report()
+
+    def reset_memory(self) -> None:
+        self.memory.reset()
 
     # -- evaluation and export -------------------------------------------------
     @torch.no_grad()
@@ -323,7 +408,7 @@ class Relay:
     def materialize(self) -> nn.Sequential:
         """The trained model as an nn.Sequential on the CPU with the fp32 master weights."""
         model = copy.deepcopy(nn.Sequential(*self.layers)).to("cpu")
-        masters = {key: self.eps.master(key) for key in self.users}
+        masters = {key: self.eps.master(key) for key in self.groups}
         for layer, plan in zip(model, self.plans):
             for name, p in layer.named_parameters():
                 if name in plan.bindings:

@@ -44,5 +44,9 @@ class WeightStream:
                 t.record_stream(torch.cuda.current_stream(self.device))
         return dev
 
+    def on_device(self) -> list:
+        """Weights in flight to the device (for the accounting)."""
+        return [dev for dev, _ in self._inflight.values()]
+
     def clear(self) -> None:
         self._inflight.clear()

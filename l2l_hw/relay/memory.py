@@ -1,0 +1,71 @@
+"""Device memory accounting: what the relay holds on the accelerator, and its peak.
+
+On CUDA the figures are the caching allocator's. On the CPU there is no separate
+device, so the executor counts the bytes it holds as device tensors: resident
+weights and their gradients, stashed layer inputs (with the "device" policy),
+activations and gradients in flight between layers, and the tensors autograd saves
+for the backward of the layer-micro-batch being computed (via saved-tensor hooks).
+Each storage is counted once.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+def _storages(obj, out: dict[int, int]) -> dict[int, int]:
+    """Collect {storage pointer: bytes} of every tensor in nested lists/tuples/dicts."""
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type != "meta" and obj.numel():
+            storage = obj.untyped_storage()
+            out[storage.data_ptr()] = storage.nbytes()
+        grad = obj.grad if obj.is_leaf and obj.requires_grad else None
+        if grad is not None:
+            _storages(grad, out)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _storages(v, out)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _storages(v, out)
+    return out
+
+
+class DeviceMemory:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.peak_bytes = 0
+        self._saved: list[torch.Tensor] = []  # tensors autograd saved in the current graph(s)
+
+    def reset(self) -> None:
+        self.peak_bytes = 0
+        self._saved = []
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def sample(self, *held) -> None:
+        """Record the bytes of `held` plus autograd's saved tensors as a candidate peak."""
+        if self.device.type == "cuda":
+            return  # the allocator keeps its own peak
+        storages = _storages(list(held) + self._saved, {})
+        self.peak_bytes = max(self.peak_bytes, sum(storages.values()))
+
+    @contextlib.contextmanager
+    def saving(self, keep: bool = False):
+        """Count what autograd saves for backward inside this block (until `drop_saved`)."""
+        def pack(t):
+            self._saved.append(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+
+    def drop_saved(self) -> None:
+        self._saved = []
+
+    def report(self) -> dict:
+        if self.device.type == "cuda":
+            return {"device": str(self.device), "source": "cuda allocator",
+                    "peak_bytes": torch.cuda.max_memory_allocated(self.device)}
+        return {"device": str(self.device), "source": "relay accounting", "peak_bytes": self.peak_bytes}

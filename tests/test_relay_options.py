@@ -1,0 +1,121 @@
+"""Relay options: activation offload, memory accounting, layer selection, clipping."""
+import pytest
+import torch
+from torch import nn
+
+import l2l_hw
+from tests.helpers import mlp_layers, rel_diff
+from tests.test_relay_equivalence import (OPTIMIZERS, STEPS, assert_same_training, gpt, gpt_batches, mlp_batches,
+                                          train_plain)
+from l2l_hw.models.gpt import lm_loss
+
+
+def relay_losses(relay, data):
+    return [relay.train_step(x, y) for x, y in data]
+
+
+def test_host_activations_bit_identical_to_device():
+    data = gpt_batches(4)
+    results = {}
+    for policy in ("device", "host"):
+        torch.manual_seed(7)
+        relay = l2l_hw.Relay(gpt(dropout=0.1), lm_loss, eps=l2l_hw.make_eps("cpu"), micro_batches=3,
+                             activations=policy)
+        results[policy] = (relay_losses(relay, data), relay.eps.state_dict())
+    assert results["device"][0] == results["host"][0]
+    for k, v in results["device"][1].items():
+        assert torch.equal(v, results["host"][1][k]), k
+
+
+@pytest.mark.parametrize("u", [1, 3])
+def test_memory_report_follows_the_arithmetic_of_a_linear_stack(u):
+    # L bias-free Linear(W, W) layers, batch B, MSE loss. The peak is at the last
+    # layer: its weights (+ their gradient once a micro-batch has accumulated, u > 1),
+    # the next layer's weights in flight, 3 activations of the whole batch (the last
+    # layer's input, the targets, its output and the input gradients so far), plus
+    # the stash: every earlier layer's input ("device") or one layer's ("host").
+    W, B = 64, 24
+    weight, act = W * W * 4, B * W * 4
+    for policy in ("device", "host"):
+        for L in (4, 5, 8):
+            torch.manual_seed(0)
+            relay = l2l_hw.Relay([nn.Linear(W, W, bias=False) for _ in range(L)], nn.functional.mse_loss,
+                                 eps=l2l_hw.make_eps("cpu"), micro_batches=u, activations=policy)
+            relay.train_step(torch.randn(B, W), torch.randn(B, W))
+            stash = (L - 1) * act if policy == "device" else act
+            expected = (3 if u > 1 else 2) * weight + 3 * act + stash
+            assert relay.memory_report()["peak_bytes"] == expected, (policy, L)
+
+
+def test_skipped_layer_costs_nothing_and_training_equals_the_model_without_it():
+    data = mlp_batches(STEPS)
+    relay_model = mlp_layers()
+    skipped = 2
+    eps = l2l_hw.make_eps("cpu", **OPTIMIZERS["adamw"][0])
+    relay = l2l_hw.Relay(relay_model, nn.functional.mse_loss, eps=eps, micro_batches=3)
+    before = {k: v.clone() for k, v in eps.state_dict().items() if k.startswith(f"layer{skipped}/")}
+    fetched = []
+    fetch = eps.fetch
+    eps.fetch = lambda key: fetched.append(key) or fetch(key)
+    active = [i for i in range(len(relay_model)) if i != skipped]
+    losses = [relay.train_step(x, y, layers=active) for x, y in data]
+    assert f"layer{skipped}" not in fetched  # no transfer
+    after = eps.state_dict()
+    assert all(torch.equal(v, after[k]) for k, v in before.items())  # no update, state untouched
+    # The hand-written reference: the same network without the skipped layer.
+    plain = mlp_layers()
+    reference = nn.Sequential(*[m for i, m in enumerate(plain) if i != skipped])
+    plain_losses = train_plain(reference, OPTIMIZERS["adamw"][1], nn.functional.mse_loss, data)
+    for a, b in zip(losses, plain_losses):
+        assert abs(a - b) <= 1e-5 * abs(b)
+    trained = relay.materialize()
+    for i, (m, r) in enumerate(zip([m for i, m in enumerate(trained) if i != skipped], reference)):
+        for p, q in zip(m.parameters(), r.parameters()):
+            assert rel_diff(p, q) <= 1e-5, i
+
+
+def test_layer_drop_schedule_draws_reproducibly_and_trains():
+    def run():
+        relay = l2l_hw.Relay(gpt(), lm_loss, eps=l2l_hw.make_eps("cpu"), micro_batches=2,
+                             layer_drop=lambda step: 0.5 if step > 1 else 0.0, layer_drop_seed=3)
+        drawn = [relay._active_layers(None)]
+        losses = []
+        for x, y in gpt_batches(6):
+            drawn.append(relay._active_layers(None))
+            losses.append(relay.train_step(x, y))
+        return drawn, losses
+
+    drawn, losses = run()
+    assert drawn == run()[0]
+    assert drawn[0] == [0, 1, 2, 3]  # step 1: nothing dropped
+    assert any(len(d) < 4 for d in drawn[1:]), "with p = 0.5 some step drops a block"
+    assert all(d[0] == 0 and d[-1] == 3 for d in drawn)  # embedding and head always run
+    assert all(torch.isfinite(torch.tensor(losses)))
+
+
+def test_bad_layer_selection_is_refused():
+    relay = l2l_hw.Relay(mlp_layers(), nn.functional.mse_loss, eps=l2l_hw.make_eps("cpu"))
+    x, y = mlp_batches(1)[0]
+    with pytest.raises(ValueError, match="must be indices in \\[0, 5\\) and include the last layer 4"):
+        relay.train_step(x, y, layers=[0, 1])
+
+
+@pytest.mark.parametrize("mode", ["layer", "global"])
+def test_gradient_clipping_matches_torch_clip_grad_norm(mode):
+    data = mlp_batches(STEPS)
+    max_norm = 0.05  # small enough that every step clips
+    plain = mlp_layers()
+    opt = OPTIMIZERS["adamw"][1](plain.parameters())
+    plain_losses = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(plain(x), y)
+        loss.backward()
+        groups = [list(layer.parameters()) for layer in plain] if mode == "layer" else [list(plain.parameters())]
+        for params in groups:
+            torch.nn.utils.clip_grad_norm_(params, max_norm)
+        opt.step()
+        plain_losses.append(loss.item())
+    relay = l2l_hw.Relay(mlp_layers(), nn.functional.mse_loss, eps=l2l_hw.make_eps("cpu", **OPTIMIZERS["adamw"][0]),
+                         micro_batches=3, clip_grad_norm=max_norm, clip_mode=mode)
+    assert_same_training(plain_losses, plain, relay_losses(relay, data), relay)
