@@ -87,7 +87,7 @@ class EPS(ABC):
 
     name = "abstract"
 
-    def __init__(self, config: OptimConfig, working_dtype: str = "fp32"):
+    def __init__(self, config: OptimConfig, working_dtype: str = "fp32", double_buffer: bool = False):
         if working_dtype not in WORKING_DTYPES:
             raise ValueError(f"unknown working_dtype {working_dtype!r}; choose one of {', '.join(WORKING_DTYPES)}")
         self.config = config
@@ -100,6 +100,15 @@ class EPS(ABC):
         # the gradients wait in host memory and the updates no longer overlap the backward.
         self.defer_updates = False
         self._deferred: list[tuple[str, dict[str, torch.Tensor], float]] = []
+        # Double buffering: updates write a second copy of param and state; the step
+        # commits by swapping, so a step can be discarded whole (overflow) and the
+        # committed state is consistent at any time (checkpoints).
+        self.double_buffer = double_buffer
+
+    def enable_double_buffer(self) -> None:
+        if self.shapes and not self.double_buffer:
+            raise RuntimeError("enable double buffering before registering any group")
+        self.double_buffer = True
 
     # -- registration ---------------------------------------------------------
     def register(self, key: str, params: dict[str, torch.Tensor]) -> None:
@@ -129,25 +138,39 @@ class EPS(ABC):
         else:
             self._push(key, grads, inv_scale)
 
-    def commit_step(self, grad_scale: float = 1.0) -> bool:
+    def commit_step(self, grad_scale: float = 1.0, skip_nonfinite: bool = False) -> bool:
         """Run deferred updates with their gradients times `grad_scale`, wait for every
-        update of the step and make it the committed state.
+        update of the step and make it the committed state; with `skip_nonfinite`, a
+        step that saw a non-finite gradient is discarded whole instead.
 
         Returns whether a non-finite gradient was seen in the step."""
         for key, grads, inv_scale in self._deferred:
             self._push(key, grads, inv_scale * grad_scale)
         self._deferred.clear()
         self.wait()
+        found = self.found_nonfinite
+        if found and skip_nonfinite:
+            self.discard_step()
+            return True
+        if self.double_buffer:
+            self._swap(self._pushed)
         self.step += 1
         self._pushed.clear()
-        found, self.found_nonfinite = self.found_nonfinite, False
+        self.found_nonfinite = False
         return found
 
     def discard_step(self) -> None:
-        """Forget the step under way (after an error): deferred gradients are dropped."""
+        """Forget the step under way: deferred gradients are dropped and, with double
+        buffering, every update written in the step. Without it, groups already updated
+        in place cannot be restored, and this says so."""
+        self.wait()
+        updated = set(self._pushed) if not self.defer_updates else set()
         self._deferred.clear()
         self._pushed.clear()
         self.found_nonfinite = False
+        if updated and not self.double_buffer:
+            raise RuntimeError(f"the step was abandoned after {len(updated)} group(s) were updated in place; "
+                               "enable double buffering (make_eps(..., double_buffer=True)) to discard steps")
 
     def _check_grads(self, key: str, grads: dict[str, torch.Tensor]) -> None:
         if key not in self.shapes:
@@ -217,6 +240,10 @@ class EPS(ABC):
 
     @abstractmethod
     def _load(self, key: str, name: str, slots: dict[str, torch.Tensor]) -> None: ...
+
+    def _swap(self, keys: set[str]) -> None:
+        """Double buffering: make the updates written for `keys` the committed state."""
+        raise NotImplementedError(f"the {self.name} EPS does not double-buffer")
 
 
 _BACKENDS: dict[str, Callable[..., EPS]] = {}

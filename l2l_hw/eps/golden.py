@@ -141,9 +141,10 @@ def grad_to_numpy(g: torch.Tensor) -> np.ndarray:
 class GoldenEps(EPS):
     """Reference EPS: numpy float32, synchronous, slow. The definition others must match."""
 
-    def __init__(self, config: OptimConfig, working_dtype: str = "fp32"):
-        super().__init__(config, working_dtype)
+    def __init__(self, config: OptimConfig, working_dtype: str = "fp32", double_buffer: bool = False):
+        super().__init__(config, working_dtype, double_buffer)
         self.state: dict[str, dict[str, dict[str, np.ndarray]]] = {}
+        self.staged: dict[str, dict[str, dict[str, np.ndarray]]] = {}  # double buffering: the step's writes
 
     def _register(self, key, params):
         self.state[key] = {}
@@ -172,9 +173,18 @@ class GoldenEps(EPS):
             self.found_nonfinite |= not np.isfinite(g * np.float32(s.inv_scale)).all()
             with np.errstate(all="ignore"):
                 p, m, v = apply_rule(opt, s, e["param"], e.get("m"), e.get("v"), g, np.sqrt)
-            for slot, new in (("param", p), ("m", m), ("v", v)):
-                if slot in e:
-                    e[slot] = canonicalize_nan(np.asarray(new, dtype=np.float32))
+            new = {slot: canonicalize_nan(np.array(t, dtype=np.float32)) for slot, t in
+                   (("param", p), ("m", m), ("v", v)) if slot in e}
+            target = self.staged.setdefault(key, {}) if self.double_buffer else self.state[key]
+            target[name] = new
+
+    def _swap(self, keys):
+        for key in keys:
+            self.state[key].update(self.staged.pop(key, {}))
+
+    def discard_step(self):
+        self.staged.clear()
+        super().discard_step()
 
     def wait(self):
         pass

@@ -7,10 +7,13 @@ layer at a time over all micro-batches.
 """
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from l2l_hw.approx import FewBitGELU, RandomProjectionLinear
 
 VOCAB_SIZE = 256  # one token per byte: no tokenizer, nothing to download
 
@@ -24,6 +27,8 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True  # biases in the Linears and LayerNorms, as GPT-2
     tie_weights: bool = False  # Head's weight IS Embedding's token table
+    gelu: str = "exact"  # "fewbit": 3-bit GELU' in backward (l2l_hw.approx.FewBitGELU)
+    linear_projection: float = 0.0  # > 0: MLP Linears keep a random sketch of this ratio of rows for backward
 
 
 class Embedding(nn.Module):
@@ -62,12 +67,17 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)  # (B, T, 4C)
-        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        if cfg.gelu not in ("exact", "fewbit"):
+            raise ValueError(f"gelu must be 'exact' or 'fewbit', got {cfg.gelu!r}")
+        # Approximate backwards (issue 7): same parameters and init, less saved for backward.
+        linear = partial(RandomProjectionLinear, ratio=cfg.linear_projection) if cfg.linear_projection > 0 else nn.Linear
+        self.c_fc = linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)  # (B, T, 4C)
+        self.gelu = FewBitGELU() if cfg.gelu == "fewbit" else nn.GELU()
+        self.c_proj = linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x):
-        return self.drop(self.c_proj(F.gelu(self.c_fc(x))))
+        return self.drop(self.c_proj(self.gelu(self.c_fc(x))))
 
 
 class Block(nn.Module):

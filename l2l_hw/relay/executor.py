@@ -26,6 +26,7 @@ from torch.func import functional_call
 
 from l2l_hw.eps.base import EPS
 from l2l_hw.relay.memory import DeviceMemory
+from l2l_hw.relay.precision import LossScaler, compute_dtype
 from l2l_hw.relay.prefetch import WeightStream
 from l2l_hw.relay.stash import ActivationStash
 
@@ -66,6 +67,11 @@ def _unflatten(like: Activation, items: list) -> Activation:
     return items[0] if isinstance(like, torch.Tensor) else tuple(items)
 
 
+def _to_float(x: Activation) -> Activation:
+    """Low-precision outputs go to the loss in fp32."""
+    return _unflatten(x, [t.float() if t.is_floating_point() else t for t in _flatten(x)])
+
+
 def _rng_state(device: torch.device):
     cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     return torch.get_rng_state(), cuda
@@ -84,7 +90,7 @@ class Relay:
                  device: str | torch.device = "cpu", micro_batches: int = 1, recompute: bool = True,
                  activations: str = "device", layer_drop: float | Callable[[int], float] = 0.0,
                  droppable: Sequence[int] | None = None, layer_drop_seed: int = 0,
-                 clip_grad_norm: float | None = None, clip_mode: str = "layer"):
+                 clip_grad_norm: float | None = None, clip_mode: str = "layer", precision: str = "fp32"):
         self.layers = list(layers)
         if not self.layers:
             raise ValueError("Relay needs at least one layer")
@@ -113,6 +119,16 @@ class Relay:
             raise ValueError(f"clip_grad_norm must be > 0, got {clip_grad_norm}")
         self.clip_norm = clip_grad_norm
         self.clip_mode = clip_mode if clip_grad_norm is not None else None
+        self.precision = precision
+        self.compute_dtype = compute_dtype(precision)
+        if eps.shapes and eps.working_dtype != precision:
+            raise ValueError(f"precision={precision!r} needs an EPS whose working copy is {precision}; this "
+                             f"one already holds groups with working_dtype={eps.working_dtype!r}")
+        eps.working_dtype = precision  # the EPS rounds its fp32 masters to what the layers compute in
+        # fp16 overflows are discarded after eager updates already ran: the EPS must double-buffer.
+        self.scaler = LossScaler() if precision == "fp16" else None
+        if self.scaler is not None:
+            eps.enable_double_buffer()
         self.plans = self._plan()
         self.weights = WeightStream(eps, self.device)
         self.groups = sorted({key for plan in self.plans for key in plan.groups})
@@ -204,11 +220,12 @@ class Relay:
             raise ValueError(f"micro_batches={self.micro_batches} is larger than the batch ({n} samples); "
                              f"use at most {n}")
 
-        def split(x):
-            parts = [torch.tensor_split(t, self.micro_batches) for t in _flatten(x)]
-            return [_unflatten(x, [p[j].to(self.device) for p in parts]) for j in range(self.micro_batches)]
+        def split(x, dtype=None):
+            parts = [(torch.tensor_split(t, self.micro_batches), dtype if t.is_floating_point() else None)
+                     for t in _flatten(x)]
+            return [_unflatten(x, [p[j].to(self.device, dtype=d) for p, d in parts]) for j in range(self.micro_batches)]
 
-        xs, ts = split(inputs), split(targets)
+        xs, ts = split(inputs, self.compute_dtype), split(targets)
         weights = [_flatten(t)[0].shape[0] / n for t in ts]
         return xs, ts, weights
 
@@ -289,10 +306,10 @@ class Relay:
                 x = self._grad_leaf(acts[j])
                 bufs = self._device_buffers(last)
                 with meter.saving(keep=not self.recompute):
-                    loss = self._loss(self._call(last, x, params, bufs), ts[j])
+                    loss = self._loss(_to_float(self._call(last, x, params, bufs)), ts[j])
                 self._store_buffers(last, bufs)
                 meter.sample(live, acts, grads_in, self.stash.on_device(), self.weights.on_device())
-                (loss * weights[j]).backward()
+                (loss * (weights[j] * self.loss_scale)).backward()
                 total += loss.detach().float() * weights[j]
                 grads_in.append(self._input_grads(x))
                 if self.recompute:
@@ -337,8 +354,14 @@ class Relay:
             self.eps.discard_step()
             raise
         meter.drop_saved()
-        self.eps.commit_step(grad_scale=self._global_clip_factor())
+        found = self.eps.commit_step(grad_scale=self._global_clip_factor(), skip_nonfinite=self.scaler is not None)
+        if self.scaler is not None:
+            self.scaler.update(found)
         return float(total)
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
 
     @staticmethod
     def _grad_leaf(x: Activation) -> Activation:
@@ -354,7 +377,8 @@ class Relay:
         for key in self.plans[i].groups:
             if backward and i == users[key][0]:
                 tensors = live.pop(key)
-                self.eps.push_grads(key, self._clip({n: t.grad for n, t in tensors.items() if t.grad is not None}))
+                grads = self._clip({n: t.grad for n, t in tensors.items() if t.grad is not None})
+                self.eps.push_grads(key, grads, inv_scale=1.0 / self.loss_scale)
             elif not backward and len(users[key]) == 1:
                 live.pop(key)  # fetched again for the backward sweep
 
@@ -364,6 +388,7 @@ class Relay:
         if self.clip_mode is None or not grads:
             return grads
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads.values()]))
+        norm = norm / self.loss_scale
         if self.clip_mode == "global":
             self._sq_norm += norm.to("cpu") ** 2
             return grads
@@ -398,7 +423,7 @@ class Relay:
             for i in range(len(self.layers)):
                 params = self._params(i, live)
                 acts = [self._call(i, a, params, self._device_buffers(i)) for a in acts]
-            total = sum(float(self._loss(a, t)) * w for a, t, w in zip(acts, ts, weights))
+            total = sum(float(self._loss(_to_float(a), t)) * w for a, t, w in zip(acts, ts, weights))
         finally:
             self.weights.clear()
             for m, mode in zip(self.layers, modes):
