@@ -119,3 +119,30 @@ def test_gradient_clipping_matches_torch_clip_grad_norm(mode):
     relay = l2l_hw.Relay(mlp_layers(), nn.functional.mse_loss, eps=l2l_hw.make_eps("cpu", **OPTIMIZERS["adamw"][0]),
                          micro_batches=3, clip_grad_norm=max_norm, clip_mode=mode)
     assert_same_training(plain_losses, plain, relay_losses(relay, data), relay)
+
+
+def test_pipedream_2bw_applies_each_gradient_one_step_late():
+    # Hand-written reference with plain SGD: the gradient of step t+1 is taken at
+    # W(t-1) (the version without step t's update) and applied to W(t):
+    #   W(t+1) = W(t) - lr * grad f_{t+1}(W(t-1)),   W(-1) = W(0).
+    lr, data = 0.1, mlp_batches(6)
+    reference = mlp_layers()
+    stale = [p.detach().clone() for p in reference.parameters()]
+    for x, y in data:
+        newest = [p.detach().clone() for p in reference.parameters()]
+        with torch.no_grad():  # compute at the stale version
+            for p, w in zip(reference.parameters(), stale):
+                p.copy_(w)
+        reference.zero_grad()
+        nn.functional.mse_loss(reference(x), y).backward()
+        with torch.no_grad():
+            for p, w in zip(reference.parameters(), newest):
+                p.copy_(w - lr * p.grad)
+        stale = newest
+    for backend in ("golden", "cpu"):
+        relay = l2l_hw.Relay(mlp_layers(), nn.functional.mse_loss, eps=l2l_hw.make_eps(backend, optimizer="sgd", lr=lr),
+                             micro_batches=2, pipedream_2bw=True)
+        for x, y in data:
+            relay.train_step(x, y)
+        for p, q in zip(relay.materialize().parameters(), reference.parameters()):
+            assert rel_diff(p, q) <= 1e-5, backend

@@ -224,8 +224,11 @@ class EPS(ABC):
     def _register(self, key: str, params: dict[str, torch.Tensor]) -> None: ...
 
     @abstractmethod
-    def fetch(self, key: str) -> dict[str, torch.Tensor]:
-        """Host working copy of a group (working_dtype), valid until the group's next update."""
+    def fetch(self, key: str, previous: bool = False) -> dict[str, torch.Tensor]:
+        """Host working copy of a group (working_dtype), valid until the group's next update.
+
+        With double buffering, `previous` gives the version committed one step earlier
+        (PipeDream-2BW computes on it while the newest one is being written)."""
 
     @abstractmethod
     def _push(self, key: str, grads: dict[str, torch.Tensor], inv_scale: float) -> None: ...

@@ -145,6 +145,7 @@ class GoldenEps(EPS):
         super().__init__(config, working_dtype, double_buffer)
         self.state: dict[str, dict[str, dict[str, np.ndarray]]] = {}
         self.staged: dict[str, dict[str, dict[str, np.ndarray]]] = {}  # double buffering: the step's writes
+        self.previous: dict[str, dict[str, np.ndarray]] = {}  # double buffering: params one commit back
 
     def _register(self, key, params):
         self.state[key] = {}
@@ -161,8 +162,11 @@ class GoldenEps(EPS):
     def _tensors(self, key, name):
         return {slot: torch.from_numpy(a) for slot, a in self.state[key][name].items()}
 
-    def fetch(self, key):
-        return {name: working_copy(e["param"], self.working_dtype) for name, e in self.state[key].items()}
+    def fetch(self, key, previous=False):
+        params = {name: e["param"] for name, e in self.state[key].items()}
+        if previous:
+            params.update(self.previous.get(key, {}))
+        return {name: working_copy(p, self.working_dtype) for name, p in params.items()}
 
     def _push(self, key, grads, inv_scale):
         s = step_scalars(self.config, self.step + 1, inv_scale)
@@ -180,6 +184,7 @@ class GoldenEps(EPS):
 
     def _swap(self, keys):
         for key in keys:
+            self.previous[key] = {name: e["param"] for name, e in self.state[key].items()}
             self.state[key].update(self.staged.pop(key, {}))
 
     def discard_step(self):

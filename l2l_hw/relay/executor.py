@@ -90,7 +90,8 @@ class Relay:
                  device: str | torch.device = "cpu", micro_batches: int = 1, recompute: bool = True,
                  activations: str = "device", layer_drop: float | Callable[[int], float] = 0.0,
                  droppable: Sequence[int] | None = None, layer_drop_seed: int = 0,
-                 clip_grad_norm: float | None = None, clip_mode: str = "layer", precision: str = "fp32"):
+                 clip_grad_norm: float | None = None, clip_mode: str = "layer", precision: str = "fp32",
+                 pipedream_2bw: bool = False):
         self.layers = list(layers)
         if not self.layers:
             raise ValueError("Relay needs at least one layer")
@@ -127,10 +128,13 @@ class Relay:
         eps.working_dtype = precision  # the EPS rounds its fp32 masters to what the layers compute in
         # fp16 overflows are discarded after eager updates already ran: the EPS must double-buffer.
         self.scaler = LossScaler() if precision == "fp16" else None
-        if self.scaler is not None:
+        # PipeDream-2BW: step t+1 computes on the weights without step t's update (the EPS's
+        # previous buffer), so no layer waits for its update: W(t+1) = W(t) - lr * grad(W(t-1)).
+        self.pipedream_2bw = bool(pipedream_2bw)
+        if self.scaler is not None or self.pipedream_2bw:
             eps.enable_double_buffer()
         self.plans = self._plan()
-        self.weights = WeightStream(eps, self.device)
+        self.weights = WeightStream(eps, self.device, previous=self.pipedream_2bw)
         self.groups = sorted({key for plan in self.plans for key in plan.groups})
 
     # -- set-up ---------------------------------------------------------------

@@ -13,8 +13,9 @@ from l2l_hw.eps.base import EPS
 
 
 class WeightStream:
-    def __init__(self, eps: EPS, device: torch.device):
+    def __init__(self, eps: EPS, device: torch.device, previous: bool = False):
         self.eps = eps
+        self.previous = previous  # PipeDream-2BW: compute on the version one step back
         self.device = device
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._inflight: dict[str, tuple[dict[str, torch.Tensor], object]] = {}
@@ -24,7 +25,7 @@ class WeightStream:
         for key in keys:
             if key in self._inflight:
                 continue
-            host = self.eps.fetch(key)
+            host = self.eps.fetch(key, previous=True) if self.previous else self.eps.fetch(key)
             if self.copy_stream is None:
                 self._inflight[key] = ({n: t.to(self.device) for n, t in host.items()}, None)
                 continue
