@@ -1,0 +1,244 @@
+// SPDX-License-Identifier: Apache-2.0
+// AXI4-Lite control slave of l2l_optim: the Vitis HLS ap_ctrl_hs register
+// map, the kernel's arguments and its read-only status.
+//
+// Offsets and fields come from l2l_optim_regs.vh, generated from
+// hdl/l2l_optim_regs.json (the one source). Behaviour of the HLS block:
+//   CTRL  bit 0 ap_start: write 1 sets it; it clears at ap_ready unless
+//         auto_restart (bit 7) is set. bit 1 ap_done and bit 3 ap_ready are
+//         set by the kernel and cleared when CTRL is read. bit 2 ap_idle.
+//   GIE   bit 0; IER bits 0 (done), 1 (ready); ISR the same bits, set by the
+//         events enabled in IER, toggled by writing 1 (toggle-on-write).
+//   interrupt = GIE & |ISR.
+// Arguments are plain registers; the kernel latches what it needs at
+// ap_start, so do not write them while a run is in progress. Write strobes
+// are honoured per byte.
+
+`resetall
+`timescale 1ns / 1ps
+`default_nettype none
+
+module l2l_optim_ctrl #
+(
+    parameter ADDR_WIDTH = 8,
+    parameter DATA_BYTES = 8
+)
+(
+    input  wire                   clk,
+    input  wire                   rst,
+
+    /*
+     * AXI4-Lite slave
+     */
+    input  wire [ADDR_WIDTH-1:0]  s_axil_awaddr,
+    input  wire [2:0]             s_axil_awprot,
+    input  wire                   s_axil_awvalid,
+    output wire                   s_axil_awready,
+    input  wire [31:0]            s_axil_wdata,
+    input  wire [3:0]             s_axil_wstrb,
+    input  wire                   s_axil_wvalid,
+    output wire                   s_axil_wready,
+    output wire [1:0]             s_axil_bresp,
+    output wire                   s_axil_bvalid,
+    input  wire                   s_axil_bready,
+    input  wire [ADDR_WIDTH-1:0]  s_axil_araddr,
+    input  wire [2:0]             s_axil_arprot,
+    input  wire                   s_axil_arvalid,
+    output wire                   s_axil_arready,
+    output wire [31:0]            s_axil_rdata,
+    output wire [1:0]             s_axil_rresp,
+    output wire                   s_axil_rvalid,
+    input  wire                   s_axil_rready,
+
+    output wire                   interrupt,
+
+    /*
+     * Kernel handshake (ap_ctrl_hs)
+     */
+    output wire                   ap_start,
+    input  wire                   ap_idle,
+    input  wire                   ap_done,    // one-clock pulse
+    input  wire                   ap_ready,   // one-clock pulse
+
+    /*
+     * Arguments
+     */
+    output wire [64*8-1:0]        pointers,   // PARAM_SRC, M_SRC, V_SRC, GRAD_SRC, PARAM_DST, M_DST, V_DST, COPY_DST
+    output wire [31:0]            n,
+    output wire [31:0]            mode,
+    output wire [32*13-1:0]       scalars,    // INV_SCALE .. DAMPENING_COMPLEMENT in register order
+
+    /*
+     * Status
+     */
+    input  wire [31:0]            status,
+    input  wire [63:0]            cycles
+);
+
+`include "l2l_optim_regs.vh"
+
+localparam ARG_FIRST = REG_PARAM_SRC_LO;   // first argument word
+localparam ARG_WORDS = (REG_DAMPENING_COMPLEMENT - REG_PARAM_SRC_LO) / 4 + 1;
+
+reg ap_start_reg, ap_done_reg, ap_ready_reg, auto_restart_reg;
+reg gie_reg;
+reg [1:0] ier_reg, isr_reg;
+reg [31:0] arg_reg [0:ARG_WORDS-1];
+
+reg awready_reg, bvalid_reg, arready_reg, rvalid_reg;
+reg [31:0] rdata_reg;
+
+assign s_axil_awready = awready_reg;
+assign s_axil_wready = awready_reg;
+assign s_axil_bresp = 2'b00;
+assign s_axil_bvalid = bvalid_reg;
+assign s_axil_arready = arready_reg;
+assign s_axil_rdata = rdata_reg;
+assign s_axil_rresp = 2'b00;
+assign s_axil_rvalid = rvalid_reg;
+
+assign interrupt = gie_reg && (isr_reg != 2'd0);
+assign ap_start = ap_start_reg;
+
+genvar k;
+generate
+for (k = 0; k < 8; k = k + 1) begin : g_ptr
+    assign pointers[64*k +: 64] = {arg_reg[2*k+1], arg_reg[2*k]};
+end
+for (k = 0; k < 13; k = k + 1) begin : g_scalar
+    assign scalars[32*k +: 32] = arg_reg[(REG_INV_SCALE - ARG_FIRST) / 4 + k];
+end
+endgenerate
+assign n = arg_reg[(REG_N - ARG_FIRST) / 4];
+assign mode = arg_reg[(REG_MODE - ARG_FIRST) / 4];
+
+/* verilator lint_off UNUSEDSIGNAL */
+wire [2:0] unused_prot = s_axil_awprot ^ s_axil_arprot;
+/* verilator lint_on UNUSEDSIGNAL */
+
+wire do_write = s_axil_awvalid && s_axil_wvalid && !awready_reg && !bvalid_reg;
+wire do_read = s_axil_arvalid && !arready_reg && !rvalid_reg;
+/* verilator lint_off UNUSEDSIGNAL */
+wire [1:0] unused_addr_lsb = s_axil_awaddr[1:0] ^ s_axil_araddr[1:0];
+/* verilator lint_on UNUSEDSIGNAL */
+wire [ADDR_WIDTH-1:0] waddr = {s_axil_awaddr[ADDR_WIDTH-1:2], 2'b00};
+wire [ADDR_WIDTH-1:0] raddr = {s_axil_araddr[ADDR_WIDTH-1:2], 2'b00};
+
+wire [31:0] ctrl_word = {24'd0, auto_restart_reg, 3'd0, ap_ready_reg, ap_idle, ap_done_reg, ap_start_reg};
+
+function [31:0] apply_strb(input [31:0] old, input [31:0] data, input [3:0] strb);
+    integer b;
+    begin
+        for (b = 0; b < 4; b = b + 1) begin
+            apply_strb[8*b +: 8] = strb[b] ? data[8*b +: 8] : old[8*b +: 8];
+        end
+    end
+endfunction
+
+integer i;
+
+always @(posedge clk) begin
+    awready_reg <= 1'b0;
+    arready_reg <= 1'b0;
+
+    if (s_axil_bready) begin
+        bvalid_reg <= 1'b0;
+    end
+    if (s_axil_rready) begin
+        rvalid_reg <= 1'b0;
+    end
+
+    // kernel events
+    if (ap_done) begin
+        ap_done_reg <= 1'b1;
+    end
+    if (ap_ready) begin
+        ap_ready_reg <= 1'b1;
+        ap_start_reg <= auto_restart_reg;
+    end
+    if (ap_done && ier_reg[0]) begin
+        isr_reg[0] <= 1'b1;
+    end
+    if (ap_ready && ier_reg[1]) begin
+        isr_reg[1] <= 1'b1;
+    end
+
+    if (do_write) begin
+        awready_reg <= 1'b1;
+        bvalid_reg <= 1'b1;
+        if (waddr == REG_CTRL) begin
+            if (s_axil_wstrb[0]) begin
+                if (s_axil_wdata[CTRL_AP_START_BIT]) begin
+                    ap_start_reg <= 1'b1;
+                end
+                auto_restart_reg <= s_axil_wdata[CTRL_AUTO_RESTART_BIT];
+            end
+        end else if (waddr == REG_GIE) begin
+            if (s_axil_wstrb[0]) begin
+                gie_reg <= s_axil_wdata[GIE_ENABLE_BIT];
+            end
+        end else if (waddr == REG_IER) begin
+            if (s_axil_wstrb[0]) begin
+                ier_reg <= s_axil_wdata[1:0];
+            end
+        end else if (waddr == REG_ISR) begin
+            if (s_axil_wstrb[0]) begin
+                isr_reg <= isr_reg ^ s_axil_wdata[1:0];
+            end
+        end else begin
+            for (i = 0; i < ARG_WORDS; i = i + 1) begin
+                if (waddr == ARG_FIRST + 4*i[ADDR_WIDTH-1:0]) begin
+                    arg_reg[i] <= apply_strb(arg_reg[i], s_axil_wdata, s_axil_wstrb);
+                end
+            end
+        end
+    end
+
+    if (do_read) begin
+        arready_reg <= 1'b1;
+        rvalid_reg <= 1'b1;
+        rdata_reg <= 32'd0;
+        case (raddr)
+            REG_CTRL: begin
+                rdata_reg <= ctrl_word;
+                // clear on read, unless the event arrives in this very clock
+                if (!ap_done) ap_done_reg <= 1'b0;
+                if (!ap_ready) ap_ready_reg <= 1'b0;
+            end
+            REG_GIE: rdata_reg <= {31'd0, gie_reg};
+            REG_IER: rdata_reg <= {30'd0, ier_reg};
+            REG_ISR: rdata_reg <= {30'd0, isr_reg};
+            REG_ID: rdata_reg <= REG_ID_VALUE;
+            REG_VERSION: rdata_reg <= REG_VERSION_VALUE;
+            REG_STATUS: rdata_reg <= status;
+            REG_DATA_BYTES: rdata_reg <= DATA_BYTES;
+            REG_CYCLES_LO: rdata_reg <= cycles[31:0];
+            REG_CYCLES_HI: rdata_reg <= cycles[63:32];
+            default: begin
+                for (i = 0; i < ARG_WORDS; i = i + 1) begin
+                    if (raddr == ARG_FIRST + 4*i[ADDR_WIDTH-1:0]) begin
+                        rdata_reg <= arg_reg[i];
+                    end
+                end
+            end
+        endcase
+    end
+
+    if (rst) begin
+        awready_reg <= 1'b0;
+        bvalid_reg <= 1'b0;
+        arready_reg <= 1'b0;
+        rvalid_reg <= 1'b0;
+        ap_start_reg <= 1'b0;
+        ap_done_reg <= 1'b0;
+        ap_ready_reg <= 1'b0;
+        auto_restart_reg <= 1'b0;
+        gie_reg <= 1'b0;
+        ier_reg <= 2'd0;
+        isr_reg <= 2'd0;
+    end
+end
+
+endmodule
+
+`resetall

@@ -1,0 +1,63 @@
+// SPDX-License-Identifier: Apache-2.0
+// Synchronous first-word-fall-through FIFO with an occupancy count.
+//
+// DEPTH must be a power of two. `clear` empties it (start of a run). Pushing
+// into a full FIFO or popping an empty one is a caller error; the kernel
+// never does either because it reserves space (credit) before it asks for
+// data. Read is asynchronous from the array (LUT RAM / registers).
+
+`resetall
+`timescale 1ns / 1ps
+`default_nettype none
+
+module l2l_optim_fifo #
+(
+    parameter WIDTH = 64,
+    parameter DEPTH = 128,
+    parameter ADDR_WIDTH = $clog2(DEPTH)
+)
+(
+    input  wire                clk,
+    input  wire                rst,
+    input  wire                clear,
+
+    input  wire                push,
+    input  wire [WIDTH-1:0]    push_data,
+
+    input  wire                pop,
+    output wire [WIDTH-1:0]    head,
+    output wire                empty,
+
+    output wire [ADDR_WIDTH:0] count
+);
+
+reg [WIDTH-1:0] mem [0:DEPTH-1];
+reg [ADDR_WIDTH:0] wr_ptr_reg;
+reg [ADDR_WIDTH:0] rd_ptr_reg;
+
+assign head = mem[rd_ptr_reg[ADDR_WIDTH-1:0]];
+assign count = wr_ptr_reg - rd_ptr_reg;
+assign empty = (wr_ptr_reg == rd_ptr_reg);
+
+always @(posedge clk) begin
+    if (push) begin
+        mem[wr_ptr_reg[ADDR_WIDTH-1:0]] <= push_data;
+    end
+end
+
+always @(posedge clk) begin
+    if (push) begin
+        wr_ptr_reg <= wr_ptr_reg + 1'b1;
+    end
+    if (pop) begin
+        rd_ptr_reg <= rd_ptr_reg + 1'b1;
+    end
+    if (rst || clear) begin
+        wr_ptr_reg <= 0;
+        rd_ptr_reg <= 0;
+    end
+end
+
+endmodule
+
+`resetall

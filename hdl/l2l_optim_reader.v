@@ -1,0 +1,219 @@
+// SPDX-License-Identifier: Apache-2.0
+// Read side of l2l_optim: AXI4 AR/R burst engine feeding one FIFO per stream.
+//
+// Streams 0..3 = param, m, v, grad. The engine walks the arrays tile by tile:
+// for each tile it requests TILE_BEATS[s] beats of every enabled stream in
+// turn (p, m, v, g), as INCR bursts split at 4 KiB boundaries (pointers are
+// DATA_WIDTH/8 aligned, so a split is all that is needed). All reads use ID 0,
+// so the R beats come back in request order; a small route FIFO remembers the
+// stream and length of every burst in flight.
+//
+// Credit: a burst is requested only when its stream FIFO has room for all of
+// it, counting beats already in flight (reserved). R data therefore never
+// waits (rready is always 1), and with requests issued strictly in order a
+// stream can never starve another: every beat the datapath waits for has
+// been requested before any beat that waits for space.
+//
+// Sizing (see docs/RTL_KERNEL.md): the stream FIFOs hold FIFO_DEPTH beats =
+// 2 tiles, so one tile of every stream can be in flight while the previous
+// tile is consumed: up to 4 * TILE_BEATS beats outstanding, which covers
+// L cycles of read latency at one beat per clock while 4 * 64 = 256 > 100 + 64.
+//
+// abort stops new requests; the beats of requests already issued are still
+// accepted, then the engine reports idle.
+
+`resetall
+`timescale 1ns / 1ps
+`default_nettype none
+
+module l2l_optim_reader #
+(
+    parameter DATA_WIDTH = 64,
+    parameter ADDR_WIDTH = 64,
+    parameter ID_WIDTH = 1,
+    parameter FIFO_DEPTH = 128,
+    parameter ROUTE_DEPTH = 32,
+    parameter STRB_WIDTH = (DATA_WIDTH/8),
+    parameter FIFO_AW = $clog2(FIFO_DEPTH)
+)
+(
+    input  wire                        clk,
+    input  wire                        rst,
+
+    input  wire                        start,          // pulse: load the streams, clear FIFOs
+    input  wire                        abort,          // level: request nothing more
+    input  wire [4*ADDR_WIDTH-1:0]     stream_addr,
+    input  wire [4*32-1:0]             stream_beats,   // total beats per stream
+    input  wire [4*9-1:0]              stream_tile,    // beats per tile per stream (1..256)
+    input  wire [3:0]                  stream_enable,
+    output wire                        idle,           // nothing to request, nothing in flight
+    output wire                        error,          // pulse: an R beat with SLVERR/DECERR
+
+    input  wire [3:0]                  pop,
+    output wire [4*DATA_WIDTH-1:0]     head,
+    output wire [3:0]                  empty,
+
+    /*
+     * AXI4 master, read channels
+     */
+    output wire [ID_WIDTH-1:0]         m_axi_arid,
+    output wire [ADDR_WIDTH-1:0]       m_axi_araddr,
+    output wire [7:0]                  m_axi_arlen,
+    output wire [2:0]                  m_axi_arsize,
+    output wire [1:0]                  m_axi_arburst,
+    output wire                        m_axi_arlock,
+    output wire [3:0]                  m_axi_arcache,
+    output wire [2:0]                  m_axi_arprot,
+    output wire                        m_axi_arvalid,
+    input  wire                        m_axi_arready,
+    /* verilator lint_off UNUSEDSIGNAL */
+    input  wire [ID_WIDTH-1:0]         m_axi_rid,
+    input  wire                        m_axi_rlast,
+    /* verilator lint_on UNUSEDSIGNAL */
+    input  wire [DATA_WIDTH-1:0]       m_axi_rdata,
+    /* verilator lint_off UNUSEDSIGNAL */
+    input  wire [1:0]                  m_axi_rresp,
+    /* verilator lint_on UNUSEDSIGNAL */
+    input  wire                        m_axi_rvalid,
+    output wire                        m_axi_rready
+);
+
+localparam BYTE_SHIFT = $clog2(STRB_WIDTH);
+localparam ROUTE_AW = $clog2(ROUTE_DEPTH);
+
+reg [ADDR_WIDTH-1:0] addr_reg [0:3];
+reg [31:0] left_reg [0:3];
+reg [15:0] resv_reg [0:3];  // beats in the FIFO or in flight
+reg [1:0] s_reg;
+reg tile_loaded_reg;
+reg [8:0] tleft_reg;
+
+reg arvalid_reg;
+reg [ADDR_WIDTH-1:0] araddr_reg;
+reg [7:0] arlen_reg;
+
+assign m_axi_arid = {ID_WIDTH{1'b0}};
+assign m_axi_araddr = araddr_reg;
+assign m_axi_arlen = arlen_reg;
+assign m_axi_arsize = BYTE_SHIFT[2:0];
+assign m_axi_arburst = 2'b01;
+assign m_axi_arlock = 1'b0;
+assign m_axi_arcache = 4'b0011;
+assign m_axi_arprot = 3'b010;
+assign m_axi_arvalid = arvalid_reg;
+assign m_axi_rready = 1'b1;
+
+// ---------------------------------------------------------------- requests
+wire [ADDR_WIDTH-1:0] cur_addr = addr_reg[s_reg];
+wire [12:0] page_beats_left = (13'd4096 - {1'b0, cur_addr[11:0]}) >> BYTE_SHIFT;
+wire [8:0] tile_burst_len = (page_beats_left < {4'd0, tleft_reg}) ? page_beats_left[8:0] : tleft_reg;
+/* verilator lint_off UNUSEDSIGNAL */
+wire [8:0] tile_burst_m1 = tile_burst_len - 9'd1;  // a burst is at most 256 beats
+/* verilator lint_on UNUSEDSIGNAL */
+wire all_requested = (left_reg[0] == 0) && (left_reg[1] == 0) && (left_reg[2] == 0) && (left_reg[3] == 0);
+wire room = (resv_reg[s_reg] + {7'd0, tile_burst_len}) <= FIFO_DEPTH[15:0];
+wire issue;
+
+// route FIFO: {stream, beats - 1} of every burst in flight
+wire [9:0] route_head;
+wire route_empty;
+wire [ROUTE_AW:0] route_count;
+reg route_pop;
+reg [7:0] rbeat_reg;
+
+l2l_optim_fifo #(.WIDTH(10), .DEPTH(ROUTE_DEPTH)) route_fifo (
+    .clk(clk), .rst(rst), .clear(start),
+    .push(issue), .push_data({s_reg, tile_burst_m1[7:0]}),
+    .pop(route_pop), .head(route_head), .empty(route_empty), .count(route_count)
+);
+
+assign issue = !start && !abort && !arvalid_reg && tile_loaded_reg && room && (route_count < ROUTE_DEPTH);
+assign idle = (all_requested || abort) && !arvalid_reg && route_empty;
+
+wire [8:0] tile_s = stream_tile[9*s_reg +: 9];
+
+// ---------------------------------------------------------------- data
+wire r_hs = m_axi_rvalid;  // rready is 1
+wire [1:0] r_stream = route_head[9:8];
+wire [7:0] r_len_m1 = route_head[7:0];
+assign error = r_hs && m_axi_rresp[1];
+
+always @* begin
+    route_pop = r_hs && !route_empty && (rbeat_reg == r_len_m1);
+end
+
+genvar k;
+generate
+for (k = 0; k < 4; k = k + 1) begin : g_stream
+    wire [FIFO_AW:0] count;
+    l2l_optim_fifo #(.WIDTH(DATA_WIDTH), .DEPTH(FIFO_DEPTH)) data_fifo (
+        .clk(clk), .rst(rst), .clear(start),
+        .push(r_hs && r_stream == k), .push_data(m_axi_rdata),
+        .pop(pop[k]), .head(head[DATA_WIDTH*k +: DATA_WIDTH]), .empty(empty[k]),
+        .count(count)
+    );
+    /* verilator lint_off UNUSEDSIGNAL */
+    wire unused_count = ^count;
+    /* verilator lint_on UNUSEDSIGNAL */
+
+    always @(posedge clk) begin
+        resv_reg[k] <= resv_reg[k] + ((issue && s_reg == k) ? {7'd0, tile_burst_len} : 16'd0)
+                       - {15'd0, pop[k]};
+        if (issue && s_reg == k) begin
+            addr_reg[k] <= addr_reg[k] + ({{(ADDR_WIDTH-9){1'b0}}, tile_burst_len} << BYTE_SHIFT);
+            left_reg[k] <= left_reg[k] - {23'd0, tile_burst_len};
+        end
+        if (start) begin
+            addr_reg[k] <= stream_addr[ADDR_WIDTH*k +: ADDR_WIDTH];
+            left_reg[k] <= stream_enable[k] ? stream_beats[32*k +: 32] : 32'd0;
+            resv_reg[k] <= 16'd0;
+        end
+        if (rst) begin
+            left_reg[k] <= 32'd0;
+            resv_reg[k] <= 16'd0;
+        end
+    end
+end
+endgenerate
+
+always @(posedge clk) begin
+    if (arvalid_reg && m_axi_arready) begin
+        arvalid_reg <= 1'b0;
+    end
+
+    if (!tile_loaded_reg) begin
+        // next stream with beats left: load its tile
+        if (left_reg[s_reg] != 0) begin
+            tile_loaded_reg <= 1'b1;
+            tleft_reg <= (left_reg[s_reg] < {23'd0, tile_s}) ? left_reg[s_reg][8:0] : tile_s;
+        end else begin
+            s_reg <= s_reg + 2'd1;
+        end
+    end else if (issue) begin
+        arvalid_reg <= 1'b1;
+        araddr_reg <= cur_addr;
+        arlen_reg <= tile_burst_len[7:0] - 8'd1;
+        tleft_reg <= tleft_reg - tile_burst_len;
+        if (tleft_reg == tile_burst_len) begin
+            tile_loaded_reg <= 1'b0;
+            s_reg <= s_reg + 2'd1;
+        end
+    end
+
+    if (r_hs) begin
+        rbeat_reg <= route_pop ? 8'd0 : rbeat_reg + 8'd1;
+    end
+
+    if (rst || start) begin
+        s_reg <= 2'd0;
+        tile_loaded_reg <= 1'b0;
+        rbeat_reg <= 8'd0;
+    end
+    if (rst) begin
+        arvalid_reg <= 1'b0;
+    end
+end
+
+endmodule
+
+`resetall

@@ -1,0 +1,216 @@
+// SPDX-License-Identifier: Apache-2.0
+// Write side of l2l_optim: one FIFO per result stream and an AXI4 AW/W/B
+// burst engine.
+//
+// Streams 0..3 = param, m, v, working copy. The datapath pushes result beats;
+// the engine visits the enabled streams round robin and requests a burst of
+// min(BURST_BEATS, beats left, beats to the next 4 KiB boundary) as soon as
+// the stream FIFO holds that many beats not yet promised to an earlier burst.
+// The W beats follow the AW order (a queue of {stream, length}); W data is
+// always already in the FIFO, so an issued burst always completes. The last
+// beat of a stream carries last_strb (bytes beyond element n are never
+// written). Every B response is awaited; bresp SLVERR/DECERR raises error.
+//
+// abort stops new bursts; the W beats and B responses of issued bursts are
+// still completed, then the engine reports idle.
+
+`resetall
+`timescale 1ns / 1ps
+`default_nettype none
+
+module l2l_optim_writer #
+(
+    parameter DATA_WIDTH = 64,
+    parameter ADDR_WIDTH = 64,
+    parameter ID_WIDTH = 1,
+    parameter FIFO_DEPTH = 128,
+    parameter BURST_BEATS = 64,
+    parameter QUEUE_DEPTH = 8,
+    parameter STRB_WIDTH = (DATA_WIDTH/8),
+    parameter FIFO_AW = $clog2(FIFO_DEPTH)
+)
+(
+    input  wire                        clk,
+    input  wire                        rst,
+
+    input  wire                        start,
+    input  wire                        abort,
+    input  wire [4*ADDR_WIDTH-1:0]     stream_addr,
+    input  wire [4*32-1:0]             stream_beats,
+    input  wire [4*STRB_WIDTH-1:0]     stream_last_strb,
+    input  wire [3:0]                  stream_enable,
+    output wire                        idle,
+    output wire                        error,
+
+    input  wire [3:0]                  push,
+    input  wire [4*DATA_WIDTH-1:0]     push_data,
+    output wire [4*(FIFO_AW+1)-1:0]    count,
+
+    /*
+     * AXI4 master, write channels
+     */
+    output wire [ID_WIDTH-1:0]         m_axi_awid,
+    output wire [ADDR_WIDTH-1:0]       m_axi_awaddr,
+    output wire [7:0]                  m_axi_awlen,
+    output wire [2:0]                  m_axi_awsize,
+    output wire [1:0]                  m_axi_awburst,
+    output wire                        m_axi_awlock,
+    output wire [3:0]                  m_axi_awcache,
+    output wire [2:0]                  m_axi_awprot,
+    output wire                        m_axi_awvalid,
+    input  wire                        m_axi_awready,
+    output wire [DATA_WIDTH-1:0]       m_axi_wdata,
+    output wire [STRB_WIDTH-1:0]       m_axi_wstrb,
+    output wire                        m_axi_wlast,
+    output wire                        m_axi_wvalid,
+    input  wire                        m_axi_wready,
+    /* verilator lint_off UNUSEDSIGNAL */
+    input  wire [ID_WIDTH-1:0]         m_axi_bid,
+    input  wire [1:0]                  m_axi_bresp,
+    /* verilator lint_on UNUSEDSIGNAL */
+    input  wire                        m_axi_bvalid,
+    output wire                        m_axi_bready
+);
+
+localparam BYTE_SHIFT = $clog2(STRB_WIDTH);
+localparam QUEUE_AW = $clog2(QUEUE_DEPTH);
+
+reg [ADDR_WIDTH-1:0] addr_reg [0:3];
+reg [31:0] left_reg [0:3];        // beats not yet requested on AW
+reg [31:0] wleft_reg [0:3];       // beats not yet sent on W
+reg [15:0] committed_reg [0:3];  // FIFO beats promised to issued bursts
+reg [1:0] s_reg;
+
+reg awvalid_reg;
+reg [ADDR_WIDTH-1:0] awaddr_reg;
+reg [7:0] awlen_reg;
+reg [15:0] b_pending_reg;
+reg [7:0] wbeat_reg;
+
+assign m_axi_awid = {ID_WIDTH{1'b0}};
+assign m_axi_awaddr = awaddr_reg;
+assign m_axi_awlen = awlen_reg;
+assign m_axi_awsize = BYTE_SHIFT[2:0];
+assign m_axi_awburst = 2'b01;
+assign m_axi_awlock = 1'b0;
+assign m_axi_awcache = 4'b0011;
+assign m_axi_awprot = 3'b010;
+assign m_axi_awvalid = awvalid_reg;
+assign m_axi_bready = 1'b1;
+
+// ---------------------------------------------------------------- AW
+wire [ADDR_WIDTH-1:0] cur_addr = addr_reg[s_reg];
+wire [12:0] page_beats_left = (13'd4096 - {1'b0, cur_addr[11:0]}) >> BYTE_SHIFT;
+wire [31:0] cur_left = left_reg[s_reg];
+wire [12:0] cap = (page_beats_left < BURST_BEATS) ? page_beats_left : BURST_BEATS;
+wire [8:0] burst_len = (cur_left < {19'd0, cap}) ? cur_left[8:0] : cap[8:0];
+/* verilator lint_off UNUSEDSIGNAL */
+wire [8:0] burst_m1 = burst_len - 9'd1;  // a burst is at most 256 beats
+/* verilator lint_on UNUSEDSIGNAL */
+wire [FIFO_AW:0] fifo_count [0:3];
+wire [15:0] avail = {{(15-FIFO_AW){1'b0}}, fifo_count[s_reg]} - committed_reg[s_reg];
+
+wire queue_empty;
+wire [QUEUE_AW:0] queue_count;
+wire [9:0] queue_head;
+wire all_requested = (left_reg[0] == 0) && (left_reg[1] == 0) && (left_reg[2] == 0) && (left_reg[3] == 0);
+wire issue = !start && !abort && !awvalid_reg && (cur_left != 0) && ({7'd0, burst_len} <= avail)
+             && (queue_count < QUEUE_DEPTH) && (b_pending_reg != 16'hFFFF);
+
+// ---------------------------------------------------------------- W
+wire [1:0] w_stream = queue_head[9:8];
+wire [7:0] w_len_m1 = queue_head[7:0];
+wire w_hs = m_axi_wvalid && m_axi_wready;
+wire w_last = (wbeat_reg == w_len_m1);
+wire [DATA_WIDTH-1:0] fifo_head [0:3];
+
+assign m_axi_wvalid = !queue_empty;
+assign m_axi_wdata = fifo_head[w_stream];
+assign m_axi_wstrb = (wleft_reg[w_stream] == 32'd1) ? stream_last_strb[STRB_WIDTH*w_stream +: STRB_WIDTH]
+                                                    : {STRB_WIDTH{1'b1}};
+assign m_axi_wlast = w_last;
+
+l2l_optim_fifo #(.WIDTH(10), .DEPTH(QUEUE_DEPTH)) queue_fifo (
+    .clk(clk), .rst(rst), .clear(start),
+    .push(issue), .push_data({s_reg, burst_m1[7:0]}),
+    .pop(w_hs && w_last), .head(queue_head), .empty(queue_empty), .count(queue_count)
+);
+
+assign idle = (all_requested || abort) && !awvalid_reg && queue_empty && (b_pending_reg == 0);
+assign error = m_axi_bvalid && m_axi_bresp[1];
+
+genvar k;
+generate
+for (k = 0; k < 4; k = k + 1) begin : g_stream
+    wire pop = w_hs && (w_stream == k);
+    wire fifo_empty;
+
+    l2l_optim_fifo #(.WIDTH(DATA_WIDTH), .DEPTH(FIFO_DEPTH)) data_fifo (
+        .clk(clk), .rst(rst), .clear(start),
+        .push(push[k]), .push_data(push_data[DATA_WIDTH*k +: DATA_WIDTH]),
+        .pop(pop), .head(fifo_head[k]), .empty(fifo_empty), .count(fifo_count[k])
+    );
+    /* verilator lint_off UNUSEDSIGNAL */
+    wire unused_empty = fifo_empty;
+    /* verilator lint_on UNUSEDSIGNAL */
+    assign count[(FIFO_AW+1)*k +: FIFO_AW+1] = fifo_count[k];
+
+    always @(posedge clk) begin
+        committed_reg[k] <= committed_reg[k] + ((issue && s_reg == k) ? {7'd0, burst_len} : 16'd0)
+                            - {15'd0, pop};
+        if (issue && s_reg == k) begin
+            addr_reg[k] <= addr_reg[k] + ({{(ADDR_WIDTH-9){1'b0}}, burst_len} << BYTE_SHIFT);
+            left_reg[k] <= left_reg[k] - {23'd0, burst_len};
+        end
+        if (pop) begin
+            wleft_reg[k] <= wleft_reg[k] - 32'd1;
+        end
+        if (start) begin
+            addr_reg[k] <= stream_addr[ADDR_WIDTH*k +: ADDR_WIDTH];
+            left_reg[k] <= stream_enable[k] ? stream_beats[32*k +: 32] : 32'd0;
+            wleft_reg[k] <= stream_enable[k] ? stream_beats[32*k +: 32] : 32'd0;
+            committed_reg[k] <= 16'd0;
+        end
+        if (rst) begin
+            left_reg[k] <= 32'd0;
+            wleft_reg[k] <= 32'd0;
+            committed_reg[k] <= 16'd0;
+        end
+    end
+end
+endgenerate
+
+always @(posedge clk) begin
+    if (awvalid_reg && m_axi_awready) begin
+        awvalid_reg <= 1'b0;
+    end
+
+    if (issue) begin
+        awvalid_reg <= 1'b1;
+        awaddr_reg <= cur_addr;
+        awlen_reg <= burst_m1[7:0];
+    end
+    // visit the streams round robin: after a burst, or while this one waits
+    if (!awvalid_reg) begin
+        s_reg <= s_reg + 2'd1;
+    end
+
+    b_pending_reg <= b_pending_reg + {15'd0, issue} - {15'd0, m_axi_bvalid};
+
+    if (w_hs) begin
+        wbeat_reg <= w_last ? 8'd0 : wbeat_reg + 8'd1;
+    end
+
+    if (rst || start) begin
+        s_reg <= 2'd0;
+        wbeat_reg <= 8'd0;
+    end
+    if (rst) begin
+        awvalid_reg <= 1'b0;
+        b_pending_reg <= 16'd0;
+    end
+end
+
+endmodule
+
+`resetall
