@@ -30,7 +30,8 @@ TRAIN_DEFAULTS = dict(
     layers=4, width=128, heads=4, context=128, batch_size=32, micro_batches=4, steps=200,
     lr=2e-3, schedule="cosine", warmup=None, optimizer="adamw", momentum=0.0, weight_decay=0.1,
     eps_backend="cpu", device="cpu", seed=1337, dropout=0.0, tie_weights=False, eval_every=50,
-    data=None, recompute=True,
+    data=None, recompute=True, gelu="exact", linear_projection=0.0, precision="fp32", pipedream_2bw=False,
+    activations="device", layer_drop=0.0, clip_grad_norm=None, clip_mode="layer",
 )
 EVAL_BATCHES = 4  # validation minibatches per eval point; the same windows every time
 SAMPLE_PROMPT, SAMPLE_BYTES = b"def ", 200
@@ -41,7 +42,8 @@ CHECKPOINT, METRICS, PLOT = "checkpoint.safetensors", "metrics.jsonl", "loss.png
 
 def _model_config(cfg: dict) -> GPTConfig:
     return GPTConfig(n_layer=cfg["layers"], n_embd=cfg["width"], n_head=cfg["heads"],
-                     block_size=cfg["context"], dropout=cfg["dropout"], tie_weights=cfg["tie_weights"])
+                     block_size=cfg["context"], dropout=cfg["dropout"], tie_weights=cfg["tie_weights"],
+                     gelu=cfg.get("gelu", "exact"), linear_projection=cfg.get("linear_projection", 0.0))
 
 
 def _make_relay(cfg: dict):
@@ -54,8 +56,11 @@ def _make_relay(cfg: dict):
         cfg["eps_backend"], optimizer=cfg["optimizer"], lr=cfg["lr"], weight_decay=cfg["weight_decay"],
         momentum=cfg["momentum"], schedule=cfg["schedule"], warmup_steps=cfg["warmup"],
         total_steps=cfg["steps"], min_lr=cfg["lr"] / 10)  # floor at lr/10, as nanoGPT
+    # .get: checkpoints written before an option existed resume with its default
+    options = {k: cfg.get(k, TRAIN_DEFAULTS[k]) for k in
+               ("recompute", "precision", "pipedream_2bw", "activations", "layer_drop", "clip_grad_norm", "clip_mode")}
     return l2l_hw.Relay(layers, lm_loss, eps=eps, device=cfg["device"], micro_batches=cfg["micro_batches"],
-                        recompute=cfg.get("recompute", True))
+                        **options)
 
 
 def _rng_tensors(data_rng: torch.Generator) -> dict:
@@ -238,6 +243,22 @@ def cmd_bench_relay(args) -> int:
     return 0
 
 
+def cmd_bench_precision(args) -> int:
+    from l2l_hw.bench.precision import format_report, run
+
+    report = run(steps=args.steps)
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
+
+
+def cmd_bench_memory(args) -> int:
+    from l2l_hw.bench.memory import format_report, run
+
+    report = run(device=args.device)
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
+
+
 # ---------------------------------------------------------------------------- parser
 
 def build_parser() -> argparse.ArgumentParser:
@@ -272,6 +293,21 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-recompute", dest="recompute", action="store_false", default=None,
                    help="keep each layer's forward graph instead of recomputing it in the backward "
                         "(faster by one forward per step, memory grows with depth)")
+    t.add_argument("--gelu", choices=["exact", "fewbit"],
+                   help=f"GELU backward: exact, or fewbit (3 bits saved per element) (default {d['gelu']})")
+    t.add_argument("--linear-projection", type=float, metavar="RATIO",
+                   help="> 0: the MLP Linears save a random projection of RATIO of the rows for the weight "
+                        f"gradient instead of their input (default {d['linear_projection']}: exact)")
+    t.add_argument("--precision", choices=["fp32", "bf16", "fp16"],
+                   help="compute dtype; fp16 uses dynamic loss scaling (default fp32)")
+    t.add_argument("--pipedream-2bw", action="store_true", default=None,
+                   help="PipeDream-2BW: compute on the weights one step back, never wait for an update")
+    t.add_argument("--activations", choices=["device", "host"],
+                   help="where stashed layer inputs live; host = constant device memory (default device)")
+    t.add_argument("--layer-drop", type=float, help="probability of skipping each block per step (default 0)")
+    t.add_argument("--clip-grad-norm", type=float, help="clip gradients to this norm (default: no clipping)")
+    t.add_argument("--clip-mode", choices=["layer", "global"],
+                   help="per-layer norms, or one global norm with updates deferred to the step's end (default layer)")
     t.add_argument("--data", help="a text file or folder to train on (default: this Python's stdlib sources)")
     t.add_argument("--out", default="runs/latest", help="output folder (default runs/latest)")
     t.add_argument("--resume", action="store_true", help="continue exactly from --out's checkpoint and metrics")
@@ -292,6 +328,28 @@ def build_parser() -> argparse.ArgumentParser:
     br.add_argument("--steps", type=int, default=5, help="timed steps per variant, after warm-up (default 5)")
     br.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     br.set_defaults(func=cmd_bench_relay)
+    bm = bsub.add_parser("memory", help="peak device memory against depth",
+                         description="Peak device memory at depths 6, 12, 24, 48: plain PyTorch, PyTorch with "
+                                     "activation checkpointing, the relay with device and host activations.")
+    bm.add_argument("--json", action="store_true", help="print the report as JSON")
+    bm.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    bm.set_defaults(func=cmd_bench_memory)
+    bp = bsub.add_parser("precision", help="bf16, fp16, 2BW and approximate backward against fp32",
+                         description="Validation loss of the default GPT after --steps steps for each cheaper "
+                                     "mode, against the fp32 run.")
+    bp.add_argument("--json", action="store_true", help="print the report as JSON")
+    bp.add_argument("--steps", type=int, default=200, help="training steps per run (default 200)")
+    bp.set_defaults(func=cmd_bench_precision)
+    from l2l_hw.bench import eps as bench_eps
+    be = bsub.add_parser("eps", help="fused host optimizer kernel vs torch vs a memory stream",
+                         description=bench_eps.__doc__.split("\n\n")[0])
+    bench_eps.add_arguments(be)
+    be.set_defaults(func=bench_eps.run_from_args)
+    from l2l_hw.bench import rtl as bench_rtl
+    bt = bsub.add_parser("rtl", help="RTL optimizer kernel in Verilator: elements per clock vs the AXI bound",
+                         description=bench_rtl.__doc__.split("\n\n")[0])
+    bench_rtl.add_arguments(bt)
+    bt.set_defaults(func=bench_rtl.run_from_args)
     return p
 
 

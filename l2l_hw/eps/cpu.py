@@ -1,43 +1,62 @@
 """CPU-DRAM EPS: fp32 master weights and optimizer state in host memory.
 
 Updates run on one worker thread, in the order the relay pushes them, so the update
-of layer i overlaps the backward of layer i-1 on the caller's thread. The rule is
-`golden.apply_rule` on torch float32 tensors: every torch call is one IEEE binary32
-operation (no lerp/addcdiv/addcmul, which fuse roundings), so the result is
-bit-identical to the golden EPS.
+of layer i overlaps the backward of layer i-1 on the caller's thread. Each tensor's
+update is one call of the fused host kernel (host/l2l_host_kernel.c through
+l2l_hw/eps/host_kernel.py): gradient in (fp32, bf16 or fp16, no conversion pass),
+unscale, non-finite check, `golden.apply_rule` bit for bit, working copy out, in one
+pass over memory, on `threads` threads of its own (not torch's OpenMP team).
+
+Buffers: every tensor has two copies of param, m, v and of the bf16/fp16 working copy.
+An update reads the committed copy and writes the other ("spare"); a failure (a gradient
+that cannot be moved to the CPU, a kernel error) therefore leaves the group exactly as it
+was. The price is twice the state memory.
+  - default: the copies are swapped as soon as every tensor of the group has been
+    written, on the worker thread; `fetch` waits for the group's pending update.
+  - double_buffer=True (step-level, see EPS.commit_step): the copies are swapped for
+    every group at commit, so a step can be discarded whole; param and working copy get
+    a third copy holding the version one commit back, for fetch(previous=True)
+    (PipeDream-2BW computes on it while the update writes the newest).
 """
 from __future__ import annotations
 
-import math
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import numpy as np
 import torch
 
+from l2l_hw.eps import host_kernel
 from l2l_hw.eps.base import EPS, STATE_SLOTS, WORKING_DTYPES, OptimConfig, register_backend
-from l2l_hw.eps.golden import apply_rule, step_scalars
-
-
-def sqrt_rn(t: torch.Tensor) -> torch.Tensor:
-    """Correctly rounded square root. torch.sqrt on AVX-512 CPUs is not: measured 1 ulp
-    off on 15.8% of float32 inputs (torch 2.13.0); numpy's is the IEEE instruction."""
-    return torch.from_numpy(np.sqrt(t.numpy()))
+from l2l_hw.eps.golden import step_scalars
 
 
 @register_backend("cpu")
 class CpuEps(EPS):
-    def __init__(self, config: OptimConfig, working_dtype: str = "fp32"):
-        super().__init__(config, working_dtype)
+    def __init__(self, config: OptimConfig, working_dtype: str = "fp32", double_buffer: bool = False,
+                 threads: int | None = None, isa: str | None = None):
+        super().__init__(config, working_dtype, double_buffer)
+        host_kernel.library()  # no silent slow path: say now, and how to build it, if it is missing
+        self.isa = host_kernel.resolve_isa(isa)  # argument, else $L2L_HOST_ISA, else the widest the CPU has
+        self.threads = host_kernel.default_threads() if threads is None else threads
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
         # Pinned host memory lets the relay's copy stream move weights asynchronously.
         self._pin = torch.cuda.is_available()
+        # state[key][name] is the committed {param, m, v, working}; spare[key][name] the buffers
+        # updates write; previous[key][name] {param, working} one commit back (double_buffer only).
         self.state: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
-        self.working: dict[str, dict[str, torch.Tensor]] = {}
+        self.spare: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
+        self.previous: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="l2l-eps-update")
         self._pending: dict[str, Future] = {}
+        self._written: dict[str, set[str]] = {}  # double buffering: tensors updated in the step, per group
 
-    def _host(self, t: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(t.shape, dtype=torch.float32, pin_memory=self._pin)
-        return out.copy_(t)
+    def _host(self, shape, dtype=torch.float32) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, pin_memory=self._pin)
+
+    def _slots_updated(self) -> tuple[str, ...]:
+        """State slots the rule writes: SGD without momentum leaves m as it is."""
+        cfg = self.config
+        return ("param",) + (() if cfg.optimizer == "sgd" and cfg.momentum == 0 else STATE_SLOTS[cfg.optimizer])
 
     def _register(self, key, params):
         for name, p in params.items():
@@ -45,53 +64,78 @@ class CpuEps(EPS):
 
     def _load(self, key, name, slots):
         p = slots["param"]
-        entry = {"param": self._host(p)}
+        entry = {"param": self._host(p.shape).copy_(p)}
         for slot in STATE_SLOTS[self.config.optimizer]:
-            entry[slot] = self._host(slots[slot] if slot in slots else torch.zeros_like(p))
+            entry[slot] = self._host(p.shape).copy_(slots[slot]) if slot in slots else self._host(p.shape).zero_()
+        spare = {slot: self._host(p.shape) for slot in self._slots_updated()}
+        if self.working_dtype != "fp32":
+            low = WORKING_DTYPES[self.working_dtype]
+            entry["working"], spare["working"] = self._host(p.shape, low), self._host(p.shape, low)
+            # The working copy of the loaded weights: the kernel's conversion, from a zero-step SGD
+            # (p - 0 * 0 = p for finite p; NaN stays canonical NaN).
+            self._convert(entry["param"], entry["working"])
         self.state.setdefault(key, {})[name] = entry
-        self._refresh_working(key, name)
+        self.spare.setdefault(key, {})[name] = spare
+        if self.double_buffer:  # before the first commit the previous version is the loaded one
+            self.previous.setdefault(key, {})[name] = {
+                slot: entry[slot].clone() for slot in ("param", "working") if slot in entry}
 
-    def _refresh_working(self, key, name):
-        p = self.state[key][name]["param"]
-        if self.working_dtype == "fp32":
-            self.working.setdefault(key, {})[name] = p
-        else:
-            low = p.to(WORKING_DTYPES[self.working_dtype])  # round to nearest even
-            self.working.setdefault(key, {})[name] = low.masked_fill_(p.isnan(), math.nan)  # canonical NaN
+    def _convert(self, param: torch.Tensor, working: torch.Tensor) -> None:
+        """Round-to-nearest-even working copy of `param`, by the kernel's own conversion."""
+        zero = step_scalars(OptimConfig(optimizer="sgd", lr=0.0), 1)
+        scratch = torch.empty_like(param)
+        host_kernel.step("sgd", zero, torch.zeros_like(param), param, param_out=scratch, working_out=working,
+                         isa=self.isa, threads=self.threads)
 
     def _tensors(self, key, name):
-        return self.state[key][name]
+        return {slot: t for slot, t in self.state[key][name].items() if slot != "working"}
 
-    def fetch(self, key):
+    def fetch(self, key, previous=False):
         pending = self._pending.get(key)
-        if pending is not None:
+        if pending is not None and not self.double_buffer:  # double buffered: updates write the spare
             self._result(key, pending)
-        return dict(self.working[key])
+        entries = self.previous[key] if previous and self.double_buffer else self.state[key]
+        slot = "param" if self.working_dtype == "fp32" else "working"
+        return {name: e[slot] for name, e in entries.items()}
 
     def _push(self, key, grads, inv_scale):
         s = step_scalars(self.config, self.step + 1, inv_scale)
         self._pending[key] = self._worker.submit(self._update, key, grads, s)
 
     def _update(self, key, grads, s):
-        """Worker thread: compute every new tensor first, then store, so a failure leaves the group intact."""
-        new, found = {}, False
+        """Worker thread: write every tensor's new state into its spare buffers, then swap them in."""
+        found = False
         for name, grad in grads.items():
-            e = self.state[key][name]
-            g = grad.detach().to("cpu", torch.float32)
-            p, m, v = apply_rule(self.config.optimizer, s, e["param"], e.get("m"), e.get("v"), g, sqrt_rn)
-            if not bool(torch.isfinite(g * s.inv_scale).all()) or s.eps == 0:
-                # Only non-finite gradients (or eps = 0 with v = 0) create NaNs; give them
-                # the canonical pattern the RTL produces.
-                p, m, v = (t if t is None else t.masked_fill(t.isnan(), math.nan) for t in (p, m, v))
-                found = True
-            new[name] = {"param": p, "m": m, "v": v}
-        for name, slots in new.items():
-            e = self.state[key][name]
-            for slot in e:
-                if slots[slot] is not e[slot]:
-                    e[slot].copy_(slots[slot])
-            self._refresh_working(key, name)
+            e, out = self.state[key][name], self.spare[key][name]
+            g = grad.detach().to("cpu").contiguous()  # fp32, bf16 or fp16 as it came: the kernel widens it
+            found |= host_kernel.step(
+                self.config.optimizer, s, g, e["param"], e.get("m"), e.get("v"),
+                param_out=out["param"], m_out=out.get("m"), v_out=out.get("v"), working_out=out.get("working"),
+                isa=self.isa, threads=self.threads)
+        if not self.double_buffer:  # commit the group: nothing above changed its committed buffers
+            for name in grads:
+                self._rotate(key, name)
+        else:
+            self._written.setdefault(key, set()).update(grads)
         return found
+
+    def _rotate(self, key, name):
+        """spare -> committed; with double buffering committed param/working -> previous -> spare."""
+        e, out, prev = self.state[key][name], self.spare[key][name], self.previous.get(key, {}).get(name)
+        for slot in out:
+            if prev is not None and slot in prev:
+                e[slot], prev[slot], out[slot] = out[slot], e[slot], prev[slot]
+            else:
+                e[slot], out[slot] = out[slot], e[slot]
+
+    def _swap(self, keys):
+        for key in keys:
+            for name in self._written.pop(key, ()):
+                self._rotate(key, name)
+
+    def discard_step(self):
+        super().discard_step()  # waits for the updates first; they wrote only spare buffers
+        self._written.clear()
 
     def _result(self, key, future):
         try:

@@ -1,0 +1,214 @@
+"""ctypes binding of the fused one-pass host optimizer kernel (host/l2l_host_kernel.c).
+
+    found = step(optimizer, scalars, grad, param, m, v, working_out=w)   # in place
+    found = step(..., param_out=p2, m_out=m2, v_out=v2)                    # double buffer
+
+One pass reads the gradient (fp32, bf16 or fp16), unscales it, flags non-finite values,
+updates fp32 param, m and v by `golden.apply_rule` bit for bit, and writes the bf16/fp16
+working copy. Tensors go to C by pointer (`data_ptr()`), so building the library needs
+neither torch nor Python headers; ctypes releases the GIL for the call.
+
+Buffers: CPU, contiguous, aligned to their element size (4 bytes for fp32, 2 for
+bf16/fp16; the SIMD paths use unaligned loads, so nothing more is needed). A destination
+may be exactly its own source (in place) but must not otherwise overlap any other
+buffer. ISA: `isa=` or the environment variable L2L_HOST_ISA (scalar, avx2, avx512);
+by default the widest the CPU has. Threads: `threads=` or every core this process may
+run on (os.sched_getaffinity).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.machinery
+import os
+from pathlib import Path
+
+import torch
+
+from l2l_hw.eps.golden import StepScalars
+
+ISAS = ("scalar", "avx2", "avx512")  # codes 0, 1, 2 in C
+ISA_ENV = "L2L_HOST_ISA"
+OPTIMIZER_CODES = {"adamw": 0, "adam": 1, "sgd": 2}
+GRAD_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+WORKING_CODES = {torch.bfloat16: 1, torch.float16: 2}
+BUILD_HINT = ("build it with `pip install -e .` in the repository (or `make test`, which does that); "
+              "it needs a C compiler (gcc)")
+
+
+class HostKernelMissing(ImportError):
+    """The native library l2l_hw/_host_kernel*.so is not built."""
+
+
+class _Scalars(ctypes.Structure):
+    """Mirror of l2l_scalars in host/l2l_host_kernel.c."""
+
+    _fields_ = [("optimizer", ctypes.c_int32), ("nesterov", ctypes.c_int32)] + [
+        (name, ctypes.c_float) for name in (
+            "inv_scale", "lr", "weight_decay", "decay", "beta1", "one_minus_beta1", "beta2", "one_minus_beta2",
+            "step_size", "bias_correction2_sqrt", "eps", "momentum", "dampening_complement")]
+
+
+_lib = None
+
+
+def library() -> ctypes.CDLL:
+    """The loaded native library; raises HostKernelMissing with the way to build it."""
+    global _lib
+    if _lib is not None:
+        return _lib
+    package = Path(__file__).resolve().parent.parent
+    found = [package / f"_host_kernel{suffix}" for suffix in importlib.machinery.EXTENSION_SUFFIXES
+             if (package / f"_host_kernel{suffix}").exists()]
+    if not found:
+        raise HostKernelMissing(f"the fused host optimizer kernel is not built (no {package}/_host_kernel*.so); "
+                                f"the CPU EPS needs it: {BUILD_HINT}")
+    lib = ctypes.CDLL(str(found[0]))
+    c_int, c_i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+    lib.l2l_host_step.argtypes = [ctypes.POINTER(_Scalars), c_i64, ptr, c_int, ptr, ptr, ptr, ptr, ptr, ptr,
+                                  ptr, c_int, c_int, c_int]
+    lib.l2l_host_step.restype = c_int
+    lib.l2l_host_stream.argtypes = [c_i64, ptr, ptr, ptr, ptr, ptr, c_int, c_int]
+    lib.l2l_host_stream.restype = c_int
+    for name in ("l2l_host_tile", "l2l_host_best_isa"):
+        getattr(lib, name).argtypes, getattr(lib, name).restype = [], c_int
+    lib.l2l_host_isa_supported.argtypes, lib.l2l_host_isa_supported.restype = [c_int], c_int
+    lib.l2l_host_caller_mxcsr.argtypes, lib.l2l_host_caller_mxcsr.restype = [], ctypes.c_uint
+    _lib = lib
+    return lib
+
+
+def tile() -> int:
+    """Elements per tile, the unit of work of one thread."""
+    return library().l2l_host_tile()
+
+
+@functools.cache
+def available_isas() -> tuple[str, ...]:
+    lib = library()
+    return tuple(name for code, name in enumerate(ISAS) if lib.l2l_host_isa_supported(code))
+
+
+def resolve_isa(isa: str | None = None) -> str:
+    """`isa`, else $L2L_HOST_ISA, else the widest this CPU supports; refuses one it lacks."""
+    isa = isa or os.environ.get(ISA_ENV) or available_isas()[-1]
+    if isa not in ISAS:
+        raise ValueError(f"unknown host kernel ISA {isa!r} (argument or ${ISA_ENV}); choose one of {', '.join(ISAS)}")
+    if isa not in available_isas():
+        raise RuntimeError(f"this CPU does not support the {isa} path of the host kernel; "
+                           f"it supports {', '.join(available_isas())}")
+    return isa
+
+
+def default_threads() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+def caller_mxcsr() -> int:
+    """MXCSR of the calling thread (0x8000 FTZ, 0x0040 DAZ); the kernel sets its own."""
+    return library().l2l_host_caller_mxcsr()
+
+
+def _check_buffers(buffers: dict[str, torch.Tensor | None], n: int) -> None:
+    for name, t in buffers.items():
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"host kernel: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device.type != "cpu":
+            raise ValueError(f"host kernel: {name} is on {t.device}; the kernel reads and writes CPU memory")
+        if not t.is_contiguous():
+            raise ValueError(f"host kernel: {name} is not contiguous (strides {t.stride()}); pass .contiguous()")
+        if t.numel() != n:
+            raise ValueError(f"host kernel: {name} has {t.numel()} elements; param has {n}")
+        if t.data_ptr() % t.element_size():
+            raise ValueError(f"host kernel: {name} at address {t.data_ptr():#x} is not aligned to its "
+                             f"{t.element_size()}-byte elements; the kernel needs element alignment")
+
+
+def _check_overlap(sources: dict[str, torch.Tensor], destinations: dict[str, tuple[torch.Tensor, str | None]]):
+    """A destination may be exactly its own source; any other overlap is refused."""
+    def span(t):
+        return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+
+    others = [(name, t) for name, t in sources.items()] + [(name, t) for name, (t, _) in destinations.items()]
+    for dst_name, (dst, own_source) in destinations.items():
+        lo, hi = span(dst)
+        if lo == hi:
+            continue
+        for name, t in others:
+            if name == dst_name:
+                continue
+            a, b = span(t)
+            if a < hi and lo < b and not (name == own_source and (a, b) == (lo, hi)):
+                raise ValueError(f"host kernel: {dst_name} overlaps {name}; a destination must be exactly its own "
+                                 f"source (in place) or disjoint from every other buffer")
+
+
+def step(optimizer: str, scalars: StepScalars, grad: torch.Tensor, param: torch.Tensor,
+         m: torch.Tensor | None = None, v: torch.Tensor | None = None, *,
+         param_out: torch.Tensor | None = None, m_out: torch.Tensor | None = None,
+         v_out: torch.Tensor | None = None, working_out: torch.Tensor | None = None,
+         isa: str | None = None, threads: int | None = None) -> bool:
+    """One update of one tensor; returns whether any gradient value times inv_scale is not finite.
+
+    Outputs default to the inputs (in place). `m` is needed by Adam/AdamW and by SGD with
+    momentum, `v` by Adam/AdamW; `working_out` (bf16 or fp16) receives the working copy."""
+    if optimizer not in OPTIMIZER_CODES:
+        raise ValueError(f"host kernel: unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZER_CODES)}")
+    adam = optimizer != "sgd"
+    uses_m, uses_v = adam or scalars.momentum != 0, adam
+    for name, t, needed in (("m", m, uses_m), ("v", v, uses_v)):
+        if needed and t is None:
+            raise ValueError(f"host kernel: {optimizer} needs the state tensor {name}")
+    m, v = (m if uses_m else None), (v if uses_v else None)
+    param_out = param if param_out is None else param_out
+    m_out = (m if m_out is None else m_out) if uses_m else None
+    v_out = (v if v_out is None else v_out) if uses_v else None
+    if not isinstance(param, torch.Tensor):
+        raise TypeError(f"host kernel: param must be a torch.Tensor, got {type(param).__name__}")
+    n = param.numel()
+    buffers = {"grad": grad, "param": param, "m": m, "v": v, "param_out": param_out, "m_out": m_out,
+               "v_out": v_out, "working_out": working_out}
+    _check_buffers(buffers, n)
+    if grad.dtype not in GRAD_CODES:
+        raise TypeError(f"host kernel: grad has dtype {grad.dtype}; it takes float32, bfloat16 or float16")
+    for name in ("param", "m", "v", "param_out", "m_out", "v_out"):
+        if buffers[name] is not None and buffers[name].dtype != torch.float32:
+            raise TypeError(f"host kernel: {name} has dtype {buffers[name].dtype}; the state is float32")
+    if working_out is not None and working_out.dtype not in WORKING_CODES:
+        raise TypeError(f"host kernel: working_out has dtype {working_out.dtype}; it takes bfloat16 or float16 "
+                        f"(an fp32 working copy is param itself)")
+    sources = {k: buffers[k] for k in ("grad", "param", "m", "v") if buffers[k] is not None}
+    destinations = {k: (buffers[k], src) for k, src in (("param_out", "param"), ("m_out", "m"), ("v_out", "v"),
+                                                         ("working_out", None)) if buffers[k] is not None}
+    _check_overlap(sources, destinations)
+    threads = default_threads() if threads is None else threads
+    if threads < 1:
+        raise ValueError(f"host kernel: threads must be >= 1, got {threads}")
+
+    s = _Scalars(OPTIMIZER_CODES[optimizer], int(scalars.nesterov), *(
+        getattr(scalars, name) for name, _ in _Scalars._fields_[2:]))
+    addr = (lambda t: None if t is None else t.data_ptr())
+    rc = library().l2l_host_step(
+        ctypes.byref(s), n, grad.data_ptr(), GRAD_CODES[grad.dtype], param.data_ptr(), param_out.data_ptr(),
+        addr(m), addr(m_out), addr(v), addr(v_out), addr(working_out),
+        -1 if working_out is None else WORKING_CODES[working_out.dtype], ISAS.index(resolve_isa(isa)), threads)
+    if rc < 0:
+        raise RuntimeError(f"host kernel failed with code {rc}")
+    return bool(rc)
+
+
+def stream(grad16: torch.Tensor, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, copy16: torch.Tensor, *,
+           isa: str | None = None, threads: int | None = None) -> None:
+    """The memory reference of `l2l bench eps`: the bytes of a bf16-gradient step with one
+    add per stream (read grad16, p, m, v; write p, m, v in place and copy16)."""
+    n = p.numel()
+    _check_buffers({"grad16": grad16, "p": p, "m": m, "v": v, "copy16": copy16}, n)
+    if grad16.element_size() != 2 or copy16.element_size() != 2 or {p.dtype, m.dtype, v.dtype} != {torch.float32}:
+        raise TypeError("host stream: grad16 and copy16 are 16-bit, p, m, v float32")
+    rc = library().l2l_host_stream(n, grad16.data_ptr(), p.data_ptr(), m.data_ptr(), v.data_ptr(),
+                                   copy16.data_ptr(), ISAS.index(resolve_isa(isa)),
+                                   default_threads() if threads is None else threads)
+    if rc < 0:
+        raise RuntimeError(f"host stream failed with code {rc}")
