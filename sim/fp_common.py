@@ -269,3 +269,32 @@ class FpTB:
         n = len(operands)
         assert cycles == n + self.latency, \
             f"{n} back-to-back operations took {cycles} cycles, expected {n + self.latency}"
+
+
+def vector_tests(tb_class, latency, special_vectors, boundary_vectors, random_vectors, random_seed):
+    """The four cocotb tests of a unit bench, named run_test_*; a bench module puts them
+    in its globals, where cocotb discovers them."""
+
+    async def run_test_specials(dut):
+        tb = tb_class(dut, latency, seed=1)
+        await tb.cycle_reset()
+        await tb.check_ops("specials", special_vectors())
+
+    async def run_test_boundaries(dut):
+        tb = tb_class(dut, latency, seed=2)
+        await tb.cycle_reset()
+        await tb.check_ops("boundaries", boundary_vectors())
+
+    async def run_test_random(dut):
+        tb = tb_class(dut, latency, seed=3)
+        await tb.cycle_reset()
+        for n, rng in chunks(random_count(), seed=random_seed):
+            await tb.check_ops("random", random_vectors(n, rng))
+
+    async def run_test_back_to_back(dut):
+        tb = tb_class(dut, latency, seed=4)
+        await tb.cycle_reset()
+        await tb.check_back_to_back((special_vectors() * 4)[:100])  # 100 in a row, unary units too
+
+    tests = (run_test_specials, run_test_boundaries, run_test_random, run_test_back_to_back)
+    return {t.__name__: cocotb.test(name=t.__name__)(t) for t in tests}

@@ -56,6 +56,7 @@ def run_unit(unit):
     from cocotb_tools.runner import get_results
 
     total, failed = get_results(results)
+    assert total > 0, f"{unit}: cocotb found no tests in sim/{unit}"
     assert failed == 0, f"{unit}: {failed} of {total} cocotb tests failed"
 
 

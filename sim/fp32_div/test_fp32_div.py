@@ -1,9 +1,8 @@
 """fp32_div against SoftFloat f32_div, bit-exact with flags."""
 
-import cocotb
 import softfloatpy as sf
 
-from fp_common import F32, FpTB, boundary_grid, chunks, random_count
+from fp_common import vector_tests, F32, FpTB, boundary_grid
 
 LATENCY = 10  # 3 + ceil(26 / STEPS_PER_STAGE=4)
 
@@ -59,30 +58,6 @@ def random_vectors(n, rng):
     return vec
 
 
-@cocotb.test()
-async def run_test_specials(dut):
-    tb = TB(dut, LATENCY, seed=1)
-    await tb.cycle_reset()
-    await tb.check_ops("specials", special_vectors())
-
-
-@cocotb.test()
-async def run_test_boundaries(dut):
-    tb = TB(dut, LATENCY, seed=2)
-    await tb.cycle_reset()
-    await tb.check_ops("boundaries", boundary_vectors())
-
-
-@cocotb.test()
-async def run_test_random(dut):
-    tb = TB(dut, LATENCY, seed=3)
-    await tb.cycle_reset()
-    for n, rng in chunks(random_count(), seed=3003):
-        await tb.check_ops("random", random_vectors(n, rng))
-
-
-@cocotb.test()
-async def run_test_back_to_back(dut):
-    tb = TB(dut, LATENCY, seed=4)
-    await tb.cycle_reset()
-    await tb.check_back_to_back(special_vectors()[:100])
+# The four tests every unit bench runs: specials, boundaries, random, back to back.
+globals().update(vector_tests(TB, LATENCY, special_vectors, boundary_vectors, random_vectors,
+                              random_seed=3003))
