@@ -218,8 +218,13 @@ def cmd_info(args) -> int:
     print("EPS backends:")
     for name in known_backends():
         try:
-            l2l_hw.make_eps(name)
-            state = "usable"
+            if name == "fpga-sim":  # say whether it can build, without Verilating the RTL here
+                from l2l_hw.hw.verilator import _verilator_bin
+                _verilator_bin()
+                state = "usable (the RTL is Verilated on first use and cached)"
+            else:
+                l2l_hw.make_eps(name)
+                state = "usable"
         except Exception as e:  # a backend that needs a board or a simulator says why here
             state = f"unavailable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
         print(f"  {name:<10} {state}")
@@ -344,7 +349,10 @@ def build_parser() -> argparse.ArgumentParser:
     be = bsub.add_parser("eps", help="fused host optimizer kernel vs torch vs a memory stream",
                          description=bench_eps.__doc__.split("\n\n")[0])
     bench_eps.add_arguments(be)
-    be.set_defaults(func=bench_eps.run_from_args)
+    from l2l_hw.bench import eps_fpga as bench_eps_fpga
+    be.add_argument("--backend", choices=("cpu", "fpga-sim"), default="cpu",
+                    help="cpu: the host kernel (default); fpga-sim: the RTL kernel in Verilator (n default 2^20)")
+    be.set_defaults(func=lambda a: (bench_eps_fpga if a.backend == "fpga-sim" else bench_eps).run_from_args(a))
     from l2l_hw.bench import rtl as bench_rtl
     bt = bsub.add_parser("rtl", help="RTL optimizer kernel in Verilator: elements per clock vs the AXI bound",
                          description=bench_rtl.__doc__.split("\n\n")[0])

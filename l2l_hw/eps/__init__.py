@@ -4,5 +4,6 @@ from l2l_hw.eps.base import EPS, OptimConfig, known_backends, make_eps, register
 # Backends register themselves on import.
 from l2l_hw.eps import golden as _golden  # noqa: F401,E402
 from l2l_hw.eps import cpu as _cpu  # noqa: F401,E402
+from l2l_hw.eps import fpga as _fpga  # noqa: F401,E402  (builds nothing until make_eps("fpga-sim"))
 
 __all__ = ["EPS", "OptimConfig", "known_backends", "make_eps", "register_backend"]

