@@ -41,7 +41,7 @@ from l2l_hw.hw import regs
 # second; 10 s only catches a hung kernel.
 DEFAULT_TIMEOUT_S = 10.0
 # Clock limit of one run: the kernel needs ~n / elements-per-clock clocks (>= 0.5
-# element per clock at DATA_WIDTH 64, docs/BENCH_RTL.md) plus its pipeline fill; 64 n +
+# element per clock at DATA_WIDTH 64, docs/BENCHMARKS.md) plus its pipeline fill; 64 n +
 # 100k leaves a wide margin and still stops a hung simulation.
 CYCLES_PER_ELEMENT_LIMIT = 64
 CYCLES_FIXED_LIMIT = 100_000
