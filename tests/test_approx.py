@@ -18,14 +18,7 @@ from helpers import rel_diff
 TINY = dict(n_layer=2, n_embd=32, n_head=2, block_size=16)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Small tensors gain nothing from intra-op threads and lose several-fold (thread-pool
-    # round trips) when other jobs share the 2 cores.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def saved_activation_bytes(module: nn.Module, x: torch.Tensor) -> int:

@@ -13,14 +13,7 @@ TINY = ["--layers", "1", "--width", "32", "--heads", "2", "--context", "16", "--
         "--micro-batches", "2", "--lr", "3e-3", "--seed", "7"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny models gain nothing from intra-op threads and lose several-fold when
-    # other jobs share the 2 cores (measured: 2.2 s vs 8.0 s for a 10-step run).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _train(out, *extra):

@@ -11,14 +11,7 @@ from l2l_hw.models.corpus import sorted_files, split_files, stdlib_root
 TINY = GPTConfig(n_layer=2, n_embd=32, n_head=4, block_size=16)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny models gain nothing from intra-op threads and lose several-fold when
-    # other jobs share the 2 cores.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _build(cfg=TINY, seed=0):
