@@ -20,13 +20,12 @@ was. The price is twice the state memory.
 """
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
-
 import torch
 
 from l2l_hw.eps import host_kernel
 from l2l_hw.eps.base import EPS, STATE_SLOTS, WORKING_DTYPES, OptimConfig, register_backend
 from l2l_hw.eps.golden import step_scalars
+from l2l_hw.eps.worker import UpdateWorker
 
 
 @register_backend("cpu")
@@ -46,8 +45,7 @@ class CpuEps(EPS):
         self.state: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
         self.spare: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
         self.previous: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="l2l-eps-update")
-        self._pending: dict[str, Future] = {}
+        self._worker = UpdateWorker()
         self._written: dict[str, set[str]] = {}  # double buffering: tensors updated in the step, per group
 
     def _host(self, shape, dtype=torch.float32) -> torch.Tensor:
@@ -91,16 +89,15 @@ class CpuEps(EPS):
         return {slot: t for slot, t in self.state[key][name].items() if slot != "working"}
 
     def fetch(self, key, previous=False):
-        pending = self._pending.get(key)
-        if pending is not None and not self.double_buffer:  # double buffered: updates write the spare
-            self._result(key, pending)
+        if not self.double_buffer:  # double buffered: updates write the spare, fetch need not wait
+            self.found_nonfinite |= self._worker.result(key)
         entries = self.previous[key] if previous and self.double_buffer else self.state[key]
         slot = "param" if self.working_dtype == "fp32" else "working"
         return {name: e[slot] for name, e in entries.items()}
 
     def _push(self, key, grads, inv_scale):
         s = step_scalars(self.config, self.step + 1, inv_scale)
-        self._pending[key] = self._worker.submit(self._update, key, grads, s)
+        self._worker.submit(key, self._update, key, grads, s)
 
     def _update(self, key, grads, s):
         """Worker thread: write every tensor's new state into its spare buffers, then swap them in."""
@@ -137,23 +134,8 @@ class CpuEps(EPS):
         super().discard_step()  # waits for the updates first; they wrote only spare buffers
         self._written.clear()
 
-    def _result(self, key, future):
-        try:
-            self.found_nonfinite |= future.result()
-        except Exception as exc:
-            raise RuntimeError(f"the EPS update of group {key!r} failed: {exc}") from exc
-        finally:
-            self._pending.pop(key, None)
-
     def wait(self):
-        first_error = None
-        for key, future in list(self._pending.items()):
-            try:
-                self._result(key, future)
-            except RuntimeError as exc:
-                first_error = first_error or exc
-        if first_error is not None:
-            raise first_error
+        self.found_nonfinite |= self._worker.wait()
 
     def __del__(self):
         if hasattr(self, "_worker"):

@@ -21,12 +21,12 @@ every bit the accelerator fetches came out of the RTL.
 """
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from l2l_hw.eps.base import EPS, STATE_SLOTS, WORKING_DTYPES, OptimConfig, register_backend
 from l2l_hw.eps.golden import step_scalars
+from l2l_hw.eps.worker import UpdateWorker
 from l2l_hw.hw import regs
 
 GRAD_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -69,8 +69,7 @@ class FpgaEps(EPS):
         self.driver = L2lOptimDriver(transport, timeout_s=timeout_s or DEFAULT_TIMEOUT_S, max_cycles=max_cycles)
         self.tensors: dict[str, dict[str, _DeviceTensor]] = {}
         self.previous: dict[str, dict[str, torch.Tensor]] = {}  # double_buffer: fetch(previous=True)
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="l2l-fpga-update")
-        self._pending: dict[str, Future] = {}
+        self._worker = UpdateWorker("l2l-fpga-update")
         self._written: dict[str, set[str]] = {}
 
     def _slots_updated(self) -> tuple[str, ...]:
@@ -121,16 +120,15 @@ class FpgaEps(EPS):
 
     # -- the step -------------------------------------------------------------------
     def fetch(self, key, previous=False):
-        pending = self._pending.get(key)
-        if pending is not None and not self.double_buffer:  # double buffered: updates write the spare
-            self._result(key, pending)
+        if not self.double_buffer:  # double buffered: updates write the spare, fetch need not wait
+            self.found_nonfinite |= self._worker.result(key)
         if previous and self.double_buffer:
             return dict(self.previous[key])
         return {name: self._read_working(key, name, t) for name, t in self.tensors[key].items()}
 
     def _push(self, key, grads, inv_scale):
         s = step_scalars(self.config, self.step + 1, inv_scale)
-        self._pending[key] = self._worker.submit(self._update, key, grads, s)
+        self._worker.submit(key, self._update, key, grads, s)
 
     def _update(self, key, grads, s) -> bool:
         """Update thread: gradient to device DRAM, one kernel run per tensor writing the spare
@@ -168,21 +166,8 @@ class FpgaEps(EPS):
         super().discard_step()  # waits first; the runs wrote only spare copies
         self._written.clear()
 
-    def _result(self, key, future):
-        try:
-            self.found_nonfinite |= future.result()
-        finally:
-            self._pending.pop(key, None)
-
     def wait(self):
-        first_error = None
-        for key, future in list(self._pending.items()):
-            try:
-                self._result(key, future)
-            except Exception as exc:  # the driver's KernelError names the tensor and the registers
-                first_error = first_error or exc
-        if first_error is not None:
-            raise first_error
+        self.found_nonfinite |= self._worker.wait()
 
     def close(self) -> None:
         """Wait for the update thread and free every device buffer."""
@@ -207,12 +192,12 @@ class FpgaSimEps(FpgaEps):
 
     def __init__(self, config: OptimConfig, working_dtype: str = "fp32", double_buffer: bool = False,
                  data_width: int | None = None, dram_bytes: int | None = None, read_latency: int = 0,
-                 transport=None, **driver_options):
+                 transport=None, lanes: int | None = None, **driver_options):
         if transport is None:
             from l2l_hw.hw import verilator
 
-            transport = verilator.VerilatorTransport(data_width or verilator.DEFAULT_DATA_WIDTH,
-                                                     dram_bytes or verilator.DEFAULT_DRAM_BYTES, read_latency)
+            transport = verilator.VerilatorTransport(data_width, dram_bytes or verilator.DEFAULT_DRAM_BYTES,
+                                                     read_latency, lanes=lanes)
         super().__init__(config, working_dtype, double_buffer, transport=transport, **driver_options)
 
 

@@ -34,6 +34,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from l2l_hw.eps.worker import UpdateError
 from l2l_hw.hw import regs
 
 # Wall-clock limit of one run on a board. A run moves at most a few hundred MiB at
@@ -56,7 +57,7 @@ class DeviceBuffer:
     handle: object = None
 
 
-class KernelError(RuntimeError):
+class KernelError(UpdateError):
     """The kernel failed on one tensor; the message names it and the status registers."""
 
     def __init__(self, message: str, layer: str = "", status: int = 0, ctrl: int = 0):
