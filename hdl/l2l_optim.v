@@ -3,14 +3,23 @@
 //
 // One step of golden.apply_rule (AdamW, Adam, SGD with momentum / nesterov /
 // dampening) over n elements held in DRAM: reads fp32 param, m, v and the
-// gradient (fp32, bf16 or fp16) over one AXI4 master, runs LANES =
-// DATA_WIDTH/32 lanes of the rule (l2l_optim_lane), and writes fp32 param,
+// gradient (fp32, bf16 or fp16) over one AXI4 master, runs LANES lanes of
+// the rule (l2l_optim_lane; default DATA_WIDTH/32, one fp32 beat per clock),
+// and writes fp32 param,
 // m, v and the bf16/fp16 working copy (or none) over the same master.
 // Control is the Vitis HLS ap_ctrl_hs AXI4-Lite map (l2l_optim_ctrl, map in
 // hdl/l2l_optim_regs.json).
 //
-// Element e of every stream sits in lane e % LANES of group e / LANES; a
-// group is one beat of an fp32 stream and half a beat of a 16-bit stream.
+// Element e of every stream sits in lane e % LANES of group e / LANES. An
+// fp32 beat holds RATIO = DATA_WIDTH/32/LANES groups, a 16-bit beat (grad,
+// copy) 2*RATIO. Width conversion: the read side selects group
+// (issued % (2*RATIO)) of the head beat of each stream FIFO and pops a beat
+// after its last group; the write side assembles the groups that leave the
+// lanes into a beat per stream and pushes it when it is full (or at the last
+// group, where the write strobe masks the rest). Fewer lanes than
+// DATA_WIDTH/32 lose nothing while the kernel is memory bound: an element
+// moves 14+ bytes each way, so a beat of DATA_WIDTH/8 bytes per clock feeds
+// at most DATA_WIDTH/112 elements per clock (4.57 at 512 bits).
 // The datapath issues one group per clock when every enabled read stream
 // holds its beat and every write FIFO has room for all groups in flight
 // (credit), so the fixed-latency pipeline never stalls (ce is always 1).
@@ -118,9 +127,13 @@ module l2l_optim #
 `include "l2l_optim_regs.vh"
 
 localparam LANE_LATENCY = 62;  // l2l_optim_lane LATENCY
+localparam BEAT_LANES = DATA_WIDTH/32;          // fp32 elements per beat
+localparam RATIO = BEAT_LANES/LANES;            // groups per fp32 beat
+localparam SUB_W = $clog2(RATIO) + 1;           // group index in a 16-bit beat
 localparam LANE_SHIFT = $clog2(LANES);
+localparam BEAT_SHIFT = $clog2(BEAT_LANES);
+localparam GROUP_BITS = 32*LANES;
 localparam BYTE_SHIFT = $clog2(STRB_WIDTH);
-localparam HALF = DATA_WIDTH/2;
 localparam FIFO_AW = $clog2(FIFO_DEPTH);
 localparam [1:0] ST_IDLE = 2'd0, ST_SETUP = 2'd1, ST_RUN = 2'd2, ST_FINISH = 2'd3;
 
@@ -128,6 +141,10 @@ localparam [1:0] ST_IDLE = 2'd0, ST_SETUP = 2'd1, ST_RUN = 2'd2, ST_FINISH = 2'd
 initial begin
     if (DATA_WIDTH < 64 || DATA_WIDTH > 512 || (DATA_WIDTH & (DATA_WIDTH-1)) != 0) begin
         $error("Error: DATA_WIDTH must be 64, 128, 256 or 512 (instance %m)");
+        $finish;
+    end
+    if (LANES < 1 || LANES > BEAT_LANES || (LANES & (LANES-1)) != 0) begin
+        $error("Error: LANES must be a power of two, 1 <= LANES <= DATA_WIDTH/32 (instance %m)");
         $finish;
     end
     if (TILE_BEATS < 2 || TILE_BEATS > 256 || FIFO_DEPTH < 2*TILE_BEATS) begin
@@ -183,15 +200,18 @@ wire en_v = !mode_sgd;
 wire en_c = (copy_dtype_reg != MODE_COPY_DTYPE_NONE);
 wire grad16 = (grad_dtype_reg != MODE_GRAD_DTYPE_FP32);
 
-// beats: fp32 streams one group per beat, 16-bit streams two
+// groups of LANES elements; beats: BEAT_LANES fp32 elements, 2*BEAT_LANES 16-bit ones
 /* verilator lint_off UNUSEDSIGNAL */
 wire [32:0] groups_w = ({1'b0, n_reg} + (LANES - 1)) >> LANE_SHIFT;
 wire [31:0] groups = groups_w[31:0];
-wire [32:0] beats16_w = ({1'b0, n_reg} + (2*LANES - 1)) >> (LANE_SHIFT + 1);
+wire [32:0] beats32_w = ({1'b0, n_reg} + (BEAT_LANES - 1)) >> BEAT_SHIFT;
+wire [31:0] beats32 = beats32_w[31:0];
+wire [32:0] beats16_w = ({1'b0, n_reg} + (2*BEAT_LANES - 1)) >> (BEAT_SHIFT + 1);
 wire [31:0] beats16 = beats16_w[31:0];
 /* verilator lint_on UNUSEDSIGNAL */
-wire [LANE_SHIFT:0] rem32 = {1'b0, n_reg[LANE_SHIFT-1:0]};
-wire [LANE_SHIFT+1:0] rem16 = {1'b0, n_reg[LANE_SHIFT:0]};
+wire [BEAT_SHIFT:0] rem32 = {1'b0, n_reg[BEAT_SHIFT-1:0]};
+wire [BEAT_SHIFT+1:0] rem16 = {1'b0, n_reg[BEAT_SHIFT:0]};
+wire [31:0] rem_lane = n_reg & (LANES - 1);
 wire [STRB_WIDTH-1:0] strb32 = (rem32 == 0) ? {STRB_WIDTH{1'b1}} : ~({STRB_WIDTH{1'b1}} << (4*rem32));
 wire [STRB_WIDTH-1:0] strb16 = (rem16 == 0) ? {STRB_WIDTH{1'b1}} : ~({STRB_WIDTH{1'b1}} << (2*rem16));
 
@@ -227,7 +247,7 @@ l2l_optim_reader #(
     .clk(clk), .rst(rst),
     .start(run_start), .abort(abort),
     .stream_addr({ptr_a[3], ptr_a[2], ptr_a[1], ptr_a[0]}),
-    .stream_beats({grad16 ? beats16 : groups, groups, groups, groups}),
+    .stream_beats({grad16 ? beats16 : beats32, beats32, beats32, beats32}),
     .stream_tile({grad16 ? TILE_BEATS[9:1] : TILE_BEATS[8:0], TILE_BEATS[8:0], TILE_BEATS[8:0], TILE_BEATS[8:0]}),
     .stream_enable({1'b1, en_v, en_m, 1'b1}),
     .idle(rd_idle), .error(rd_error),
@@ -253,7 +273,7 @@ l2l_optim_writer #(
     .clk(clk), .rst(rst),
     .start(run_start), .abort(abort),
     .stream_addr({ptr_a[7], ptr_a[6], ptr_a[5], ptr_a[4]}),
-    .stream_beats({beats16, groups, groups, groups}),
+    .stream_beats({beats16, beats32, beats32, beats32}),
     .stream_last_strb({strb16, strb32, strb32, strb32}),
     .stream_enable({en_c, en_v, en_m, 1'b1}),
     .idle(wr_idle), .error(wr_error),
@@ -277,35 +297,69 @@ wire [FIFO_AW:0] wc_v = wr_count[2*(FIFO_AW+1) +: FIFO_AW+1];
 wire [FIFO_AW:0] wc_c = wr_count[3*(FIFO_AW+1) +: FIFO_AW+1];
 wire [FIFO_AW+1:0] flight = {{(FIFO_AW+2-8){1'b0}}, in_flight_reg};
 
-wire credit = ({1'b0, wc_p} + flight < FIFO_DEPTH)
-           && (!en_m || {1'b0, wc_m} + flight < FIFO_DEPTH)
-           && (!en_v || {1'b0, wc_v} + flight < FIFO_DEPTH)
-           && (!en_c || {wc_c, 1'b0} + flight + 2 <= 2*FIFO_DEPTH);
+// Beats that the groups in flight and the one being issued may still push: an fp32
+// stream pushes at every RATIO-th group and at the last one, so at most
+// ceil((flight+1)/RATIO) + 1 (flight + 1 at RATIO = 1, every group a beat); the copy
+// ceil((flight+1)/(2*RATIO)) + 1.
+localparam [31:0] RATIO_32 = RATIO;
+localparam [FIFO_AW+1:0] RATIO_W = RATIO_32[FIFO_AW+1:0];
+localparam RATIO_SHIFT = $clog2(RATIO);
+wire [FIFO_AW+1:0] due32 = (RATIO == 1) ? flight + 1 : ((flight + RATIO_W) >> RATIO_SHIFT) + 1;
+wire [FIFO_AW+1:0] due16 = ((flight + 2*RATIO_W) >> (RATIO_SHIFT + 1)) + 1;
+wire credit = ({1'b0, wc_p} + due32 <= FIFO_DEPTH)
+           && (!en_m || {1'b0, wc_m} + due32 <= FIFO_DEPTH)
+           && (!en_v || {1'b0, wc_v} + due32 <= FIFO_DEPTH)
+           && (!en_c || ((RATIO == 1) ? {wc_c, 1'b0} + flight + 2 <= 2*FIFO_DEPTH
+                                      : {1'b0, wc_c} + due16 <= FIFO_DEPTH));
 wire data_ready = !rd_empty[0] && (!en_m || !rd_empty[1]) && (!en_v || !rd_empty[2]) && !rd_empty[3];
 wire more = (issued_reg != groups);
 wire issue = (state_reg == ST_RUN) && !abort && more && data_ready && credit;
 wire last_group = (issued_reg == groups - 1);
-wire parity = issued_reg[0];
+// read-side width conversion: group `sub` of the head beats; a 16-bit beat
+// holds 2*RATIO groups, an fp32 beat RATIO (group sub % RATIO)
+wire [SUB_W-1:0] sub = issued_reg[SUB_W-1:0];
+wire sub_end16 = (sub == {SUB_W{1'b1}});
+wire sub_end32 = (sub == {SUB_W{1'b1}}) || (sub == {1'b0, {(SUB_W-1){1'b1}}});
 
-assign rd_pop = {issue && (!grad16 || parity || last_group), issue && en_v, issue && en_m, issue};
+assign rd_pop = {issue && ((grad16 ? sub_end16 : sub_end32) || last_group), issue && en_v && (sub_end32 || last_group),
+                 issue && en_m && (sub_end32 || last_group), issue && (sub_end32 || last_group)};
 
-wire [DATA_WIDTH-1:0] g_beat = rd_head[3*DATA_WIDTH +: DATA_WIDTH];
-wire [DATA_WIDTH-1:0] g_half = parity ? {{HALF{1'b0}}, g_beat[HALF +: HALF]} : {{HALF{1'b0}}, g_beat[0 +: HALF]};
+// the groups of each head beat, indexed by sub (fp32 groups appear twice)
+wire [GROUP_BITS-1:0] p_grp [0:2*RATIO-1];
+wire [GROUP_BITS-1:0] m_grp [0:2*RATIO-1];
+wire [GROUP_BITS-1:0] v_grp [0:2*RATIO-1];
+wire [GROUP_BITS-1:0] g_grp [0:2*RATIO-1];
+wire [GROUP_BITS/2-1:0] g16_grp [0:2*RATIO-1];
+generate
+for (k = 0; k < 2*RATIO; k = k + 1) begin : g_rd_group
+    assign p_grp[k] = rd_head[GROUP_BITS*(k % RATIO) +: GROUP_BITS];
+    assign m_grp[k] = rd_head[DATA_WIDTH + GROUP_BITS*(k % RATIO) +: GROUP_BITS];
+    assign v_grp[k] = rd_head[2*DATA_WIDTH + GROUP_BITS*(k % RATIO) +: GROUP_BITS];
+    assign g_grp[k] = rd_head[3*DATA_WIDTH + GROUP_BITS*(k % RATIO) +: GROUP_BITS];
+    assign g16_grp[k] = rd_head[3*DATA_WIDTH + (GROUP_BITS/2)*k +: GROUP_BITS/2];
+end
+endgenerate
+wire [GROUP_BITS-1:0] p_in = p_grp[sub];
+wire [GROUP_BITS-1:0] m_in = m_grp[sub];
+wire [GROUP_BITS-1:0] v_in = v_grp[sub];
+wire [GROUP_BITS-1:0] g_in = g_grp[sub];
+wire [GROUP_BITS/2-1:0] g16_in = g16_grp[sub];
 
 // lanes beyond n in the last group carry whatever memory held: mask them
-wire [LANES-1:0] lane_mask = (last_group && rem32 != 0) ? ~({LANES{1'b1}} << rem32) : {LANES{1'b1}};
+wire [LANES-1:0] lane_mask = (last_group && rem_lane != 0) ? ~({LANES{1'b1}} << rem_lane) : {LANES{1'b1}};
 
-wire out_valid, out_last, out_parity;
+wire out_valid, out_last;
+wire [SUB_W-1:0] out_sub;
 wire [LANES-1:0] out_mask;
-l2l_optim_delay #(.WIDTH(LANES + 3), .DEPTH(LANE_LATENCY), .RESET(1)) sideband (
+l2l_optim_delay #(.WIDTH(LANES + SUB_W + 2), .DEPTH(LANE_LATENCY), .RESET(1)) sideband (
     .clk(clk), .rst(rst || run_start),
-    .x({issue, last_group, parity, lane_mask}),
-    .y({out_valid, out_last, out_parity, out_mask})
+    .x({issue, last_group, sub, lane_mask}),
+    .y({out_valid, out_last, out_sub, out_mask})
 );
 
 // ---------------------------------------------------------------- lanes
-wire [DATA_WIDTH-1:0] p_out, m_out, v_out;
-wire [HALF-1:0] c_out;
+wire [GROUP_BITS-1:0] p_out, m_out, v_out;
+wire [GROUP_BITS/2-1:0] c_out;
 wire [LANES-1:0] nf_out;
 
 generate
@@ -327,10 +381,10 @@ for (k = 0; k < LANES; k = k + 1) begin : g_lane
         .eps(arg_scalars[32*10 +: 32]),
         .momentum(arg_scalars[32*11 +: 32]),
         .dampening_complement(arg_scalars[32*12 +: 32]),
-        .p(rd_head[32*k +: 32]),
-        .m(en_m ? rd_head[DATA_WIDTH + 32*k +: 32] : 32'd0),
-        .v(en_v ? rd_head[2*DATA_WIDTH + 32*k +: 32] : 32'd0),
-        .g(grad16 ? {16'd0, g_half[16*k +: 16]} : g_beat[32*k +: 32]),
+        .p(p_in[32*k +: 32]),
+        .m(en_m ? m_in[32*k +: 32] : 32'd0),
+        .v(en_v ? v_in[32*k +: 32] : 32'd0),
+        .g(grad16 ? {16'd0, g16_in[16*k +: 16]} : g_in[32*k +: 32]),
         .p_out(p_out[32*k +: 32]), .m_out(m_out[32*k +: 32]), .v_out(v_out[32*k +: 32]),
         .copy_out(c_out[16*k +: 16]), .nonfinite(nf_out[k])
     );
@@ -339,17 +393,38 @@ endgenerate
 
 /* verilator lint_off UNUSEDSIGNAL */
 wire [31:0] unused_beta1 = arg_scalars[32*4 +: 32];
-wire [DATA_WIDTH-1:0] unused_g_half_hi = g_half;
 wire [31:0] unused_mode = arg_mode;
 /* verilator lint_on UNUSEDSIGNAL */
 
 // ---------------------------------------------------------------- results
-reg [HALF-1:0] c_low_reg;
-wire c_push = en_c && out_valid && (out_parity || out_last);
-wire [DATA_WIDTH-1:0] c_beat = out_parity ? {c_out, c_low_reg} : {{HALF{1'b0}}, c_out};
+// write-side width conversion: group out_sub of a beat is the lanes' output,
+// the groups before it come from the assembly registers; a beat is pushed at
+// its last group or at the last group of the run (the write strobe of the
+// last beat masks the stale groups after it)
+wire out_end16 = (out_sub == {SUB_W{1'b1}});
+wire out_end32 = (out_sub == {SUB_W{1'b1}}) || (out_sub == {1'b0, {(SUB_W-1){1'b1}}});
+wire [DATA_WIDTH-1:0] p_beat, m_beat, v_beat, c_beat;
+reg [DATA_WIDTH-1:0] p_acc_reg, m_acc_reg, v_acc_reg, c_acc_reg;
 
-assign wr_push = {c_push, out_valid && en_v, out_valid && en_m, out_valid};
-assign wr_data = {c_beat, v_out, m_out, p_out};
+generate
+for (k = 0; k < RATIO; k = k + 1) begin : g_wr_group32
+    localparam [SUB_W-1:0] SLOT_LO = k;
+    localparam integer HI = k + RATIO;  // the same group in the second half of a 16-bit count
+    localparam [SUB_W-1:0] SLOT_HI = HI[SUB_W-1:0];
+    wire here = (out_sub == SLOT_LO) || (out_sub == SLOT_HI);
+    assign p_beat[GROUP_BITS*k +: GROUP_BITS] = here ? p_out : p_acc_reg[GROUP_BITS*k +: GROUP_BITS];
+    assign m_beat[GROUP_BITS*k +: GROUP_BITS] = here ? m_out : m_acc_reg[GROUP_BITS*k +: GROUP_BITS];
+    assign v_beat[GROUP_BITS*k +: GROUP_BITS] = here ? v_out : v_acc_reg[GROUP_BITS*k +: GROUP_BITS];
+end
+for (k = 0; k < 2*RATIO; k = k + 1) begin : g_wr_group16
+    localparam [SUB_W-1:0] SLOT = k;
+    assign c_beat[(GROUP_BITS/2)*k +: GROUP_BITS/2] = (out_sub == SLOT) ? c_out : c_acc_reg[(GROUP_BITS/2)*k +: GROUP_BITS/2];
+end
+endgenerate
+
+wire out_push32 = out_valid && (out_end32 || out_last);
+assign wr_push = {en_c && out_valid && (out_end16 || out_last), out_push32 && en_v, out_push32 && en_m, out_push32};
+assign wr_data = {c_beat, v_beat, m_beat, p_beat};
 
 // ---------------------------------------------------------------- sequencing
 always @(posedge clk) begin
@@ -359,8 +434,11 @@ always @(posedge clk) begin
         issued_reg <= issued_reg + 32'd1;
     end
     in_flight_reg <= in_flight_reg + {7'd0, issue} - {7'd0, out_valid};
-    if (out_valid && !out_parity) begin
-        c_low_reg <= c_out;
+    if (out_valid) begin
+        p_acc_reg <= p_beat;
+        m_acc_reg <= m_beat;
+        v_acc_reg <= v_beat;
+        c_acc_reg <= c_beat;
     end
     if (out_valid && ((nf_out & out_mask) != 0)) begin
         status_reg[0] <= 1'b1;

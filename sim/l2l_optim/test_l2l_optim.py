@@ -8,8 +8,8 @@ DRAM holds exactly golden's result (bit for bit, NaNs canonical) and that no
 guard byte changed. Idle and back-pressure inserters run on every AXI channel
 of both ports.
 
-Parameters come from the runner (tests/test_sim_optim.py): DATA_WIDTH is a
-build parameter; L2L_BENCH_* environment variables drive test_throughput,
+Parameters come from the runner (tests/test_sim_optim.py): DATA_WIDTH and
+LANES are build parameters (LANES reaches the bench as L2L_LANES); L2L_BENCH_* environment variables drive test_throughput,
 the measurement behind `l2l bench rtl`.
 """
 
@@ -90,7 +90,8 @@ class TB:
         self.dut = dut
         self.data_width = len(dut.m_axi_wdata)
         self.data_bytes = self.data_width // 8
-        self.lanes = self.data_width // 32
+        self.beat_lanes = self.data_width // 32  # fp32 elements per beat
+        self.lanes = int(os.environ.get("L2L_LANES", self.beat_lanes))  # elements per clock
         cocotb.start_soon(Clock(dut.clk, CLK_NS, unit="ns").start())
         self.axil = AxiLiteMaster(AxiLiteBus.from_prefix(dut, "s_axil"), dut.clk, dut.rst)
         self.ram = AxiRam(AxiBus.from_prefix(dut, "m_axi"), dut.clk, dut.rst, size=RAM_SIZE)
@@ -358,7 +359,10 @@ async def test_rule_bit_identical(dut):
     tb = await setup(dut, seed=1)
     rng = np.random.default_rng(1)
     lanes = tb.lanes
-    sizes = [1, max(1, lanes - 1), 2 * lanes + 1, 5 * lanes, 300 + 3 * lanes // 2 + 1]
+    beat = tb.beat_lanes
+    sizes = [1, max(1, lanes - 1), 2 * lanes + 1, 5 * lanes, 300 + 3 * beat // 2 + 1]
+    if lanes < beat:  # width conversion: tails inside an fp32 beat and a 16-bit beat
+        sizes += [beat + lanes, 2 * beat + 1, 3 * beat + lanes + 1, 4 * beat - 1]
     grads = ["fp32", "bf16", "fp16"]
     copies = ["none", "bf16", "fp16"]
     case = 0
@@ -381,8 +385,8 @@ async def test_long_run_crosses_pages(dut):
     """A run of several tiles (bursts split at 4 KiB, FIFOs wrap) without specials."""
     tb = await setup(dut, seed=2)
     rng = np.random.default_rng(2)
-    await run_case(tb, rng, 64 * tb.lanes * 5 + 3, "adam", "bf16", "bf16", specials=False)
-    await run_case(tb, rng, 64 * tb.lanes * 3 + tb.lanes, "sgd", "fp16", "fp16", in_place=True,
+    await run_case(tb, rng, 64 * tb.beat_lanes * 5 + 3, "adam", "bf16", "bf16", specials=False)
+    await run_case(tb, rng, 64 * tb.beat_lanes * 3 + tb.lanes, "sgd", "fp16", "fp16", in_place=True,
                    cfg=OptimConfig(optimizer="sgd", lr=0.1, momentum=0.9))
 
 
@@ -435,7 +439,7 @@ async def inject_error(tb, rng, kind):
         return await orig(address, *args)
 
     setattr(iface, name, failing)
-    status, _ = await run_case(tb, rng, 64 * tb.lanes * 4, "adamw", "fp32", "bf16", check=False)
+    status, _ = await run_case(tb, rng, 64 * tb.beat_lanes * 4, "adamw", "fp32", "bf16", check=False)
     setattr(iface, name, orig)
     assert status & regs.STATUS_AXI_ERROR, hex(status)
     tb.assert_no_open_transaction()
@@ -463,7 +467,7 @@ async def test_reset_mid_run(dut):
     next run is right."""
     tb = await setup(dut, seed=7)
     rng = np.random.default_rng(7)
-    task = cocotb.start_soon(run_case(tb, rng, 64 * tb.lanes * 4, "adam", "fp32", "fp16", check=False))
+    task = cocotb.start_soon(run_case(tb, rng, 64 * tb.beat_lanes * 4, "adam", "fp32", "fp16", check=False))
     await ClockCycles(dut.clk, 400)
     assert int(dut.state_reg.value) == 2, "the run should still be going"
     assert tb.beats["ar"] > tb.beats["r"] or tb.beats["aw"] > tb.beats["b"], "no burst open at reset"
