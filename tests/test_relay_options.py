@@ -146,3 +146,25 @@ def test_pipedream_2bw_applies_each_gradient_one_step_late():
             relay.train_step(x, y)
         for p, q in zip(relay.materialize().parameters(), reference.parameters()):
             assert rel_diff(p, q) <= 1e-5, backend
+
+
+def test_pipedream_2bw_with_adamw_matches_torch_adamw_on_stale_gradients():
+    import copy
+    data = mlp_batches(8)
+    reference = mlp_layers()
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
+    stale = copy.deepcopy(reference)  # W(t-1); W(-1) = W(0)
+    for x, y in data:
+        newest = copy.deepcopy(reference)
+        stale.zero_grad()
+        nn.functional.mse_loss(stale(x), y).backward()
+        for p, q in zip(reference.parameters(), stale.parameters()):
+            p.grad = q.grad.clone()
+        opt.step()  # W(t+1) = AdamW(W(t), grad at W(t-1))
+        stale = newest
+    relay = l2l_hw.Relay(mlp_layers(), nn.functional.mse_loss, micro_batches=2, pipedream_2bw=True,
+                         eps=l2l_hw.make_eps("cpu", lr=1e-2, weight_decay=0.01))
+    for x, y in data:
+        relay.train_step(x, y)
+    for p, q in zip(relay.materialize().parameters(), reference.parameters()):
+        assert rel_diff(p, q) <= 1e-5
