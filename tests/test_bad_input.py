@@ -65,3 +65,26 @@ def test_bad_relay_arguments_are_refused():
         relay_for([nn.Linear(4, 2)], u=0)
     with pytest.raises(TypeError, match="eps must be an EPS"):
         l2l_hw.Relay([nn.Linear(4, 2)], nn.functional.mse_loss, eps="cpu")
+
+
+class FailsInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise ValueError("boom in backward")
+
+
+class BackwardBomb(nn.Module):
+    def forward(self, x):
+        return FailsInBackward.apply(x)
+
+
+def test_error_after_eager_updates_keeps_the_first_error_and_says_what_was_updated():
+    relay = relay_for([nn.Linear(4, 4), BackwardBomb(), nn.Linear(4, 4), nn.Linear(4, 2)])
+    with pytest.raises(ValueError, match="boom in backward") as info:
+        relay.train_step(torch.randn(4, 4), torch.randn(4, 2))
+    assert any("updated in place" in note for note in info.value.__notes__)
+    assert relay.step == 0

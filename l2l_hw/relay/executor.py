@@ -350,12 +350,15 @@ class Relay:
                         meter.drop_saved()
                 graphs[i] = inputs_i = None  # this layer's inputs are done with
                 self._release(i, live, users, backward=True)
-        except BaseException:
+        except BaseException as exc:
             self.weights.clear()
             self.stash.clear()
             meter.drop_saved()
-            self.eps.wait()  # let scheduled updates finish before the error propagates
-            self.eps.discard_step()
+            try:  # let scheduled updates finish, then forget the step; the first error stays the one raised
+                self.eps.wait()
+                self.eps.discard_step()
+            except Exception as cleanup:
+                exc.add_note(f"while abandoning the step: {cleanup}")
             raise
         meter.drop_saved()
         found = self.eps.commit_step(grad_scale=self._global_clip_factor(), skip_nonfinite=self.scaler is not None)
