@@ -274,7 +274,7 @@ class Relay:
             # Forward, layer-major.
             for n, i in enumerate(order[:-1]):
                 params = self._params(i, live)
-                self.weights.prefetch([k for k in self.plans[order[n + 1]].groups if k not in live])
+                self._prefetch(order[n + 1], live)
                 if self.recompute:
                     self.stash.put(i, acts)
                 rng[i], buffer_snapshots[i], graphs[i] = [], [], []
@@ -292,7 +292,7 @@ class Relay:
                             graphs[i].append((x, out))
                             out = _unflatten(out, [t.detach() for t in _flatten(out)])
                         outs.append(out)
-                        meter.sample(live, acts, outs, self.stash.on_device(), self.weights.on_device())
+                        self._sample(live, acts, outs)
                 if self.recompute:
                     self._release(i, live, users, backward=False)
                     meter.drop_saved()  # nothing was saved: no graph
@@ -303,16 +303,15 @@ class Relay:
             total = torch.zeros((), dtype=torch.float32, device=self.device)
             params = self._params(last, live)
             if len(order) > 1:
-                self.weights.prefetch([k for k in self.plans[order[-2]].groups if k not in live])
-                self.stash.prefetch(order[-2])
+                self._prefetch(order[-2], live)
             grads_in = []
             for j in range(u):
                 x = self._grad_leaf(acts[j])
                 bufs = self._device_buffers(last)
-                with meter.saving(keep=not self.recompute):
+                with meter.saving():
                     loss = self._loss(_to_float(self._call(last, x, params, bufs)), ts[j])
                 self._store_buffers(last, bufs)
-                meter.sample(live, acts, grads_in, self.stash.on_device(), self.weights.on_device())
+                self._sample(live, acts, grads_in)
                 (loss * (weights[j] * self.loss_scale)).backward()
                 total += loss.detach().float() * weights[j]
                 grads_in.append(self._input_grads(x))
@@ -325,8 +324,7 @@ class Relay:
                 i = order[n]
                 params = self._params(i, live)
                 if n > 0:
-                    self.weights.prefetch([k for k in self.plans[order[n - 1]].groups if k not in live])
-                    self.stash.prefetch(order[n - 1])
+                    self._prefetch(order[n - 1], live)
                 inputs_i = self.stash.take(i) if self.recompute else None
                 grads_out, grads_in = grads_in, []
                 for j in range(u):
@@ -341,7 +339,7 @@ class Relay:
                             _set_rng_state(self.device, saved)
                     else:
                         x, out = graphs[i][j]
-                    meter.sample(live, inputs_i, grads_out, grads_in, self.stash.on_device(), self.weights.on_device())
+                    self._sample(live, inputs_i, grads_out, grads_in)
                     pairs = [(o, g) for o, g in zip(_flatten(out), grads_out[j]) if g is not None and o.requires_grad]
                     if pairs:
                         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
@@ -369,6 +367,15 @@ class Relay:
     @property
     def loss_scale(self) -> float:
         return self.scaler.scale if self.scaler is not None else 1.0
+
+    def _prefetch(self, i: int, live: dict) -> None:
+        """Start moving layer i's weights (and, in the backward, its stashed inputs) to the device."""
+        self.weights.prefetch([k for k in self.plans[i].groups if k not in live])
+        self.stash.prefetch(i)  # a no-op until layer i's inputs are stashed
+
+    def _sample(self, *held) -> None:
+        """Account what is on the device now: `held` plus stashed inputs and weights in flight."""
+        self.memory.sample(*held, self.stash.on_device(), self.weights.on_device())
 
     @staticmethod
     def _grad_leaf(x: Activation) -> Activation:

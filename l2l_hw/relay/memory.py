@@ -52,7 +52,7 @@ class DeviceMemory:
         self.peak_bytes = max(self.peak_bytes, sum(storages.values()))
 
     @contextlib.contextmanager
-    def saving(self, keep: bool = False):
+    def saving(self):
         """Count what autograd saves for backward inside this block (until `drop_saved`)."""
         def pack(t):
             self._saved.append(t)
