@@ -199,33 +199,20 @@ fp_round_pack #(.EXP_W(8), .MAN_W(23), .SIG_W(ALIGN_W+1), .E_W(10)) round_sum (
     .inexact(rounded_inexact)
 );
 
-reg        out_valid_reg;
-reg [31:0] y_reg;
-reg [4:0]  flags_reg;
+// The output register is a one-deep fp_pipe: valid reset, data held with ce.
+wire [32-1:0] result_y;
+wire [4:0] result_flags;
+// Exact cancellation gives +0 in round-to-nearest; -0 + -0 = -0.
+assign result_y     = s3_special ? s3_special_y :
+                      s3_zero    ? {s3_sign & ~s3_eff_sub, 31'd0} : rounded_y;
+assign result_flags = s3_special ? {s3_special_invalid, 4'b0000} :
+                      s3_zero    ? 5'b00000 : {2'b00, rounded_overflow, rounded_underflow, rounded_inexact};
 
-always @(posedge clk) begin
-    if (ce) begin
-        out_valid_reg <= s3_valid;
-        if (s3_special) begin
-            y_reg     <= s3_special_y;
-            flags_reg <= {s3_special_invalid, 4'b0000};
-        end else if (s3_zero) begin
-            // Exact cancellation gives +0 in round-to-nearest; -0 + -0 = -0.
-            y_reg     <= {s3_sign & ~s3_eff_sub, 31'd0};
-            flags_reg <= 5'b00000;
-        end else begin
-            y_reg     <= rounded_y;
-            flags_reg <= {2'b00, rounded_overflow, rounded_underflow, rounded_inexact};
-        end
-    end
-    if (rst) begin
-        out_valid_reg <= 1'b0;
-    end
-end
-
-assign out_valid = out_valid_reg;
-assign y         = y_reg;
-assign flags     = flags_reg;
+fp_pipe #(.WIDTH(32+5), .DEPTH(1)) out_reg (
+    .clk(clk), .rst(rst), .ce(ce),
+    .in_valid(s3_valid), .in_data({result_y, result_flags}),
+    .out_valid(out_valid), .out_data({y, flags})
+);
 
 endmodule
 

@@ -224,24 +224,17 @@ fp_round_pack #(.EXP_W(8), .MAN_W(23), .SIG_W(ROOT_W+1), .E_W(10)) round_root (
     .inexact(rounded_inexact)
 );
 
-reg        out_valid_reg;
-reg [31:0] y_reg;
-reg [4:0]  flags_reg;
+// The output register is a one-deep fp_pipe: valid reset, data held with ce.
+wire [32-1:0] result_y;
+wire [4:0] result_flags;
+assign result_y     = rec_special ? rec_special_y : rounded_y;
+assign result_flags = rec_special ? rec_special_flags : {4'b0000, rounded_inexact};
 
-always @(posedge clk) begin
-    if (ce) begin
-        out_valid_reg <= rec_valid;
-        y_reg         <= rec_special ? rec_special_y : rounded_y;
-        flags_reg     <= rec_special ? rec_special_flags : {4'b0000, rounded_inexact};
-    end
-    if (rst) begin
-        out_valid_reg <= 1'b0;
-    end
-end
-
-assign out_valid = out_valid_reg;
-assign y         = y_reg;
-assign flags     = flags_reg;
+fp_pipe #(.WIDTH(32+5), .DEPTH(1)) out_reg (
+    .clk(clk), .rst(rst), .ce(ce),
+    .in_valid(rec_valid), .in_data({result_y, result_flags}),
+    .out_valid(out_valid), .out_data({y, flags})
+);
 
 endmodule
 

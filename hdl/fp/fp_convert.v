@@ -108,25 +108,17 @@ fp_round_pack #(.EXP_W(OUT_EXP_W), .MAN_W(OUT_MAN_W), .SIG_W(SIG_W), .E_W(E_W)) 
     .inexact(rounded_inexact)
 );
 
-reg             out_valid_reg;
-reg [OUT_W-1:0] y_reg;
-reg [4:0]       flags_reg;
+// The output register is a one-deep fp_pipe: valid reset, data held with ce.
+wire [OUT_W-1:0] result_y;
+wire [4:0] result_flags;
+assign result_y     = s1_special ? s1_special_y : rounded_y;
+assign result_flags = s1_special ? {s1_special_invalid, 4'b0000} : {2'b00, rounded_overflow, rounded_underflow, rounded_inexact};
 
-always @(posedge clk) begin
-    if (ce) begin
-        out_valid_reg <= s1_valid;
-        y_reg         <= s1_special ? s1_special_y : rounded_y;
-        flags_reg     <= s1_special ? {s1_special_invalid, 4'b0000}
-                                    : {2'b00, rounded_overflow, rounded_underflow, rounded_inexact};
-    end
-    if (rst) begin
-        out_valid_reg <= 1'b0;
-    end
-end
-
-assign out_valid = out_valid_reg;
-assign y         = y_reg;
-assign flags     = flags_reg;
+fp_pipe #(.WIDTH(OUT_W+5), .DEPTH(1)) out_reg (
+    .clk(clk), .rst(rst), .ce(ce),
+    .in_valid(s1_valid), .in_data({result_y, result_flags}),
+    .out_valid(out_valid), .out_data({y, flags})
+);
 
 endmodule
 
