@@ -9,11 +9,14 @@ writes into --out:
                            config and every RNG state, so --resume is bit-exact
 """
 import argparse
+import datetime
 import importlib.metadata
 import json
+import os
 import platform
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,7 +34,7 @@ TRAIN_DEFAULTS = dict(
     lr=2e-3, schedule="cosine", warmup=None, optimizer="adamw", momentum=0.0, weight_decay=0.1,
     eps_backend="cpu", device="cpu", seed=1337, dropout=0.0, tie_weights=False, eval_every=50,
     data=None, recompute=True, gelu="exact", linear_projection=0.0, precision="fp32", pipedream_2bw=False,
-    activations="device", layer_drop=0.0, clip_grad_norm=None, clip_mode="layer",
+    activations="device", layer_drop=0.0, clip_grad_norm=None, clip_mode="layer", shard_state=False,
 )
 EVAL_BATCHES = 4  # validation minibatches per eval point; the same windows every time
 SAMPLE_PROMPT, SAMPLE_BYTES = b"def ", 200
@@ -46,7 +49,7 @@ def _model_config(cfg: dict) -> GPTConfig:
                      gelu=cfg.get("gelu", "exact"), linear_projection=cfg.get("linear_projection", 0.0))
 
 
-def _make_relay(cfg: dict):
+def _make_relay(cfg: dict, eps_options: dict | None = None, device: str | None = None):
     if not 1 <= cfg["micro_batches"] <= cfg["batch_size"]:
         raise ValueError(f"--micro-batches must be between 1 and --batch-size ({cfg['batch_size']}), "
                          f"got {cfg['micro_batches']}")
@@ -55,12 +58,47 @@ def _make_relay(cfg: dict):
     eps = l2l_hw.make_eps(
         cfg["eps_backend"], optimizer=cfg["optimizer"], lr=cfg["lr"], weight_decay=cfg["weight_decay"],
         momentum=cfg["momentum"], schedule=cfg["schedule"], warmup_steps=cfg["warmup"],
-        total_steps=cfg["steps"], min_lr=cfg["lr"] / 10)  # floor at lr/10, as nanoGPT
+        total_steps=cfg["steps"], min_lr=cfg["lr"] / 10,  # floor at lr/10, as nanoGPT
+        **(eps_options or {}))  # where the EPS runs (--overlay): not part of the run's config
     # .get: checkpoints written before an option existed resume with its default
     options = {k: cfg.get(k, TRAIN_DEFAULTS[k]) for k in
                ("recompute", "precision", "pipedream_2bw", "activations", "layer_drop", "clip_grad_norm", "clip_mode")}
-    return l2l_hw.Relay(layers, lm_loss, eps=eps, device=cfg["device"], micro_batches=cfg["micro_batches"],
+    return l2l_hw.Relay(layers, lm_loss, eps=eps, device=device or cfg["device"], micro_batches=cfg["micro_batches"],
                         **options)
+
+
+@dataclass
+class Ranks:
+    """This process's place in a data-parallel run (torchrun); one rank when run alone."""
+
+    rank: int = 0
+    world: int = 1
+    device: str | None = None  # under torchrun on CUDA: this rank's GPU
+    joined: bool = False  # the process group was set up here (and is torn down here)
+
+    @property
+    def lead(self) -> bool:
+        return self.rank == 0
+
+    def shard(self, *tensors):
+        """This rank's part of a minibatch (the whole of it when alone)."""
+        return tuple(t.tensor_split(self.world)[self.rank] for t in tensors)
+
+
+def _join(device: str, timeout_s: float) -> Ranks:
+    """Under torchrun (WORLD_SIZE > 1): join the process group, gloo on CPU, NCCL on CUDA."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return Ranks(dist.get_rank(), dist.get_world_size())
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return Ranks()
+    cuda = device.startswith("cuda")
+    if cuda:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    return Ranks(dist.get_rank(), dist.get_world_size(), f"cuda:{local}" if cuda else None, joined=True)
 
 
 def _rng_tensors(data_rng: torch.Generator) -> dict:
@@ -79,16 +117,18 @@ def _restore_rng(tensors: dict, data_rng: torch.Generator):
         torch.cuda.set_rng_state_all([tensors[k] for k in cuda[: torch.cuda.device_count()]])
 
 
-def _save(out: Path, relay, data_rng, cfg: dict, elapsed: float):
-    tensors = {f"relay.{k}": v for k, v in relay.state_dict().items()}
+def _save(out: Path, relay, data_rng, cfg: dict, elapsed: float, lead: bool = True):
+    tensors = {f"relay.{k}": v for k, v in relay.state_dict().items()}  # every rank: a collective when sharded
+    if not lead:
+        return
     tensors.update(_rng_tensors(data_rng))
     meta = {"config": cfg, "step": relay.step, "elapsed": elapsed, "l2l_hw_version": l2l_hw.__version__}
     save_checkpoint(out / CHECKPOINT, tensors, meta)
 
 
-def _evaluate(relay, corpus: Corpus, cfg: dict) -> float:
+def _evaluate(relay, corpus: Corpus, cfg: dict, ranks: Ranks) -> float:
     rng = torch.Generator().manual_seed(cfg["seed"] + 1)  # own generator: eval never moves training RNG
-    losses = [relay.evaluate(*corpus.batch("val", cfg["batch_size"], cfg["context"], rng))
+    losses = [relay.evaluate(*ranks.shard(*corpus.batch("val", cfg["batch_size"], cfg["context"], rng)))
               for _ in range(EVAL_BATCHES)]
     return sum(losses) / len(losses)
 
@@ -131,8 +171,8 @@ def cmd_train(args) -> int:
         cfg = meta["config"]
         # The run's config comes from the checkpoint; only the step target and the
         # place it runs may change (a longer --steps also stretches a cosine schedule).
-        for key in ("steps", "device", "eps_backend"):
-            cfg[key] = given.pop(key, cfg[key])
+        for key in ("steps", "device", "eps_backend", "shard_state"):
+            cfg[key] = given.pop(key, cfg.get(key, TRAIN_DEFAULTS[key]))
         if given:
             print(f"note: --resume keeps the checkpoint's config; ignoring {', '.join(sorted(given))}", file=sys.stderr)
     else:
@@ -142,31 +182,55 @@ def cmd_train(args) -> int:
         cfg["data"] = str(Path(cfg["data"]).resolve()) if cfg["data"] else None
     stop = min(cfg["steps"], args.stop_after) if args.stop_after else cfg["steps"]
 
+    ranks = _join(cfg["device"], args.dist_timeout)
+    try:
+        return _train(args, cfg, stop, ranks, tensors if args.resume else None, meta if args.resume else None, tqdm)
+    finally:
+        if ranks.joined:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _train(args, cfg: dict, stop: int, ranks: Ranks, tensors, meta, tqdm) -> int:
+    out = Path(args.out)
     try:
         corpus = Corpus.load(cfg["data"])
-        relay = _make_relay(cfg)
+        if (cfg["eps_backend"] == "fpga-pynq") != (args.overlay is not None):
+            raise ValueError("--eps fpga-pynq needs --overlay PATH (the .bit with its .hwh beside it, or an "
+                             "xclbin; docs/BOARD.md)" if args.overlay is None else
+                             f"--overlay is for --eps fpga-pynq, not --eps {cfg['eps_backend']}")
+        eps_options = {"overlay": args.overlay, "kernel": args.kernel} if args.overlay else {}
+        # Sharding needs ranks to share with; a sharded run resumed on one process is replicated.
+        eps_options["shard_state"] = bool(cfg["shard_state"]) and ranks.world > 1
+        relay = _make_relay(cfg, eps_options, ranks.device)
     except (ValueError, FileNotFoundError) as e:  # a bad flag value: say which, no traceback
         print(f"l2l train: {e}", file=sys.stderr)
         return 2
     data_rng = torch.Generator().manual_seed(cfg["seed"])
     elapsed = 0.0
-    if args.resume:  # after building: construction draws from the RNGs we now overwrite
+    if tensors is not None:  # after building: construction draws from the RNGs we now overwrite
         relay.load_state_dict({k[len("relay."):]: v for k, v in tensors.items() if k.startswith("relay.")})
         _restore_rng(tensors, data_rng)
         elapsed = meta["elapsed"]
-    out.mkdir(parents=True, exist_ok=True)
-    rows = _read_metrics(out / METRICS, relay.step) if args.resume else []
+    lead = ranks.lead  # rank 0 alone prints, writes files and shows the progress bar
+    if lead:
+        out.mkdir(parents=True, exist_ok=True)
+    rows = _read_metrics(out / METRICS, relay.step) if tensors is not None else []
 
     tokens_per_step = cfg["batch_size"] * cfg["context"]
-    print(f"l2l train: {cfg['layers']} layers x {cfg['width']} wide, context {cfg['context']}, "
-          f"batch {cfg['batch_size']} in {cfg['micro_batches']} micro-batches, EPS {cfg['eps_backend']}, "
-          f"device {cfg['device']}, corpus {corpus.source} ({len(corpus.train):,} train bytes), out {out}")
+    if lead:
+        print(f"l2l train: {cfg['layers']} layers x {cfg['width']} wide, context {cfg['context']}, "
+              f"batch {cfg['batch_size']} in {cfg['micro_batches']} micro-batches"
+              f"{f' on each of {ranks.world} ranks' if ranks.world > 1 else ''}, EPS {cfg['eps_backend']}"
+              f"{' (state sharded)' if eps_options['shard_state'] else ''}, device {ranks.device or cfg['device']}, "
+              f"corpus {corpus.source} ({len(corpus.train):,} train bytes), out {out}")
     val_loss = None
-    bar = tqdm(total=stop, initial=relay.step, unit="step", desc="train", dynamic_ncols=True)
-    with open(out / METRICS, "w") as metrics:  # rewritten: drops any rows past the checkpoint
+    bar = tqdm(total=stop, initial=relay.step, unit="step", desc="train", dynamic_ncols=True, disable=not lead)
+    with open(out / METRICS if lead else os.devnull, "w") as metrics:  # rewritten: drops rows past the checkpoint
         metrics.writelines(json.dumps(r) + "\n" for r in rows)
         while relay.step < stop:
-            x, y = corpus.batch("train", cfg["batch_size"], cfg["context"], data_rng)
+            x, y = ranks.shard(*corpus.batch("train", cfg["batch_size"], cfg["context"], data_rng))
             lr = relay.eps.lr_at(relay.step + 1)  # 1-based: the step about to run
             t0 = time.perf_counter()
             loss = relay.train_step(x, y)
@@ -176,21 +240,24 @@ def cmd_train(args) -> int:
             last = relay.step == stop
             evaluate = relay.step % cfg["eval_every"] == 0 or last
             if evaluate:
-                val_loss = row["val_loss"] = _evaluate(relay, corpus, cfg)
+                val_loss = row["val_loss"] = _evaluate(relay, corpus, cfg, ranks)
             metrics.write(json.dumps(row) + "\n")
             metrics.flush()
             if evaluate:  # after the row: a checkpoint never runs ahead of its metrics
-                _save(out, relay, data_rng, cfg, elapsed)
+                _save(out, relay, data_rng, cfg, elapsed, lead)
             rows.append(row)
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}")
     bar.close()
     if val_loss is None:  # nothing left to train: report the checkpoint as it is
-        val_loss = _evaluate(relay, corpus, cfg)
+        val_loss = _evaluate(relay, corpus, cfg, ranks)
+    model = relay.materialize()  # every rank: with a sharded EPS the weights are gathered
+    if not lead:
+        return 0
     _plot(rows, out / PLOT)
     print(f"step {relay.step}/{cfg['steps']}  final val loss {val_loss:.4f}  ({elapsed:.1f} s training)")
     print(f"wrote {out / METRICS}, {out / PLOT}, {out / CHECKPOINT}")
-    sample = generate(relay.materialize(), SAMPLE_PROMPT, SAMPLE_BYTES, temperature=0.8, top_k=40,
+    sample = generate(model, SAMPLE_PROMPT, SAMPLE_BYTES, temperature=0.8, top_k=40,
                       block_size=cfg["context"], generator=torch.Generator().manual_seed(cfg["seed"]))
     print("sample:\n" + (SAMPLE_PROMPT + sample).decode("utf-8", errors="replace"))
     return 0
@@ -290,7 +357,16 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--momentum", type=float, help=f"SGD momentum (default {d['momentum']})")
     t.add_argument("--weight-decay", type=float, help=f"(default {d['weight_decay']})")
     t.add_argument("--eps-backend", "--eps", dest="eps_backend", help=f"EPS backend (default {d['eps_backend']})")
-    t.add_argument("--device", help=f"where layers run: cpu, cuda, cuda:N (default {d['device']})")
+    t.add_argument("--overlay", metavar="PATH", help="--eps fpga-pynq: the overlay to load (.bit with its .hwh, "
+                   "or .xclbin; docs/BOARD.md)")
+    t.add_argument("--kernel", metavar="NAME", help="--eps fpga-pynq: the kernel's IP name in the overlay "
+                   "(default: the one IP named l2l_optim*)")
+    t.add_argument("--device", help=f"where layers run: cpu, cuda, cuda:N (default {d['device']}); under "
+                   "torchrun, cuda means each rank's own GPU (LOCAL_RANK)")
+    t.add_argument("--shard-state", action="store_true", default=None,
+                   help="under torchrun: each rank's EPS keeps 1/N of the optimizer state (ZeRO-style)")
+    t.add_argument("--dist-timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="under torchrun: how long a rank waits for the others before failing (default 300)")
     t.add_argument("--seed", type=int, help=f"seeds the weights, dropout and batches (default {d['seed']})")
     t.add_argument("--dropout", type=float, help=f"(default {d['dropout']})")
     t.add_argument("--tie-weights", action="store_true", default=None, help="share the token table with the LM head")
@@ -353,6 +429,11 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--backend", choices=("cpu", "fpga-sim"), default="cpu",
                     help="cpu: the host kernel (default); fpga-sim: the RTL kernel in Verilator (n default 2^20)")
     be.set_defaults(func=lambda a: (bench_eps_fpga if a.backend == "fpga-sim" else bench_eps).run_from_args(a))
+    from l2l_hw.bench import data_parallel as bench_dp
+    bd = bsub.add_parser("dp", help="data-parallel relay: 1 rank vs N ranks on CPU, communication hidden",
+                         description=bench_dp.__doc__.split("\n\n")[0])
+    bench_dp.add_arguments(bd)
+    bd.set_defaults(func=bench_dp.run_from_args)
     from l2l_hw.bench import rtl as bench_rtl
     bt = bsub.add_parser("rtl", help="RTL optimizer kernel in Verilator: elements per clock vs the AXI bound",
                          description=bench_rtl.__doc__.split("\n\n")[0])

@@ -144,9 +144,7 @@ class EPS(ABC):
         step that saw a non-finite gradient is discarded whole instead.
 
         Returns whether a non-finite gradient was seen in the step."""
-        for key, grads, inv_scale in self._deferred:
-            self._push(key, grads, inv_scale * grad_scale)
-        self._deferred.clear()
+        self._run_deferred(grad_scale)
         self.wait()
         found = self.found_nonfinite
         if found and skip_nonfinite:
@@ -158,6 +156,11 @@ class EPS(ABC):
         self._pushed.clear()
         self.found_nonfinite = False
         return found
+
+    def _run_deferred(self, grad_scale: float) -> None:
+        for key, grads, inv_scale in self._deferred:
+            self._push(key, grads, inv_scale * grad_scale)
+        self._deferred.clear()
 
     def discard_step(self) -> None:
         """Forget the step under way: deferred gradients are dropped and, with double
@@ -199,7 +202,7 @@ class EPS(ABC):
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.wait()
-        slots = ("param",) + STATE_SLOTS[self.config.optimizer]
+        slots = self._slots()
         wanted = {f"{k}/{n}/{s}": shape for k, names in self.shapes.items() for n, shape in names.items() for s in slots}
         missing = sorted(set(wanted) - set(state))
         if missing:
@@ -213,6 +216,9 @@ class EPS(ABC):
             for name in names:
                 self._load(key, name, {s: state[f"{key}/{name}/{s}"] for s in slots})
         self.step = int(state["step"])
+
+    def _slots(self) -> tuple[str, ...]:
+        return ("param",) + STATE_SLOTS[self.config.optimizer]
 
     def master(self, key: str) -> dict[str, torch.Tensor]:
         """fp32 master weights of a group (copies)."""
@@ -265,9 +271,18 @@ def known_backends() -> list[str]:
     return sorted(_BACKENDS)
 
 
-def make_eps(name: str, working_dtype: str = "fp32", **options) -> EPS:
-    """Build an EPS by backend name; the other options are those of OptimConfig."""
+def make_eps(name: str, working_dtype: str = "fp32", shard_state: bool = False, process_group=None,
+             **options) -> EPS:
+    """Build an EPS by backend name; the other options are those of OptimConfig or the backend's.
+
+    shard_state=True (data parallel, torch.distributed initialized): this rank keeps 1/N of
+    every tensor's master weights and state, ZeRO-style (l2l_hw/eps/sharded.py)."""
     if name not in _BACKENDS:
         raise ValueError(f"unknown EPS backend {name!r}; known backends: {', '.join(known_backends())}")
     backend_options = {k: options.pop(k) for k in list(options) if k not in OptimConfig.__dataclass_fields__}
-    return _BACKENDS[name](OptimConfig(**options), working_dtype=working_dtype, **backend_options)
+    eps = _BACKENDS[name](OptimConfig(**options), working_dtype=working_dtype, **backend_options)
+    if shard_state:
+        from l2l_hw.eps.sharded import ShardedEps
+
+        eps = ShardedEps(eps, process_group)
+    return eps

@@ -10,12 +10,14 @@
               on Zynq, the PCIe copy on Alveo)
     waiting   the driver polls CTRL.AP_DONE; advance() sleeps a short interval between polls
 
-Without a board: tests/test_fpga_eps.py runs this transport against the Verilated RTL
-through a stand-in for the few pynq calls it makes (Overlay, the IP's mmio, allocate and
-the buffer's sync methods). No board was used to test this file (docs/BOARD.md).
+Without a board: with L2L_PYNQ_SIM=1, pynq's device probe finds l2l_hw/hw/pynq_sim.py's
+SimulatedDevice (the Verilated RTL and its DRAM model behind pynq's Device interface), and
+this file runs unchanged on the real `pynq` package against it (tests/test_pynq.py). No
+board was used to test this file (docs/BOARD.md).
 """
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -30,6 +32,8 @@ def _pynq():
         import pynq
     except ImportError as exc:
         raise RuntimeError("the fpga-pynq EPS needs the `pynq` package on the board (pip install pynq)") from exc
+    if os.environ.get("L2L_PYNQ_SIM") == "1":
+        from l2l_hw.hw import pynq_sim  # noqa: F401  defining its Device subclass lets pynq's probe find it
     return pynq
 
 
@@ -52,7 +56,9 @@ class PynqTransport:
             kernel = found[0]
         self.kernel = kernel
         self.mmio = getattr(overlay, kernel).mmio
+        # Buffers on the overlay's device (pynq's active device unless the Overlay was given one)
         self._allocate = pynq.allocate
+        self._target = getattr(overlay, "device", None)
 
     def read32(self, offset: int) -> int:
         return int(self.mmio.read(offset)) & 0xFFFFFFFF
@@ -71,7 +77,7 @@ class PynqTransport:
         import numpy as np
 
         # 64 bytes at least: reads may run to the end of the last DATA_WIDTH/8 block (<= 64 B)
-        handle = self._allocate(shape=(max(64, -(-nbytes // 64) * 64),), dtype=np.uint8)
+        handle = self._allocate(shape=(max(64, -(-nbytes // 64) * 64),), dtype=np.uint8, target=self._target)
         return DeviceBuffer(int(handle.device_address), nbytes, handle)
 
     def free(self, buf: DeviceBuffer) -> None:

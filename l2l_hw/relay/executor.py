@@ -10,6 +10,11 @@
               less per step, at the memory cost of every layer's intermediates)
     commit    the EPS finishes the step's updates
 
+Data parallel (torch.distributed initialized, or process_group given): each rank runs
+the relay on its own shard of the minibatch; each group's gradients are averaged across
+ranks by an asynchronous collective that overlaps the next layer's backward and is
+awaited just before the push (l2l_hw/relay/data_parallel.py).
+
 A parameter used by several layers (tied embedding and head) belongs to the EPS group
 of the first layer that uses it; its gradient accumulates over every use and is pushed
 once, after its last use in the backward sweep.
@@ -25,6 +30,8 @@ from torch import nn
 from torch.func import functional_call
 
 from l2l_hw.eps.base import EPS
+from l2l_hw.eps.sharded import ShardedEps
+from l2l_hw.relay.data_parallel import GradReducer
 from l2l_hw.relay.memory import DeviceMemory
 from l2l_hw.relay.precision import LossScaler, compute_dtype
 from l2l_hw.relay.prefetch import WeightStream
@@ -91,7 +98,7 @@ class Relay:
                  activations: str = "device", layer_drop: float | Callable[[int], float] = 0.0,
                  droppable: Sequence[int] | None = None, layer_drop_seed: int = 0,
                  clip_grad_norm: float | None = None, clip_mode: str = "layer", precision: str = "fp32",
-                 pipedream_2bw: bool = False):
+                 pipedream_2bw: bool = False, process_group=None):
         self.layers = list(layers)
         if not self.layers:
             raise ValueError("Relay needs at least one layer")
@@ -133,11 +140,30 @@ class Relay:
         self.pipedream_2bw = bool(pipedream_2bw)
         if self.scaler is not None or self.pipedream_2bw:
             eps.enable_double_buffer()
+        self.dp = self._data_parallel(process_group)
+        self._pending = []  # gradient reductions under way, oldest first
         self.plans = self._plan()
         self.weights = WeightStream(eps, self.device, previous=self.pipedream_2bw)
         self.groups = sorted({key for plan in self.plans for key in plan.groups})
 
     # -- set-up ---------------------------------------------------------------
+    def _data_parallel(self, group) -> GradReducer | None:
+        """The gradient reducer when running data parallel; every rank starts from rank 0's weights."""
+        import torch.distributed as dist
+
+        if isinstance(self.eps, ShardedEps):
+            if group is not None and group is not self.eps.group:
+                raise ValueError("process_group differs from the sharded EPS's; pass the same group to both")
+            group = self.eps.group
+        elif group is None:
+            if not (dist.is_available() and dist.is_initialized()):
+                return None
+        dp = GradReducer(group, self.eps, self.device)
+        if dp.world > 1:
+            dp.broadcast_([t for m in self.layers for t in (*m.parameters(), *m.buffers())],
+                          "broadcasting rank 0's initial weights")
+        return dp
+
     def _plan(self) -> list[LayerPlan]:
         owner: dict[int, tuple[str, str]] = {}  # id(parameter) -> (EPS group, name)
         plans = []
@@ -256,6 +282,9 @@ class Relay:
         skipped layer passes its input through and costs neither transfer nor compute,
         and its weights get no update. Without it, the layer-drop schedule decides."""
         xs, ts, weights = self._split(inputs, targets)
+        local_n = sum(_flatten(t)[0].shape[0] for t in ts)
+        if self.dp is not None:
+            self.dp.start_step(local_n)
         order = self._active_layers(layers)
         users: dict[str, list[int]] = {}  # EPS group -> active layers using it, ascending
         for i in order:
@@ -348,7 +377,9 @@ class Relay:
                         meter.drop_saved()
                 graphs[i] = inputs_i = None  # this layer's inputs are done with
                 self._release(i, live, users, backward=True)
+            self._push_reduced()
         except BaseException as exc:
+            self._pending.clear()
             self.weights.clear()
             self.stash.clear()
             meter.drop_saved()
@@ -362,6 +393,8 @@ class Relay:
         found = self.eps.commit_step(grad_scale=self._global_clip_factor(), skip_nonfinite=self.scaler is not None)
         if self.scaler is not None:
             self.scaler.update(found)
+        if self.dp is not None:
+            return self.dp.mean(float(total), local_n, "averaging the step's loss")
         return float(total)
 
     @property
@@ -391,10 +424,24 @@ class Relay:
         for key in self.plans[i].groups:
             if backward and i == users[key][0]:
                 tensors = live.pop(key)
-                grads = self._clip({n: t.grad for n, t in tensors.items() if t.grad is not None})
-                self.eps.push_grads(key, grads, inv_scale=1.0 / self.loss_scale)
+                self._push(key, {n: t.grad for n, t in tensors.items() if t.grad is not None})
             elif not backward and len(users[key]) == 1:
                 live.pop(key)  # fetched again for the backward sweep
+
+    def _push(self, key: str, grads: dict[str, torch.Tensor]) -> None:
+        """Hand a group's gradients to the EPS; data parallel, first start averaging them across
+        ranks and push the group reduced during this layer's backward."""
+        if self.dp is None or not grads:
+            self.eps.push_grads(key, self._clip(grads), inv_scale=1.0 / self.loss_scale)
+            return
+        self._push_reduced()
+        self._pending.append(self.dp.launch(key, grads))
+
+    def _push_reduced(self) -> None:
+        while self._pending:
+            reduction = self._pending.pop(0)
+            grads = self.dp.finish(reduction)
+            self.eps.push_grads(reduction.key, self._clip(grads), inv_scale=1.0 / self.loss_scale)
 
     def _clip(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Per-layer clipping scales the group's gradients as torch.nn.utils.clip_grad_norm_
@@ -402,6 +449,8 @@ class Relay:
         if self.clip_mode is None or not grads:
             return grads
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads.values()]))
+        if self._sharded and self.clip_mode == "layer":  # this rank holds slices: the norm is over all ranks
+            norm = self.dp.sum(norm ** 2, "summing a gradient norm over ranks").sqrt()
         norm = norm / self.loss_scale
         if self.clip_mode == "global":
             self._sq_norm += norm.to("cpu") ** 2
@@ -413,8 +462,13 @@ class Relay:
         """Global-norm clipping: the factor every deferred update's gradient is scaled by."""
         if self.clip_mode != "global":
             return 1.0
-        total = self._sq_norm.sqrt()
+        sq = self.dp.sum(self._sq_norm, "summing the global gradient norm over ranks") if self._sharded else self._sq_norm
+        total = sq.sqrt()
         return float(torch.clamp(self.clip_norm / (total + 1e-6), max=1.0))
+
+    @property
+    def _sharded(self) -> bool:
+        return self.dp is not None and self.dp.sharded
 
     def memory_report(self) -> dict:
         """Peak device memory since the relay was built (or the last reset_memory())."""
@@ -438,6 +492,8 @@ class Relay:
                 params = self._params(i, live)
                 acts = [self._call(i, a, params, self._device_buffers(i)) for a in acts]
             total = sum(float(self._loss(_to_float(a), t)) * w for a, t, w in zip(acts, ts, weights))
+            if self.dp is not None:
+                total = self.dp.mean(total, sum(_flatten(t)[0].shape[0] for t in ts), "averaging the evaluation loss")
         finally:
             self.weights.clear()
             for m, mode in zip(self.layers, modes):

@@ -1,0 +1,123 @@
+"""`l2l bench dp`: the data-parallel relay on CPU, 1 rank against N ranks (gloo).
+
+The same global minibatch of the `l2l train` default GPT, timed per step:
+  1 rank     one process on the whole minibatch, with every core's threads (the
+             strongest single-process alternative)
+  N ranks    N processes on 1/N of the minibatch each, cores shared out, gradients
+             averaged per layer by asynchronous collectives overlapping the backward
+  N ranks, no overlap   the same with each collective waited for at once: the time
+             the ranks spend blocked there is the whole communication time
+
+hidden_comm_fraction = 1 - (blocked time with overlap) / (blocked time without it),
+rank 0's figures, mean per step after warm-up.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import torch
+
+WARMUP = 2
+MODEL = dict(layers=4, width=128, heads=4, context=128, batch_size=32, micro_batches=4)
+
+
+def _worker(cfg: dict) -> dict:
+    """One rank (or the single process): time `cfg['steps']` steps after warm-up."""
+    import torch.distributed as dist
+
+    import l2l_hw
+    from l2l_hw.cli import _model_config
+    from l2l_hw.models import build_gpt, lm_loss
+
+    world = int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(cfg["threads"])
+    if world > 1:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if world > 1 else 0
+    m = {**MODEL, "dropout": 0.0, "tie_weights": False}
+    torch.manual_seed(0)
+    layers = build_gpt(_model_config(m))
+    eps = l2l_hw.make_eps("cpu", shard_state=cfg["shard_state"] and world > 1, lr=1e-3)
+    relay = l2l_hw.Relay(layers, lm_loss, eps=eps, micro_batches=m["micro_batches"])
+    if relay.dp is not None:
+        relay.dp.overlap = cfg["overlap"]
+    g = torch.Generator().manual_seed(1)
+    times, blocked = [], []
+    for step in range(WARMUP + cfg["steps"]):
+        x = torch.randint(0, 256, (m["batch_size"], m["context"]), generator=g)
+        x, y = (t.tensor_split(world)[rank] for t in (x, torch.roll(x, -1, 1)))
+        t0 = time.perf_counter()
+        relay.train_step(x, y)
+        if step >= WARMUP:
+            times.append(time.perf_counter() - t0)
+            blocked.append(relay.dp.wait_s if relay.dp is not None else 0.0)
+    if world > 1:
+        dist.destroy_process_group()
+    return {"step_s": sum(times) / len(times), "blocked_s": sum(blocked) / len(blocked)}
+
+
+def _launch(world: int, steps: int, overlap: bool, shard_state: bool) -> dict:
+    """Run the benchmark as `world` fresh processes; rank 0's figures."""
+    threads = max(1, (os.cpu_count() or 1) // world)
+    cfg = {"steps": steps, "overlap": overlap, "shard_state": shard_state, "threads": threads}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               OMP_NUM_THREADS=str(threads))
+    procs = [subprocess.Popen([sys.executable, "-m", "l2l_hw.bench.data_parallel", json.dumps(cfg)],
+                              env=dict(env, RANK=str(r)), stdout=subprocess.PIPE, text=True) for r in range(world)]
+    outs = [p.communicate()[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"a rank of the {world}-rank benchmark failed (exit codes {[p.returncode for p in procs]})")
+    return json.loads(outs[0].strip().splitlines()[-1])
+
+
+def run(steps: int = 5, world: int = 2, shard_state: bool = False) -> dict:
+    one = _launch(1, steps, True, False)
+    overlapped = _launch(world, steps, True, shard_state)
+    blocking = _launch(world, steps, False, shard_state)
+    comm = blocking["blocked_s"]
+    return {
+        "model": MODEL, "steps": steps, "world": world, "shard_state": shard_state, "cores": os.cpu_count(),
+        "step_s_1_rank": round(one["step_s"], 4),
+        f"step_s_{world}_ranks": round(overlapped["step_s"], 4),
+        f"step_s_{world}_ranks_no_overlap": round(blocking["step_s"], 4),
+        f"speedup_{world}_vs_1": round(one["step_s"] / overlapped["step_s"], 3),
+        "comm_s_per_step": round(comm, 4),
+        "exposed_comm_s_per_step": round(overlapped["blocked_s"], 4),
+        "hidden_comm_fraction": round(1 - overlapped["blocked_s"] / comm, 3) if comm > 0 else None,
+    }
+
+
+def format_report(r: dict) -> str:
+    w = r["world"]
+    return (f"data-parallel relay, GPT {r['model']['layers']} x {r['model']['width']}, global batch "
+            f"{r['model']['batch_size']}, {r['cores']} cores, EPS {'sharded' if r['shard_state'] else 'replicated'}:\n"
+            f"  1 rank   {r['step_s_1_rank']:.3f} s/step\n"
+            f"  {w} ranks  {r[f'step_s_{w}_ranks']:.3f} s/step ({r[f'speedup_{w}_vs_1']:.2f}x of 1 rank), "
+            f"without overlap {r[f'step_s_{w}_ranks_no_overlap']:.3f} s/step\n"
+            f"  communication {r['comm_s_per_step'] * 1e3:.1f} ms/step, exposed {r['exposed_comm_s_per_step'] * 1e3:.1f} "
+            f"ms: {r['hidden_comm_fraction']:.0%} hidden behind the backward")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--steps", type=int, default=5, help=f"timed steps per run, after {WARMUP} of warm-up (default 5)")
+    p.add_argument("--ranks", type=int, default=2, help="ranks of the data-parallel runs (default 2)")
+    p.add_argument("--shard-state", action="store_true", help="the sharded (ZeRO-style) EPS")
+
+
+def run_from_args(args) -> int:
+    r = run(steps=args.steps, world=args.ranks, shard_state=args.shard_state)
+    print(json.dumps(r, indent=2) if args.json else format_report(r))
+    return 0
+
+
+if __name__ == "__main__":  # one rank of a benchmark run
+    print(json.dumps(_worker(json.loads(sys.argv[1]))))

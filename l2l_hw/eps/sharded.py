@@ -1,0 +1,165 @@
+"""ZeRO-style sharded EPS: each data-parallel rank keeps 1/N of every tensor.
+
+`make_eps(name, shard_state=True)` wraps the backend `name` (cpu, golden, fpga-*): each
+tensor of a group is flattened and padded to N * S elements, and rank r's backend holds
+the slice [r*S, (r+1)*S) of its master weights and optimizer state. The update rules are
+elementwise, so updating slices is the same arithmetic as updating whole tensors.
+
+    push_grads   takes this rank's slices of the rank-averaged gradients (the relay
+                 reduce-scatters them, l2l_hw/relay/data_parallel.py)
+    fetch        all-gathers the working-copy slices into whole tensors
+    commit_step  the ranks agree on whether any slice saw a non-finite gradient, so
+                 they all commit or all discard
+    state_dict   whole tensors gathered on rank 0 (other ranks get only the step): the
+                 checkpoint is the same for any number of ranks, sharded or not
+    load_state_dict  whole tensors in (from any number of ranks), this rank's slices kept
+
+One collective per group and call: the slices of a group's tensors travel as one
+[N, sum S] block (`pack` / `unpack`). fetch, master and state_dict are collectives:
+every rank calls them in the same order (the relay does).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from l2l_hw.distributed import comm_device, guarded
+from l2l_hw.eps.base import EPS
+
+
+def shard_sizes(shapes: dict[str, torch.Size], world: int) -> dict[str, int]:
+    """Elements per rank of each tensor: ceil(numel / world)."""
+    return {n: -(-math.prod(s) // world) for n, s in shapes.items()}
+
+
+def rows(t: torch.Tensor, size: int, world: int) -> torch.Tensor:
+    """`t` flattened, zero padded to world * size and viewed as [world, size]: row r is rank r's slice."""
+    flat = t.reshape(-1)
+    return torch.nn.functional.pad(flat, (0, world * size - flat.numel())).view(world, size)
+
+
+def pack(tensors: dict[str, torch.Tensor], sizes: dict[str, int], world: int) -> torch.Tensor:
+    """[world, sum S] block whose row r holds rank r's slice of every tensor."""
+    return torch.cat([rows(tensors[n], size, world) for n, size in sizes.items()], dim=1)
+
+
+def unpack(block: torch.Tensor, sizes: dict[str, int], shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+    """Inverse of pack: whole tensors from a [world, sum S] block."""
+    out, col = {}, 0
+    for name, size in sizes.items():
+        numel = math.prod(shapes[name])
+        out[name] = block[:, col:col + size].reshape(-1)[:numel].reshape(shapes[name])
+        col += size
+    return out
+
+
+class ShardedEps(EPS):
+    """Holds this rank's slices in `inner` (any EPS backend); see the module docstring."""
+
+    name = "sharded"
+
+    def __init__(self, inner: EPS, process_group=None):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("shard_state=True needs torch.distributed initialized first "
+                               "(torch.distributed.init_process_group, or run under torchrun)")
+        self.inner = inner
+        self.group = process_group
+        self.world = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        self.comm_device = comm_device(process_group)
+        super().__init__(inner.config, inner.working_dtype, inner.double_buffer)
+        self.sizes: dict[str, dict[str, int]] = {}
+
+    # The backend keeps the per-step state; these read and write through to it.
+    working_dtype = property(lambda self: self.inner.working_dtype,
+                             lambda self, v: setattr(self.inner, "working_dtype", v))
+    step = property(lambda self: self.inner.step, lambda self, v: setattr(self.inner, "step", v))
+    double_buffer = property(lambda self: self.inner.double_buffer, lambda self, v: None)
+    found_nonfinite = property(lambda self: self.inner.found_nonfinite,
+                               lambda self, v: setattr(self.inner, "found_nonfinite", v))
+
+    def enable_double_buffer(self) -> None:
+        self.inner.enable_double_buffer()
+
+    def lr_at(self, step: int) -> float:
+        return self.inner.lr_at(step)
+
+    # -- registration and the step ---------------------------------------------
+    def _register(self, key: str, params: dict[str, torch.Tensor]) -> None:
+        self.sizes[key] = sizes = shard_sizes(self.shapes[key], self.world)
+        self.inner.register(key, {n: self._mine(params[n], size) for n, size in sizes.items()})
+
+    def _mine(self, t: torch.Tensor, size: int) -> torch.Tensor:
+        return rows(t, size, self.world)[self.rank].clone()
+
+    def _check_grads(self, key: str, grads: dict[str, torch.Tensor]) -> None:
+        if key not in self.shapes:
+            raise KeyError(f"unknown EPS group {key!r}; registered groups: {', '.join(self.shapes) or 'none'}")
+        for name, g in grads.items():
+            want = self.sizes[key].get(name)
+            if want is None or g.shape != (want,):
+                raise ValueError(f"a sharded EPS takes this rank's slice of each gradient: {key}/{name} should be "
+                                 f"a ({want},) tensor, got {tuple(g.shape)}; the Relay reduce-scatters them")
+
+    def _push(self, key: str, grads: dict[str, torch.Tensor], inv_scale: float) -> None:
+        self.inner.push_grads(key, grads, inv_scale)
+
+    def wait(self) -> None:
+        self.inner.wait()
+
+    def commit_step(self, grad_scale: float = 1.0, skip_nonfinite: bool = False) -> bool:
+        self._run_deferred(grad_scale)
+        self.inner.wait()
+        flag = torch.tensor([float(self.inner.found_nonfinite)], device=self.comm_device)
+        guarded(self.group, "agreeing on non-finite gradients at commit", dist.all_reduce, flag,
+                op=dist.ReduceOp.MAX, group=self.group)
+        self.inner.found_nonfinite = bool(flag.item())
+        self._pushed.clear()
+        return self.inner.commit_step(skip_nonfinite=skip_nonfinite)
+
+    def discard_step(self) -> None:
+        self._deferred.clear()
+        self._pushed.clear()
+        self.inner.discard_step()
+
+    # -- whole tensors from slices ---------------------------------------------
+    def _gather(self, key: str, slices: dict[str, torch.Tensor], root: int | None = None) -> dict | None:
+        """Whole tensors from every rank's `slices` of group `key`: on every rank, or on `root` only."""
+        sizes = {n: self.sizes[key][n] for n in slices}
+        row = torch.cat([slices[n].reshape(-1) for n in sizes]).to(self.comm_device)
+        flat = torch.empty(self.world * row.numel(), dtype=row.dtype, device=self.comm_device)
+        if root is None:
+            guarded(self.group, f"all-gather of {key}", dist.all_gather_single, flat, row, group=self.group)
+        else:
+            guarded(self.group, f"gather of {key} on rank {root}", dist.gather, row,
+                    list(flat.chunk(self.world)) if self.rank == root else None, group_dst=root, group=self.group)
+            if self.rank != root:
+                return None
+        return unpack(flat.view(self.world, -1), sizes, self.shapes[key])
+
+    def fetch(self, key: str, previous: bool = False) -> dict[str, torch.Tensor]:
+        return self._gather(key, self.inner.fetch(key, previous=previous))
+
+    def _tensors(self, key: str, name: str) -> dict[str, torch.Tensor]:
+        return {s: self._gather(key, {name: t})[name] for s, t in self.inner._tensors(key, name).items()}
+
+    def master(self, key: str) -> dict[str, torch.Tensor]:
+        self.wait()
+        return {n: t.clone() for n, t in self._gather(key, self.inner.master(key)).items()}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Whole tensors on rank 0, one group and slot at a time; other ranks get only `step`."""
+        self.wait()
+        out = {"step": torch.tensor(self.step, dtype=torch.int64)}
+        for key, sizes in self.sizes.items():
+            for slot in self._slots():
+                whole = self._gather(key, {n: self.inner._tensors(key, n)[slot] for n in sizes}, root=0)
+                if whole is not None:
+                    out.update({f"{key}/{n}/{slot}": t.to("cpu", copy=True) for n, t in whole.items()})
+        return out
+
+    def _load(self, key: str, name: str, slots: dict[str, torch.Tensor]) -> None:
+        size = self.sizes[key][name]
+        self.inner._load(key, name, {s: self._mine(t, size) for s, t in slots.items()})

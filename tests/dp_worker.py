@@ -1,0 +1,57 @@
+"""One rank of a data-parallel test run (tests/test_data_parallel.py starts N of these).
+
+    python -m tests.dp_worker '<json>'    with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set
+
+The json: model (gpt | mlp), optimizer, steps, batch, micro_batches, shard_state,
+clip_grad_norm and clip_mode (Relay's), start (first step index, for resumed runs), load (a state file to resume from),
+save (write relay.state_dict() there at the end), out (rank 0 writes the trained
+parameters, the per-step losses and every rank's share of the EPS there),
+die_before_step (this rank exits abruptly), timeout (seconds, the process group's).
+"""
+import datetime
+import json
+import os
+import sys
+
+import safetensors.torch
+import torch
+import torch.distributed as dist
+
+import l2l_hw
+from tests.test_relay_equivalence import MODELS, OPTIMIZERS
+
+
+def main(cfg: dict) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=cfg.get("timeout", 60)))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    make_model, make_batches, loss_fn = MODELS[cfg["model"]]
+    eps = l2l_hw.make_eps("cpu", shard_state=cfg.get("shard_state", False), **OPTIMIZERS[cfg["optimizer"]][0])
+    relay = l2l_hw.Relay(make_model(), loss_fn, eps=eps, micro_batches=cfg.get("micro_batches", 2),
+                         clip_grad_norm=cfg.get("clip_grad_norm"), clip_mode=cfg.get("clip_mode", "layer"))
+    if cfg.get("load"):
+        relay.load_state_dict(safetensors.torch.load_file(cfg["load"]))
+    batches = make_batches(cfg["steps"], batch=cfg["batch"])
+    losses = []
+    for step, (x, y) in enumerate(batches[cfg.get("start", 0):], start=cfg.get("start", 0)):
+        if step == cfg.get("die_before_step") and rank == world - 1:
+            os._exit(3)  # no clean-up, no goodbye: as a killed or crashed process
+        shard = lambda t: torch.tensor_split(t, world)[rank]  # noqa: E731
+        losses.append(relay.train_step(shard(x), shard(y)))
+    state = relay.state_dict()  # a collective with a sharded EPS: every rank calls it
+    params = {f"{i}.{n}": p for i, layer in enumerate(relay.materialize()) for n, p in layer.state_dict().items()}
+    held = torch.tensor([sum(s.numel() for g in (eps.inner if cfg.get("shard_state") else eps).shapes.values()
+                             for s in g.values())])
+    everyone = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(everyone, held)
+    if rank == 0:
+        if cfg.get("save"):
+            safetensors.torch.save_file({k: v.contiguous() for k, v in state.items()}, cfg["save"])
+        if cfg.get("out"):
+            safetensors.torch.save_file({**params, "losses": torch.tensor(losses, dtype=torch.float64),
+                                         "held": torch.cat(everyone)}, cfg["out"])
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))
