@@ -14,7 +14,16 @@
 //
 // Clocking happens here, not in Python: run_until_done clocks the model until
 // the kernel's interrupt output rises (the driver enables GIE and IER.DONE).
+//
+// Compute units: l2l_sim_create_unit adds another l2l_optim instance (its own
+// VerilatedContext and AXI4 port queues) on the same DRAM array, as a board
+// holding several kernel instances on one memory. Each unit may be clocked on
+// its own thread; the units must then work on disjoint DATA_WIDTH/8-aligned
+// address ranges (the driver splits a tensor that way), so no byte is written
+// by one thread while another reads or writes it. The fault hooks belong to the
+// memory: they apply to every unit.
 
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -32,6 +41,8 @@ namespace {
 
 constexpr int DATA_BYTES = DATA_WIDTH / 8;
 constexpr size_t MAX_OUTSTANDING = 64;  // bursts queued per direction before AR/AW ready drops
+static_assert(DATA_BYTES <= 64, "write strobes are read into 64 bits");
+constexpr uint64_t FULL_STROBE = DATA_BYTES == 64 ? ~uint64_t(0) : (uint64_t(1) << DATA_BYTES) - 1;
 
 struct Burst {
     uint64_t addr;
@@ -56,18 +67,29 @@ template <typename T> inline const uint8_t* bus_bytes(const T& bus) {
     else return reinterpret_cast<const uint8_t*>(bus.data());
 }
 
+// The board's DRAM, shared by every compute unit, with the fault hooks.
+struct Dram {
+    uint8_t* bytes = nullptr;
+    uint64_t size = 0;
+    uint64_t err_lo = 0, err_hi = 0;  // set only while no unit runs
+    uint8_t err_read = 0, err_write = 0;
+    std::atomic<bool> hold_ar{false};
+
+    explicit Dram(uint64_t n)
+        // calloc: pages are mapped on first touch, so a large DRAM costs nothing up front
+        : bytes(static_cast<uint8_t*>(std::calloc(n, 1))), size(bytes ? n : 0) {}
+    ~Dram() { std::free(bytes); }
+};
+
 struct Sim {
     std::unique_ptr<VerilatedContext> ctx;
     std::unique_ptr<Vl2l_optim> top;
-    uint8_t* dram = nullptr;
+    std::shared_ptr<Dram> mem;  // the last unit destroyed frees it
+    uint8_t* dram = nullptr;    // mem->bytes, mem->size
     uint64_t dram_bytes = 0;
     uint64_t cycle = 0;
     uint32_t read_latency = 0;
-    // faults
-    uint64_t err_lo = 0, err_hi = 0;
-    uint8_t err_read = 0, err_write = 0;
-    bool hold_ar = false;
-    // memory model state
+    // memory model state (this unit's AXI4 port)
     std::deque<Burst> reads, writes;
     std::deque<uint8_t> bresps;
     uint32_t r_beat = 0, w_beat = 0;
@@ -75,13 +97,13 @@ struct Sim {
 
     uint8_t resp_for(uint64_t addr, uint64_t len, uint8_t code) const {
         if (addr + len > dram_bytes) return 3;  // DECERR
-        if (code && addr < err_hi && addr + len > err_lo) return code;
+        if (code && addr < mem->err_hi && addr + len > mem->err_lo) return code;
         return 0;
     }
 
     void drive() {
         Vl2l_optim& t = *top;
-        t.m_axi_arready = !hold_ar && reads.size() < MAX_OUTSTANDING;
+        t.m_axi_arready = !mem->hold_ar.load(std::memory_order_relaxed) && reads.size() < MAX_OUTSTANDING;
         t.m_axi_awready = writes.size() < MAX_OUTSTANDING;
         t.m_axi_wready = !writes.empty();
         bool rv = !reads.empty() && reads.front().ready_at <= cycle;
@@ -117,11 +139,11 @@ struct Sim {
         if (ar) {
             arb.addr = t.m_axi_araddr; arb.beats = t.m_axi_arlen + 1u; arb.bytes = 1u << t.m_axi_arsize;
             arb.ready_at = cycle + 1 + read_latency;
-            arb.resp = resp_for(arb.addr, uint64_t(arb.beats) * arb.bytes, err_read);
+            arb.resp = resp_for(arb.addr, uint64_t(arb.beats) * arb.bytes, mem->err_read);
         }
         if (aw) {
             awb.addr = t.m_axi_awaddr; awb.beats = t.m_axi_awlen + 1u; awb.bytes = 1u << t.m_axi_awsize;
-            awb.resp = resp_for(awb.addr, uint64_t(awb.beats) * awb.bytes, err_write);
+            awb.resp = resp_for(awb.addr, uint64_t(awb.beats) * awb.bytes, mem->err_write);
         }
         uint8_t wdata[DATA_BYTES];
         uint64_t wstrb = 0;
@@ -144,8 +166,12 @@ struct Sim {
             Burst& wb = writes.front();
             uint64_t a = (wb.addr + uint64_t(w_beat) * wb.bytes) & ~uint64_t(DATA_BYTES - 1);
             if (wb.resp == 0) {
-                for (int i = 0; i < DATA_BYTES; ++i)
-                    if ((wstrb >> i) & 1) dram[a + i] = wdata[i];
+                if (wstrb == FULL_STROBE) {  // every beat but a run's last
+                    std::memcpy(dram + a, wdata, DATA_BYTES);
+                } else {
+                    for (int i = 0; i < DATA_BYTES; ++i)
+                        if ((wstrb >> i) & 1) dram[a + i] = wdata[i];
+                }
             }
             ++w_beat;
             if (wlast || w_beat == wb.beats) {
@@ -178,29 +204,37 @@ struct Sim {
     }
 };
 
+Sim* new_unit(std::shared_ptr<Dram> mem) {
+    auto* s = new Sim();
+    s->ctx = std::make_unique<VerilatedContext>();
+    s->top = std::make_unique<Vl2l_optim>(s->ctx.get(), "l2l_optim");
+    s->mem = std::move(mem);
+    s->dram = s->mem->bytes;
+    s->dram_bytes = s->mem->size;
+    s->reset();
+    return s;
+}
+
 }  // namespace
 
 extern "C" {
 
 // Every function returns 0 or a count on success, a negative value on error.
 
+// A kernel instance with a DRAM of its own; nullptr if the DRAM cannot be allocated.
 void* l2l_sim_create(uint64_t dram_bytes) {
-    auto* s = new Sim();
-    s->ctx = std::make_unique<VerilatedContext>();
-    s->top = std::make_unique<Vl2l_optim>(s->ctx.get(), "l2l_optim");
-    // calloc: pages are mapped on first touch, so a large DRAM costs nothing up front
-    s->dram = static_cast<uint8_t*>(std::calloc(dram_bytes, 1));
-    if (!s->dram) { delete s; return nullptr; }
-    s->dram_bytes = dram_bytes;
-    s->reset();
-    return s;
+    auto mem = std::make_shared<Dram>(dram_bytes);
+    if (!mem->bytes) return nullptr;
+    return new_unit(std::move(mem));
 }
+
+// Another kernel instance (compute unit) on the DRAM of `other`.
+void* l2l_sim_create_unit(void* other) { return new_unit(static_cast<Sim*>(other)->mem); }
 
 void l2l_sim_destroy(void* h) {
     auto* s = static_cast<Sim*>(h);
     if (!s) return;
     s->top->final();
-    std::free(s->dram);
     delete s;
 }
 
@@ -285,15 +319,15 @@ int32_t l2l_sim_dram_read(void* h, uint64_t addr, void* dst, uint64_t nbytes) {
 
 // Fault injection: bursts touching [lo, hi) answer `read_resp` on R and
 // `write_resp` on B (0 OKAY, 2 SLVERR, 3 DECERR); writes with an error response
-// change nothing. hi == lo clears it.
+// change nothing. hi == lo clears it. The window is the memory's: every unit sees it.
 void l2l_sim_inject_error(void* h, uint64_t lo, uint64_t hi, uint32_t read_resp, uint32_t write_resp) {
-    auto* s = static_cast<Sim*>(h);
-    s->err_lo = lo; s->err_hi = hi;
-    s->err_read = uint8_t(read_resp & 3); s->err_write = uint8_t(write_resp & 3);
+    Dram& m = *static_cast<Sim*>(h)->mem;
+    m.err_lo = lo; m.err_hi = hi;
+    m.err_read = uint8_t(read_resp & 3); m.err_write = uint8_t(write_resp & 3);
 }
 
-// Hold AR ready low (1) or release it (0): a held kernel never finishes.
-void l2l_sim_hold_reads(void* h, int32_t hold) { static_cast<Sim*>(h)->hold_ar = hold != 0; }
+// Hold AR ready low (1) or release it (0) on every unit: a held kernel never finishes.
+void l2l_sim_hold_reads(void* h, int32_t hold) { static_cast<Sim*>(h)->mem->hold_ar = hold != 0; }
 
 void l2l_sim_set_read_latency(void* h, uint32_t clocks) { static_cast<Sim*>(h)->read_latency = clocks; }
 

@@ -16,6 +16,10 @@ write (m under plain SGD) have one copy.
 
 Gradients go to device DRAM and the kernel runs on one update thread, in push order, so
 the simulation (ctypes releases the GIL) overlaps the relay's backward of the next layer.
+With several compute units (kernel instances on one DRAM; fpga-sim `compute_units=`,
+default one per core up to 2) the driver splits each tensor's run over them and returns
+once all have ended; every unit writes only its share of the spare copies, so the failure
+contract above holds whichever unit fails.
 The working copy of loaded weights is made by the kernel too (a zero-step SGD run), so
 every bit the accelerator fetches came out of the RTL.
 """
@@ -175,6 +179,7 @@ class FpgaEps(EPS):
             return
         self._worker.shutdown(wait=True)
         self._worker = None
+        self.driver.close()
         for group in self.tensors.values():
             for t in group.values():
                 for buf in t.buffers():
@@ -188,16 +193,18 @@ class FpgaEps(EPS):
 
 @register_backend("fpga-sim")
 class FpgaSimEps(FpgaEps):
-    """The RTL in the loop: l2l_optim Verilated (built on first use) with a C++ DRAM model."""
+    """The RTL in the loop: l2l_optim Verilated (built on first use) with a C++ DRAM model;
+    `compute_units` instances of it on that DRAM (None: verilator.default_compute_units())."""
 
     def __init__(self, config: OptimConfig, working_dtype: str = "fp32", double_buffer: bool = False,
                  data_width: int | None = None, dram_bytes: int | None = None, read_latency: int = 0,
-                 transport=None, lanes: int | None = None, **driver_options):
+                 transport=None, lanes: int | None = None, compute_units: int | None = None, **driver_options):
         if transport is None:
             from l2l_hw.hw import verilator
 
-            transport = verilator.VerilatorTransport(data_width, dram_bytes or verilator.DEFAULT_DRAM_BYTES,
-                                                     read_latency, lanes=lanes)
+            transport = verilator.VerilatorTransport(
+                data_width, dram_bytes or verilator.DEFAULT_DRAM_BYTES, read_latency, lanes=lanes,
+                compute_units=compute_units or verilator.default_compute_units())
         super().__init__(config, working_dtype, double_buffer, transport=transport, **driver_options)
 
 

@@ -15,6 +15,10 @@ l2l_hw/hw/pynq.py):
                                                  board sleeps a poll interval and returns 0
     recover()                                    bring a hung kernel back to idle, if it can
     close()
+    units (optional)                             the board's compute units: one control port
+                                                 (read32/write32/advance/recover) per l2l_optim
+                                                 instance, all on the transport's DRAM; absent,
+                                                 the transport itself is the one unit
 
 The driver programs the arguments (eight 64-bit pointers, N, MODE and the per-step
 float32 scalars of golden.StepScalars as their bit patterns), starts the kernel
@@ -22,16 +26,28 @@ float32 scalars of golden.StepScalars as their bit patterns), starts the kernel
 STATUS and CYCLES. At open it checks ID and VERSION and refuses hardware it was not
 written for.
 
+Compute units (Vitis' term for several instances of one kernel on a board): a run of n
+elements is split into one contiguous chunk per unit, each chunk's start a multiple of
+DATA_BYTES/2 elements so that every pointer of every stream (4-byte fp32, 2-byte bf16/fp16)
+stays DATA_BYTES-aligned and no two units touch one bus word. The chunks run at once (the
+first on the caller's thread, the others on one thread per unit: a simulator releases the
+GIL while it clocks) and the run returns when all have ended; an error of any unit is
+raised after every unit has stopped.
+
 Failure contract: the kernel is always pointed at destination buffers distinct from
 its sources (the EPS double-buffers every tensor), so a run that times out or ends
 with an AXI error has written only the spare copy; the committed copy in device DRAM
-is unchanged and the EPS keeps using it. KernelError says so and names the layer.
+is unchanged and the EPS keeps using it. KernelError says so and names the layer (and,
+with several compute units, the unit and its elements).
 """
 from __future__ import annotations
 
+import functools
+import operator
 import struct
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from l2l_hw.eps.worker import UpdateError
@@ -46,6 +62,12 @@ DEFAULT_TIMEOUT_S = 10.0
 # 100k leaves a wide margin and still stops a hung simulation.
 CYCLES_PER_ELEMENT_LIMIT = 64
 CYCLES_FIXED_LIMIT = 100_000
+# A run is split over compute units only into chunks of at least this many elements: a
+# run's fixed cost (~40 register accesses, pipeline fill, a thread hand-off) is ~0.7 ms in
+# the simulator, a 4096-element run ~6.4 ms (512/4 build, measured); on a board both are
+# microseconds.
+MIN_CHUNK_ELEMENTS = 4096
+NARROWEST_ELEMENT_BYTES = 2  # bf16 / fp16 gradient and working copy; fp32 streams are 4
 
 
 @dataclass
@@ -90,24 +112,113 @@ def describe_status(status: int) -> str:
 
 @dataclass
 class RunResult:
-    status: int
-    cycles: int
+    status: int  # STATUS of every unit ORed
+    cycles: int  # kernel clocks of the run: the slowest unit's CYCLES (units run side by side)
+    unit_cycles: tuple[int, ...] = ()  # CYCLES of each unit that ran a chunk
 
     @property
     def nonfinite(self) -> bool:
         return bool(self.status & regs.STATUS_NONFINITE)
 
 
+def element_bytes(pointer: str, mode: int) -> int:
+    """Bytes per element of the stream behind `pointer` under MODE `mode`."""
+    if pointer == "COPY_DST":
+        return NARROWEST_ELEMENT_BYTES
+    if pointer == "GRAD_SRC":
+        grad = mode >> regs.MODE_GRAD_DTYPE_BIT & ((1 << regs.MODE_GRAD_DTYPE_WIDTH) - 1)
+        return 4 if grad == regs.MODE_GRAD_DTYPE_VALUES["fp32"] else 2
+    return 4  # param, m, v: fp32
+
+
 class L2lOptimDriver:
-    """Drives one l2l_optim instance through `transport`. Thread-safe: one run at a time."""
+    """Drives the l2l_optim instances (compute units) behind `transport`, splitting each run
+    over them. Thread-safe: one run at a time."""
 
     def __init__(self, transport, timeout_s: float = DEFAULT_TIMEOUT_S, max_cycles: int | None = None):
         self.transport = transport
+        ports = list(getattr(transport, "units", None) or [transport])
+        where = getattr(transport, "name", type(transport).__name__)
+        self.units = [_UnitDriver(port, f"{where} unit {i}" if len(ports) > 1 else where, timeout_s, max_cycles)
+                      for i, port in enumerate(ports)]
+        self.data_bytes = self.units[0].data_bytes  # pointer alignment
+        if any(u.data_bytes != self.data_bytes for u in self.units):
+            raise KernelVersionError(f"the compute units behind {where} have different DATA_BYTES "
+                                     f"{[u.data_bytes for u in self.units]}; one driver needs one bus width")
+        self._lock = threading.Lock()
+        self._pool = (ThreadPoolExecutor(len(self.units) - 1, thread_name_prefix="l2l-compute-unit")
+                      if len(self.units) > 1 else None)
+        self.runs = 0    # run() calls
+        self.cycles = 0  # kernel clocks over all runs and units (sum of the CYCLES registers)
+
+    @property
+    def compute_units(self) -> int:
+        return len(self.units)
+
+    def chunks(self, n: int) -> list[tuple[int, int]]:
+        """[(first element, count)] per unit for a run of n elements: near-equal shares, each
+        start a multiple of DATA_BYTES/2 elements, at most n // MIN_CHUNK_ELEMENTS of them (so
+        small tensors run on one unit)."""
+        granule = max(self.data_bytes // NARROWEST_ELEMENT_BYTES, 1)
+        parts = max(1, min(len(self.units), n // MIN_CHUNK_ELEMENTS))
+        share = -(-n // parts // granule) * granule  # ceil(n / parts), rounded up to a granule
+        bounds = [min(i * share, n) for i in range(parts)] + [n]
+        return [(lo, hi - lo) for lo, hi in zip(bounds, bounds[1:]) if hi > lo] or [(0, n)]
+
+    def run(self, *, layer: str, n: int, mode: int, scalars, pointers: dict[str, int]) -> RunResult:
+        """One kernel run over n elements. `pointers` maps POINTERS names to device addresses
+        (missing ones are written 0: the kernel leaves streams its mode does not use alone).
+        Raises KernelTimeout / KernelAxiError naming `layer` and the status registers."""
+        for name in regs.POINTERS:
+            addr = pointers.get(name, 0)
+            if addr % self.data_bytes:
+                raise KernelError(f"{layer}: {name} 0x{addr:X} is not {self.data_bytes}-byte aligned", layer)
+        with self._lock:
+            chunks = self.chunks(n)
+            if len(chunks) == 1:
+                results = [self.units[0].run(layer, "", n, mode, scalars, pointers)]
+            else:
+                results = self._run_split(layer, chunks, mode, scalars, pointers)
+            self.runs += 1
+            self.cycles += sum(r.cycles for r in results)
+        return RunResult(status=functools.reduce(operator.or_, (r.status for r in results)), cycles=max(r.cycles for r in results),
+                         unit_cycles=tuple(r.cycles for r in results))
+
+    def _run_split(self, layer, chunks, mode, scalars, pointers) -> list[RunResult]:
+        def part(i, start, count):
+            moved = {name: addr + start * element_bytes(name, mode) if addr else 0 for name, addr in pointers.items()}
+            where = f" (compute unit {i}: elements {start}..{start + count - 1})"
+            return self.units[i].run(layer, where, count, mode, scalars, moved)
+
+        futures = [self._pool.submit(part, i, *chunk) for i, chunk in enumerate(chunks) if i]
+        results, errors = [], []
+        try:
+            results.append(part(0, *chunks[0]))
+        except Exception as exc:
+            errors.append(exc)
+        for future in futures:  # every unit has stopped before anything is raised
+            try:
+                results.append(future.result())
+            except Exception as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+        return results
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+class _UnitDriver:
+    """Register-level driver of one l2l_optim instance behind `port` (read32/write32/advance/recover)."""
+
+    def __init__(self, port, where: str, timeout_s: float, max_cycles: int | None):
+        self.transport = transport = port
         self.timeout_s = timeout_s
         self.max_cycles = max_cycles  # None: CYCLES_PER_ELEMENT_LIMIT * n + CYCLES_FIXED_LIMIT per run
-        self._lock = threading.Lock()
         ident, version = transport.read32(regs.ID), transport.read32(regs.VERSION)
-        where = getattr(transport, "name", type(transport).__name__)
         if ident != regs.ID_VALUE or version != regs.VERSION_VALUE:
             raise KernelVersionError(
                 f"the hardware behind {where} reads ID 0x{ident:08X} VERSION 0x{version:08X}; this driver needs "
@@ -119,8 +230,6 @@ class L2lOptimDriver:
         transport.write32(regs.GIE, regs.GIE_ENABLE)
         transport.write32(regs.IER, regs.IER_DONE)
         self._clear_isr()
-        self.runs = 0
-        self.cycles = 0  # kernel clocks over all runs (the CYCLES register)
 
     def _clear_isr(self) -> None:
         isr = self.transport.read32(regs.ISR)
@@ -134,54 +243,47 @@ class L2lOptimDriver:
     def _read64(self, offset: int) -> int:
         return self.transport.read32(offset) | self.transport.read32(offset + 4) << 32
 
-    def run(self, *, layer: str, n: int, mode: int, scalars, pointers: dict[str, int]) -> RunResult:
-        """One kernel run over n elements. `pointers` maps POINTERS names to device addresses
-        (missing ones are written 0: the kernel leaves streams its mode does not use alone).
-        Raises KernelTimeout / KernelAxiError naming `layer` and the status registers."""
+    def run(self, layer: str, part: str, n: int, mode: int, scalars, pointers: dict[str, int]) -> RunResult:
+        """One run of this unit over n elements (L2lOptimDriver checked the pointers and holds
+        its lock); `part` says which share of `layer` it is, for the error message."""
         t = self.transport
-        with self._lock:
-            for name in regs.POINTERS:
-                addr = pointers.get(name, 0)
-                if addr % self.data_bytes:
-                    raise KernelError(f"{layer}: {name} 0x{addr:X} is not {self.data_bytes}-byte aligned", layer)
-                self._write64(regs.REGISTERS[name][0], addr)
-            t.write32(regs.N, n)
-            t.write32(regs.MODE, mode)
-            for field in regs.SCALARS:
-                t.write32(regs.REGISTERS[field.upper()][0], f32_bits(getattr(scalars, field)))
-            t.write32(regs.CTRL, regs.CTRL_AP_START)
-            limit = self.max_cycles if self.max_cycles is not None else CYCLES_PER_ELEMENT_LIMIT * n + CYCLES_FIXED_LIMIT
-            deadline = time.monotonic() + self.timeout_s
-            clocks = 0
-            while True:
-                ctrl = t.read32(regs.CTRL)  # reading clears AP_DONE: keep this one value
+        for name in regs.POINTERS:
+            self._write64(regs.REGISTERS[name][0], pointers.get(name, 0))
+        t.write32(regs.N, n)
+        t.write32(regs.MODE, mode)
+        for field in regs.SCALARS:
+            t.write32(regs.REGISTERS[field.upper()][0], f32_bits(getattr(scalars, field)))
+        t.write32(regs.CTRL, regs.CTRL_AP_START)
+        limit = self.max_cycles if self.max_cycles is not None else CYCLES_PER_ELEMENT_LIMIT * n + CYCLES_FIXED_LIMIT
+        deadline = time.monotonic() + self.timeout_s
+        clocks = 0
+        while True:
+            ctrl = t.read32(regs.CTRL)  # reading clears AP_DONE: keep this one value
+            if ctrl & regs.CTRL_AP_DONE:
+                break
+            ran = t.advance(limit - clocks)
+            clocks += max(ran, 0)
+            if ran < 0 or clocks >= limit or time.monotonic() > deadline:
+                ctrl = t.read32(regs.CTRL)
                 if ctrl & regs.CTRL_AP_DONE:
                     break
-                ran = t.advance(limit - clocks)
-                clocks += max(ran, 0)
-                if ran < 0 or clocks >= limit or time.monotonic() > deadline:
-                    ctrl = t.read32(regs.CTRL)
-                    if ctrl & regs.CTRL_AP_DONE:
-                        break
-                    status = t.read32(regs.STATUS)
-                    cycles = self._read64(regs.CYCLES)
-                    recovered = t.recover()
-                    raise KernelTimeout(
-                        f"l2l_optim did not finish updating {layer} (n = {n}) within {limit} clocks / "
-                        f"{self.timeout_s:g} s: CTRL 0x{ctrl:08X}, STATUS {describe_status(status)}, CYCLES {cycles}. "
-                        f"The kernel writes only the spare copy, so the committed state of {layer} in device DRAM "
-                        f"is unchanged; " + ("the kernel was reset." if recovered else
-                                             "the kernel could not be reset: reload the overlay."),
-                        layer, status, ctrl)
-            self._clear_isr()
-            status = t.read32(regs.STATUS)
-            cycles = self._read64(regs.CYCLES)
-            self.runs += 1
-            self.cycles += cycles
+                status = t.read32(regs.STATUS)
+                cycles = self._read64(regs.CYCLES)
+                recovered = t.recover()
+                raise KernelTimeout(
+                    f"l2l_optim did not finish updating {layer}{part} (n = {n}) within {limit} clocks / "
+                    f"{self.timeout_s:g} s: CTRL 0x{ctrl:08X}, STATUS {describe_status(status)}, CYCLES {cycles}. "
+                    f"The kernel writes only the spare copy, so the committed state of {layer} in device DRAM "
+                    f"is unchanged; " + ("the kernel was reset." if recovered else
+                                         "the kernel could not be reset: reload the overlay."),
+                    layer, status, ctrl)
+        self._clear_isr()
+        status = t.read32(regs.STATUS)
+        cycles = self._read64(regs.CYCLES)
         if status & (regs.STATUS_AXI_ERROR | regs.STATUS_MISALIGNED):
             kind = "an AXI error response (SLVERR/DECERR)" if status & regs.STATUS_AXI_ERROR else "a misaligned pointer"
             raise KernelAxiError(
-                f"l2l_optim stopped updating {layer} (n = {n}) on {kind}: STATUS {describe_status(status)}, "
+                f"l2l_optim stopped updating {layer}{part} (n = {n}) on {kind}: STATUS {describe_status(status)}, "
                 f"CTRL 0x{ctrl:08X}, CYCLES {cycles}. The kernel wrote only the spare copy, so the committed "
                 f"state of {layer} in device DRAM is unchanged and the step's update of it was not applied.",
                 layer, status, ctrl)

