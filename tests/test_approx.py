@@ -13,7 +13,7 @@ from l2l_hw.approx import FewBitGELU, RandomProjectionLinear, optimal_breakpoint
 from l2l_hw.cli import _model_config, build_parser, TRAIN_DEFAULTS
 from l2l_hw.models import GPTConfig, build_gpt, lm_loss
 
-from helpers import rel_diff
+from tests.helpers import rel_diff
 
 TINY = dict(n_layer=2, n_embd=32, n_head=2, block_size=16)
 

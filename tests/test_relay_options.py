@@ -168,3 +168,39 @@ def test_pipedream_2bw_with_adamw_matches_torch_adamw_on_stale_gradients():
         relay.train_step(x, y)
     for p, q in zip(relay.materialize().parameters(), reference.parameters()):
         assert rel_diff(p, q) <= 1e-5
+
+
+def test_pipedream_2bw_gpt_with_tied_weights_and_warmup_cosine_matches_plain_pytorch():
+    # What `l2l train --pipedream-2bw` runs, small: a GPT whose head shares the token table,
+    # micro-batches, AdamW under a warm-up + cosine schedule. Plain PyTorch with a kept copy
+    # of W(t-1) must give the same losses (each taken at W(t-1)) and the same W(t): staleness
+    # exactly one step for every layer, the first step on W(0), lr and Adam's step count
+    # advanced once per step.
+    import copy
+    import math
+    steps, warmup, lr, min_lr = 8, 2, 3e-3, 3e-4
+    data = gpt_batches(steps)
+
+    def lr_at(step):  # 1-based, as nanoGPT's get_lr
+        if step <= warmup:
+            return lr * step / warmup
+        return min_lr + (lr - min_lr) * 0.5 * (1 + math.cos(math.pi * (step - warmup) / (steps - warmup)))
+
+    reference = gpt(tie_weights=True)
+    opt = torch.optim.AdamW(reference.parameters(), lr=lr, weight_decay=0.1, foreach=False)
+    stale, losses = copy.deepcopy(reference), []  # W(t-1); W(-1) = W(0)
+    for step, (x, y) in enumerate(data, 1):
+        newest = copy.deepcopy(reference)
+        stale.zero_grad()
+        loss = lm_loss(stale(x), y)
+        loss.backward()
+        losses.append(loss.item())
+        for p, q in zip(reference.parameters(), stale.parameters()):
+            p.grad = q.grad.clone()
+        opt.param_groups[0]["lr"] = lr_at(step)
+        opt.step()
+        stale = newest
+    relay = l2l_hw.Relay(gpt(tie_weights=True), lm_loss, micro_batches=3, pipedream_2bw=True,
+                         eps=l2l_hw.make_eps("cpu", lr=lr, weight_decay=0.1, schedule="cosine", warmup_steps=warmup,
+                                             total_steps=steps, min_lr=min_lr))
+    assert_same_training(losses, reference, relay_losses(relay, data), relay)

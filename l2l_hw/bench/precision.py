@@ -5,11 +5,19 @@ Each variant trains the `l2l train` default GPT for the same steps with the same
 the difference from the fp32 run. A variant tracks fp32 when |difference| <= TOLERANCE.
 Variants: bf16 and fp16 (loss-scaled) mixed precision, PipeDream-2BW weights, the
 few-bit GELU backward, and the random-projection Linear (l2l_hw.approx).
+
+Independent baseline: the same model, batches, AdamW and schedule trained in plain
+PyTorch, no relay and no EPS, once exact and once with each step's gradient taken on
+the weights without the previous step's update (PipeDream-2BW's rule). The relay's fp32
+and 2BW runs are compared with them: matching them says the relay is faithful, so a 2BW
+gap against fp32 is the cost of one-step staleness itself, not of the implementation.
 """
 from __future__ import annotations
 
+import copy
 import json
 import tempfile
+import time
 from pathlib import Path
 
 # Stated tolerance on the final validation loss (nats per byte), about 2% of the fp32
@@ -25,6 +33,11 @@ VARIANTS = {
     "fewbit_gelu": ["--gelu", "fewbit"],
     "projection_0.5": ["--linear-projection", "0.5"],
 }
+# Plain-PyTorch baselines: name -> (gradient one step late?, the relay run it checks).
+REFERENCES = {
+    "pytorch_exact": (False, "fp32"),
+    "pytorch_2bw": (True, "pipedream_2bw"),
+}
 
 
 def val_loss(flags: list[str], steps: int, out: Path) -> dict:
@@ -37,22 +50,90 @@ def val_loss(flags: list[str], steps: int, out: Path) -> dict:
     return {"flags": flags, "val_loss": rows[-1]["val_loss"], "seconds": rows[-1]["elapsed"]}
 
 
-def run(steps: int = 200, variants=tuple(VARIANTS)) -> dict:
-    report = {"steps": steps, "tolerance": TOLERANCE, "runs": {}}
+def reference_val_loss(delayed: bool, steps: int) -> dict:
+    """The `l2l train` default run in plain PyTorch with torch.optim.AdamW; with `delayed`,
+    W(t+1) = AdamW(W(t), grad at W(t-1)), W(-1) = W(0), from a kept copy of W(t-1).
+    Validated on W(t), the newest weights, over the windows `l2l train` uses."""
+    import torch
+
+    from l2l_hw.cli import EVAL_BATCHES, TRAIN_DEFAULTS, _model_config
+    from l2l_hw.eps.base import OptimConfig
+    from l2l_hw.models import Corpus, build_gpt, lm_loss
+
+    cfg = {**TRAIN_DEFAULTS, "steps": steps, "warmup": steps // 10}  # the warm-up `l2l train` derives
+    corpus = Corpus.load(cfg["data"])
+    torch.manual_seed(cfg["seed"])
+    model = build_gpt(_model_config(cfg))
+    schedule = OptimConfig(lr=cfg["lr"], schedule=cfg["schedule"], warmup_steps=cfg["warmup"], total_steps=steps,
+                           min_lr=cfg["lr"] / 10)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"], foreach=False)
+    stale = copy.deepcopy(model)  # W(t-1)
+    data = torch.Generator().manual_seed(cfg["seed"])
+    t0 = time.perf_counter()
+    for step in range(1, steps + 1):
+        x, y = corpus.batch("train", cfg["batch_size"], cfg["context"], data)
+        for group in opt.param_groups:
+            group["lr"] = schedule.lr_at(step)
+        at = stale if delayed else model
+        model.zero_grad()
+        stale.zero_grad()
+        lm_loss(at(x), y).backward()
+        if delayed:
+            newest = copy.deepcopy(model)  # W(t): the version step t+2 will compute on
+            for p, q in zip(model.parameters(), stale.parameters()):
+                p.grad = q.grad
+        opt.step()
+        if delayed:
+            stale = newest
+    seconds = time.perf_counter() - t0
+    rng = torch.Generator().manual_seed(cfg["seed"] + 1)
+    model.eval()
+    with torch.no_grad():
+        losses = [float(lm_loss(model(x), y)) for x, y in
+                  (corpus.batch("val", cfg["batch_size"], cfg["context"], rng) for _ in range(EVAL_BATCHES))]
+    return {"delayed_gradient": delayed, "val_loss": sum(losses) / len(losses), "seconds": seconds}
+
+
+def run(steps: int = 200, variants=tuple(VARIANTS), references=tuple(REFERENCES)) -> dict:
+    report = {"steps": steps, "tolerance": TOLERANCE, "runs": {}, "references": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for name in variants:
             report["runs"][name] = val_loss(VARIANTS[name], steps, Path(tmp) / name)
+    for name in references:
+        report["references"][name] = reference_val_loss(REFERENCES[name][0], steps)
     base = report["runs"].get("fp32")
     if base:
         for r in report["runs"].values():
             r["delta_vs_fp32"] = r["val_loss"] - base["val_loss"]
             r["tracks_fp32"] = abs(r["delta_vs_fp32"]) <= TOLERANCE
+    for name, ref in report["references"].items():
+        relay = report["runs"].get(REFERENCES[name][1])
+        if relay:
+            relay["reference"] = name
+            relay["delta_vs_reference"] = relay["val_loss"] - ref["val_loss"]
+            relay["matches_reference"] = abs(relay["delta_vs_reference"]) <= TOLERANCE
+    exact, late = (report["references"].get(n) for n in REFERENCES)
+    if exact and late:  # what one-step staleness costs with no relay involved
+        late["delta_vs_exact"] = late["val_loss"] - exact["val_loss"]
+        late["tracks_exact"] = abs(late["delta_vs_exact"]) <= TOLERANCE
     return report
 
 
 def format_report(r: dict) -> str:
     lines = [f"validation loss after {r['steps']} steps (tolerance {r['tolerance']} vs fp32)"]
     for name, v in r["runs"].items():
-        lines.append(f"  {name:<16}{v['val_loss']:>8.4f}{v.get('delta_vs_fp32', 0):>+9.4f}  "
-                     f"{'tracks' if v.get('tracks_fp32') else 'DRIFTS'}  {v['seconds']:.0f} s")
+        line = (f"  {name:<16}{v['val_loss']:>8.4f}{v.get('delta_vs_fp32', 0):>+9.4f}  "
+                f"{'tracks' if v.get('tracks_fp32') else 'DRIFTS'}  {v['seconds']:.0f} s")
+        if "reference" in v:
+            line += (f"   vs {v['reference']} {v['delta_vs_reference']:+.4f} "
+                     f"({'matches' if v['matches_reference'] else 'DIFFERS'})")
+        lines.append(line)
+    if r["references"]:
+        lines.append("plain PyTorch, no relay, no EPS (same init, batches, AdamW schedule, windows)")
+        for name, v in r["references"].items():
+            line = f"  {name:<16}{v['val_loss']:>8.4f}  {v['seconds']:.0f} s"
+            if "delta_vs_exact" in v:
+                line += (f"   one-step staleness vs pytorch_exact {v['delta_vs_exact']:+.4f} "
+                         f"({'tracks' if v['tracks_exact'] else 'DRIFTS'})")
+            lines.append(line)
     return "\n".join(lines)

@@ -7,6 +7,8 @@ host tensors are no copies at all.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from l2l_hw.eps.base import EPS
@@ -51,3 +53,15 @@ class WeightStream:
 
     def clear(self) -> None:
         self._inflight.clear()
+
+    @contextmanager
+    def newest(self):
+        """Inside the block, fetch the newest committed version even under PipeDream-2BW:
+        evaluation and export see the weights the run has reached, W(t), not W(t-1)."""
+        self.clear()
+        previous, self.previous = self.previous, False
+        try:
+            yield
+        finally:
+            self.previous = previous
+            self.clear()
