@@ -3,7 +3,7 @@
     python -m tests.dp_worker '<json>'    with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set
 
 The json: model (gpt | mlp), optimizer, steps, batch, micro_batches, shard_state,
-clip_grad_norm and clip_mode (Relay's), start (first step index, for resumed runs), load (a state file to resume from),
+clip_grad_norm, clip_mode and pipedream_2bw (Relay's), start (first step index, for resumed runs), load (a state file to resume from),
 save (write relay.state_dict() there at the end), out (rank 0 writes the trained
 parameters, the per-step losses and every rank's share of the EPS there),
 die_before_step (this rank exits abruptly), timeout (seconds, the process group's).
@@ -28,7 +28,8 @@ def main(cfg: dict) -> None:
     make_model, make_batches, loss_fn = MODELS[cfg["model"]]
     eps = l2l_hw.make_eps("cpu", shard_state=cfg.get("shard_state", False), **OPTIMIZERS[cfg["optimizer"]][0])
     relay = l2l_hw.Relay(make_model(), loss_fn, eps=eps, micro_batches=cfg.get("micro_batches", 2),
-                         clip_grad_norm=cfg.get("clip_grad_norm"), clip_mode=cfg.get("clip_mode", "layer"))
+                         clip_grad_norm=cfg.get("clip_grad_norm"), clip_mode=cfg.get("clip_mode", "layer"),
+                         pipedream_2bw=cfg.get("pipedream_2bw", False))
     if cfg.get("load"):
         relay.load_state_dict(safetensors.torch.load_file(cfg["load"]))
     batches = make_batches(cfg["steps"], batch=cfg["batch"])

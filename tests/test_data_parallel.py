@@ -116,6 +116,22 @@ def test_resume_across_world_sizes(tmp_path, first, second):
     assert_params_close(got, want, f"{first} rank(s) for 3 steps, then {second} for 2")
 
 
+def test_pipedream_2bw_sharded_resumes_on_one_rank(tmp_path):
+    # the sharded checkpoint carries the version one step back that 2BW computes on
+    from tests.test_relay_options import adamw_one_step_late
+
+    ckpt, out = tmp_path / "state.safetensors", tmp_path / "out.safetensors"
+    run_ok(2, model="mlp", optimizer="adamw", batch=12, steps=3, shard_state=True, pipedream_2bw=True, save=str(ckpt))
+    got = run_ok(1, model="mlp", optimizer="adamw", batch=12, steps=5, start=3, pipedream_2bw=True, load=str(ckpt),
+                 out=str(out))
+    make_model, make_batches, loss_fn = MODELS["mlp"]
+    net = make_model()
+    adamw_one_step_late(net, make_batches(5, batch=12), loss_fn, **{k: v for k, v in OPTIMIZERS["adamw"][0].items()
+                                                                   if k != "optimizer"})
+    want = {f"{i}.{n}": p for i, layer in enumerate(net) for n, p in layer.state_dict().items()}
+    assert_params_close(got, want, "2BW: 2 sharded ranks for 3 steps, then 1 rank for 2")
+
+
 def test_a_dead_rank_fails_the_others_with_a_clear_error_not_a_hang(tmp_path):
     t0 = time.monotonic()
     results = launch(2, model="mlp", optimizer="adamw", steps=4, batch=8, die_before_step=2, timeout=20)

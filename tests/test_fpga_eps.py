@@ -52,11 +52,11 @@ def assert_bit_identical(a: dict, b: dict, what: str):
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 @pytest.mark.parametrize("model", list(MODELS))
-def test_fpga_sim_training_is_bit_identical_to_cpu_eps_every_step(model, optimizer, precision):
+def test_fpga_sim_training_is_bit_identical_to_cpu_eps_every_step(model, optimizer, precision, pipedream_2bw=False):
     build, batches, loss_fn = MODELS[model]
     data = batches(STEPS, batch=4)
     relays = {b: l2l_hw.Relay(build(), loss_fn, eps=l2l_hw.make_eps(b, **OPTIMIZERS[optimizer]), micro_batches=2,
-                              precision=precision) for b in ("cpu", "fpga-sim")}
+                              precision=precision, pipedream_2bw=pipedream_2bw) for b in ("cpu", "fpga-sim")}
     for step, (x, y) in enumerate(data, 1):
         losses = {b: r.train_step(x, y) for b, r in relays.items()}
         assert losses["cpu"] == losses["fpga-sim"], f"step {step}"
@@ -64,6 +64,11 @@ def test_fpga_sim_training_is_bit_identical_to_cpu_eps_every_step(model, optimiz
     for key in relays["cpu"].eps.shapes:  # the working copies the accelerator fetches
         assert_bit_identical(relays["cpu"].eps.fetch(key), relays["fpga-sim"].eps.fetch(key), f"fetch {key}")
     assert relays["fpga-sim"].eps.driver.runs > 0
+
+
+def test_fpga_sim_pipedream_2bw_is_bit_identical_to_cpu_eps_every_step():
+    # double-buffered state, the version one step back, and commits that do not wait
+    test_fpga_sim_training_is_bit_identical_to_cpu_eps_every_step("mlp", "adamw", "bf16", pipedream_2bw=True)
 
 
 def one_group_eps(**options):

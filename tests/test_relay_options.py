@@ -1,4 +1,6 @@
 """Relay options: activation offload, memory accounting, layer selection, clipping."""
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -148,20 +150,30 @@ def test_pipedream_2bw_applies_each_gradient_one_step_late():
             assert rel_diff(p, q) <= 1e-5, backend
 
 
+def adamw_one_step_late(model, data, loss_fn, lr, weight_decay, lr_at=None) -> list[float]:
+    """Plain PyTorch PipeDream-2BW reference: W(t+1) = AdamW(W(t), grad at W(t-1)), W(-1) = W(0),
+    from a kept copy of W(t-1); trains `model` in place and returns each step's loss (at W(t-1))."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, foreach=False)
+    stale, losses = copy.deepcopy(model), []
+    for step, (x, y) in enumerate(data, 1):
+        newest = copy.deepcopy(model)
+        stale.zero_grad()
+        loss = loss_fn(stale(x), y)
+        loss.backward()
+        losses.append(loss.item())
+        for p, q in zip(model.parameters(), stale.parameters()):
+            p.grad = q.grad.clone()
+        if lr_at is not None:
+            opt.param_groups[0]["lr"] = lr_at(step)
+        opt.step()
+        stale = newest
+    return losses
+
+
 def test_pipedream_2bw_with_adamw_matches_torch_adamw_on_stale_gradients():
-    import copy
     data = mlp_batches(8)
     reference = mlp_layers()
-    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
-    stale = copy.deepcopy(reference)  # W(t-1); W(-1) = W(0)
-    for x, y in data:
-        newest = copy.deepcopy(reference)
-        stale.zero_grad()
-        nn.functional.mse_loss(stale(x), y).backward()
-        for p, q in zip(reference.parameters(), stale.parameters()):
-            p.grad = q.grad.clone()
-        opt.step()  # W(t+1) = AdamW(W(t), grad at W(t-1))
-        stale = newest
+    adamw_one_step_late(reference, data, nn.functional.mse_loss, lr=1e-2, weight_decay=0.01)
     relay = l2l_hw.Relay(mlp_layers(), nn.functional.mse_loss, micro_batches=2, pipedream_2bw=True,
                          eps=l2l_hw.make_eps("cpu", lr=1e-2, weight_decay=0.01))
     for x, y in data:
@@ -176,7 +188,6 @@ def test_pipedream_2bw_gpt_with_tied_weights_and_warmup_cosine_matches_plain_pyt
     # of W(t-1) must give the same losses (each taken at W(t-1)) and the same W(t): staleness
     # exactly one step for every layer, the first step on W(0), lr and Adam's step count
     # advanced once per step.
-    import copy
     import math
     steps, warmup, lr, min_lr = 8, 2, 3e-3, 3e-4
     data = gpt_batches(steps)
@@ -187,20 +198,102 @@ def test_pipedream_2bw_gpt_with_tied_weights_and_warmup_cosine_matches_plain_pyt
         return min_lr + (lr - min_lr) * 0.5 * (1 + math.cos(math.pi * (step - warmup) / (steps - warmup)))
 
     reference = gpt(tie_weights=True)
-    opt = torch.optim.AdamW(reference.parameters(), lr=lr, weight_decay=0.1, foreach=False)
-    stale, losses = copy.deepcopy(reference), []  # W(t-1); W(-1) = W(0)
-    for step, (x, y) in enumerate(data, 1):
-        newest = copy.deepcopy(reference)
-        stale.zero_grad()
-        loss = lm_loss(stale(x), y)
-        loss.backward()
-        losses.append(loss.item())
-        for p, q in zip(reference.parameters(), stale.parameters()):
-            p.grad = q.grad.clone()
-        opt.param_groups[0]["lr"] = lr_at(step)
-        opt.step()
-        stale = newest
+    losses = adamw_one_step_late(reference, data, lm_loss, lr=lr, weight_decay=0.1, lr_at=lr_at)
     relay = l2l_hw.Relay(gpt(tie_weights=True), lm_loss, micro_batches=3, pipedream_2bw=True,
                          eps=l2l_hw.make_eps("cpu", lr=lr, weight_decay=0.1, schedule="cosine", warmup_steps=warmup,
                                              total_steps=steps, min_lr=min_lr))
     assert_same_training(losses, reference, relay_losses(relay, data), relay)
+
+
+def test_pipedream_2bw_evaluates_the_newest_weights():
+    # Validation under 2BW is the model the run has reached, W(t) (what materialize()
+    # exports), not W(t-1), the version the next step will compute on.
+    data = mlp_batches(4)
+    reference = mlp_layers()
+    adamw_one_step_late(reference, data[:3], nn.functional.mse_loss, lr=1e-2, weight_decay=0.01)
+    relay = l2l_hw.Relay(mlp_layers(), nn.functional.mse_loss, micro_batches=2, pipedream_2bw=True,
+                         eps=l2l_hw.make_eps("cpu", lr=1e-2, weight_decay=0.01))
+    for x, y in data[:3]:
+        relay.train_step(x, y)
+    x, y = data[3]
+    with torch.no_grad():
+        expected = nn.functional.mse_loss(reference(x), y).item()
+    assert relay.evaluate(x, y) == pytest.approx(expected, rel=1e-5)
+    assert relay.train_step(x, y) != pytest.approx(expected, rel=1e-3)  # the step itself computes one back
+
+
+def test_pipedream_2bw_resumed_from_a_checkpoint_matches_plain_pytorch():
+    # A 2BW step computes on W(t-1): a checkpoint must carry that version too, or the
+    # first step after a resume computes on W(t) and the run leaves the 2BW trajectory.
+    data = mlp_batches(6)
+    reference = mlp_layers()
+    adamw_one_step_late(reference, data, nn.functional.mse_loss, lr=1e-2, weight_decay=0.01)
+    for backend in ("golden", "cpu"):
+        def relay():
+            return l2l_hw.Relay(mlp_layers(), nn.functional.mse_loss, micro_batches=2, pipedream_2bw=True,
+                                eps=l2l_hw.make_eps(backend, lr=1e-2, weight_decay=0.01))
+        first = relay()
+        for x, y in data[:3]:
+            first.train_step(x, y)
+        resumed = relay()
+        resumed.load_state_dict(first.state_dict())
+        for x, y in data[3:]:
+            resumed.train_step(x, y)
+        for p, q in zip(resumed.materialize().parameters(), reference.parameters()):
+            assert rel_diff(p, q) <= 1e-5, backend
+
+
+def test_pipedream_2bw_step_does_not_wait_for_its_last_update():
+    # The first layer's update of step 1 is held until released: under 2BW train_step
+    # returns anyway (step 2 computes on the version that update replaces); the update
+    # is swapped in when step 2 first pushes, and training still equals plain PyTorch.
+    import threading
+    data = mlp_batches(3)
+    reference = mlp_layers()
+    adamw_one_step_late(reference, data, nn.functional.mse_loss, lr=1e-2, weight_decay=0.01)
+    eps = l2l_hw.make_eps("cpu", lr=1e-2, weight_decay=0.01)
+    release, held = threading.Event(), []
+    update = eps._update
+
+    def slow_update(key, grads, s):
+        if key == "layer0" and not held:
+            held.append(key)
+            assert release.wait(30), "never released"
+        return update(key, grads, s)
+
+    eps._update = slow_update
+    relay = l2l_hw.Relay(mlp_layers(), nn.functional.mse_loss, eps=eps, micro_batches=2, pipedream_2bw=True)
+    relay.train_step(*data[0])
+    assert held and not release.is_set() and relay.step == 1  # returned with layer0's update still running
+    release.set()
+    for x, y in data[1:]:
+        relay.train_step(x, y)
+    for p, q in zip(relay.materialize().parameters(), reference.parameters()):
+        assert rel_diff(p, q) <= 1e-5
+
+
+def test_pipedream_2bw_failed_background_update_undoes_its_step():
+    # An update that fails after its step returned is raised by the next step, and that
+    # step is undone whole: every group is back at its state before it, step count too.
+    from l2l_hw.eps.worker import UpdateError
+    eps = l2l_hw.make_eps("cpu", lr=1e-2, weight_decay=0.01)
+    relay = l2l_hw.Relay(mlp_layers(), nn.functional.mse_loss, eps=eps, micro_batches=2, pipedream_2bw=True)
+    data = mlp_batches(3)
+    relay.train_step(*data[0])
+    before = {k: v.clone() for k, v in eps.state_dict().items()}
+    update = eps._update
+
+    def failing(key, grads, s):
+        if key == "layer2":
+            raise RuntimeError("injected")
+        return update(key, grads, s)
+
+    eps._update = failing
+    relay.train_step(*data[1])  # returns: its updates run in the background
+    eps._update = update
+    with pytest.raises(UpdateError, match="layer2.*injected"):
+        relay.train_step(*data[2])
+    after = eps.state_dict()
+    assert int(after["step"]) == 1 and before.keys() == after.keys()
+    for k in before:
+        assert torch.equal(before[k], after[k]), k

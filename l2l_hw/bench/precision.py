@@ -53,7 +53,8 @@ def val_loss(flags: list[str], steps: int, out: Path) -> dict:
 def reference_val_loss(delayed: bool, steps: int) -> dict:
     """The `l2l train` default run in plain PyTorch with torch.optim.AdamW; with `delayed`,
     W(t+1) = AdamW(W(t), grad at W(t-1)), W(-1) = W(0), from a kept copy of W(t-1).
-    Validated on W(t), the newest weights, over the windows `l2l train` uses."""
+    Validated over the windows `l2l train` uses, on W(t), the newest weights (and, delayed,
+    on W(t-1) as `val_loss_previous`)."""
     import torch
 
     from l2l_hw.cli import EVAL_BATCHES, TRAIN_DEFAULTS, _model_config
@@ -86,12 +87,17 @@ def reference_val_loss(delayed: bool, steps: int) -> dict:
         if delayed:
             stale = newest
     seconds = time.perf_counter() - t0
-    rng = torch.Generator().manual_seed(cfg["seed"] + 1)
-    model.eval()
-    with torch.no_grad():
-        losses = [float(lm_loss(model(x), y)) for x, y in
-                  (corpus.batch("val", cfg["batch_size"], cfg["context"], rng) for _ in range(EVAL_BATCHES))]
-    return {"delayed_gradient": delayed, "val_loss": sum(losses) / len(losses), "seconds": seconds}
+
+    @torch.no_grad()
+    def validate(net) -> float:
+        rng = torch.Generator().manual_seed(cfg["seed"] + 1)
+        windows = [corpus.batch("val", cfg["batch_size"], cfg["context"], rng) for _ in range(EVAL_BATCHES)]
+        return sum(float(lm_loss(net.eval()(x), y)) for x, y in windows) / len(windows)
+
+    report = {"delayed_gradient": delayed, "val_loss": validate(model), "seconds": seconds}
+    if delayed:  # the version the next step would compute on
+        report["val_loss_previous"] = validate(stale)
+    return report
 
 
 def run(steps: int = 200, variants=tuple(VARIANTS), references=tuple(REFERENCES)) -> dict:
@@ -122,8 +128,8 @@ def run(steps: int = 200, variants=tuple(VARIANTS), references=tuple(REFERENCES)
 def format_report(r: dict) -> str:
     lines = [f"validation loss after {r['steps']} steps (tolerance {r['tolerance']} vs fp32)"]
     for name, v in r["runs"].items():
-        line = (f"  {name:<16}{v['val_loss']:>8.4f}{v.get('delta_vs_fp32', 0):>+9.4f}  "
-                f"{'tracks' if v.get('tracks_fp32') else 'DRIFTS'}  {v['seconds']:.0f} s")
+        verdict = "" if "tracks_fp32" not in v else "tracks" if v["tracks_fp32"] else "DRIFTS"
+        line = f"  {name:<16}{v['val_loss']:>8.4f}{v.get('delta_vs_fp32', 0):>+9.4f}  {verdict:<6}  {v['seconds']:.0f} s"
         if "reference" in v:
             line += (f"   vs {v['reference']} {v['delta_vs_reference']:+.4f} "
                      f"({'matches' if v['matches_reference'] else 'DIFFERS'})")
@@ -132,6 +138,8 @@ def format_report(r: dict) -> str:
         lines.append("plain PyTorch, no relay, no EPS (same init, batches, AdamW schedule, windows)")
         for name, v in r["references"].items():
             line = f"  {name:<16}{v['val_loss']:>8.4f}  {v['seconds']:.0f} s"
+            if "val_loss_previous" in v:
+                line += f"   on W(t-1) {v['val_loss_previous']:.4f}"
             if "delta_vs_exact" in v:
                 line += (f"   one-step staleness vs pytorch_exact {v['delta_vs_exact']:+.4f} "
                          f"({'tracks' if v['tracks_exact'] else 'DRIFTS'})")

@@ -104,6 +104,7 @@ class EPS(ABC):
         # commits by swapping, so a step can be discarded whole (overflow) and the
         # committed state is consistent at any time (checkpoints).
         self.double_buffer = double_buffer
+        self._unsettled: set[str] | None = None  # groups of a step committed with wait=False
 
     def enable_double_buffer(self) -> None:
         if self.shapes and not self.double_buffer:
@@ -129,6 +130,7 @@ class EPS(ABC):
         """Schedule the eager update of group `key` for the step under way; returns at once.
 
         Tensors of the group missing from `grads` had no gradient and stay as they are."""
+        self._settle()
         self._check_grads(key, grads)
         if key in self._pushed:
             raise RuntimeError(f"gradients for EPS group {key!r} were pushed twice in step {self.step + 1}")
@@ -138,13 +140,25 @@ class EPS(ABC):
         else:
             self._push(key, grads, inv_scale)
 
-    def commit_step(self, grad_scale: float = 1.0, skip_nonfinite: bool = False) -> bool:
+    def commit_step(self, grad_scale: float = 1.0, skip_nonfinite: bool = False, wait: bool = True) -> bool:
         """Run deferred updates with their gradients times `grad_scale`, wait for every
         update of the step and make it the committed state; with `skip_nonfinite`, a
         step that saw a non-finite gradient is discarded whole instead.
 
-        Returns whether a non-finite gradient was seen in the step."""
+        wait=False (double buffering; PipeDream-2BW): the step counts as committed at once
+        and its updates go on in the background; they are swapped in when the next step
+        first needs them (its first push, a fetch of the newest version, a checkpoint), and
+        until then fetch(previous=True) gives the version they replace, so no layer waits.
+
+        Returns whether a non-finite gradient was seen in the step (False with wait=False)."""
+        self._settle()
         self._run_deferred(grad_scale)
+        if not wait:
+            if not self.double_buffer or skip_nonfinite:
+                raise ValueError("commit_step(wait=False) needs double buffering and skip_nonfinite=False")
+            self._unsettled, self._pushed = set(self._pushed), set()
+            self.step += 1
+            return False
         self.wait()
         found = self.found_nonfinite
         if found and skip_nonfinite:
@@ -162,10 +176,27 @@ class EPS(ABC):
             self._push(key, grads, inv_scale * grad_scale)
         self._deferred.clear()
 
+    def _settle(self) -> None:
+        """Finish a commit made with wait=False: wait for its updates and swap them in. If one
+        failed, that step is undone (its updates wrote only spare copies) and the error raised."""
+        keys, self._unsettled = self._unsettled, None
+        if keys is None:
+            return
+        try:
+            self.wait()
+        except BaseException:
+            self.step -= 1
+            self._pushed |= keys
+            self.discard_step()
+            raise
+        self._swap(keys)
+        self.found_nonfinite = False
+
     def discard_step(self) -> None:
         """Forget the step under way: deferred gradients are dropped and, with double
         buffering, every update written in the step. Without it, groups already updated
         in place cannot be restored, and this says so."""
+        self._settle()
         self.wait()
         updated = set(self._pushed) if not self.defer_updates else set()
         self._deferred.clear()
@@ -192,15 +223,21 @@ class EPS(ABC):
     # -- checkpoints ----------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Master weights and optimizer state as `{key}/{name}/{slot}` tensors plus `step`."""
+        self._settle()
         self.wait()
         out = {"step": torch.tensor(self.step, dtype=torch.int64)}
         for key, names in self.shapes.items():
             for name in names:
                 for slot, t in self._tensors(key, name).items():
                     out[f"{key}/{name}/{slot}"] = t.clone()
+        if self.double_buffer:  # the version one commit back: PipeDream-2BW's next step computes on it
+            for key in self.shapes:
+                for name, t in self.fetch(key, previous=True).items():  # bf16/fp16 widen exactly
+                    out[f"{key}/{name}/previous"] = t.to(torch.float32, copy=True)
         return out
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self._settle()
         self.wait()
         slots = self._slots()
         wanted = {f"{k}/{n}/{s}": shape for k, names in self.shapes.items() for n, shape in names.items() for s in slots}
@@ -215,6 +252,9 @@ class EPS(ABC):
         for key, names in self.shapes.items():
             for name in names:
                 self._load(key, name, {s: state[f"{key}/{name}/{s}"] for s in slots})
+                if self.double_buffer and f"{key}/{name}/previous" in state:
+                    working = state[f"{key}/{name}/previous"].to(WORKING_DTYPES[self.working_dtype])
+                    self._load_previous(key, name, working)
         self.step = int(state["step"])
 
     def _slots(self) -> tuple[str, ...]:
@@ -222,6 +262,7 @@ class EPS(ABC):
 
     def master(self, key: str) -> dict[str, torch.Tensor]:
         """fp32 master weights of a group (copies)."""
+        self._settle()
         self.wait()
         return {name: self._tensors(key, name)["param"].clone() for name in self.shapes[key]}
 
@@ -229,12 +270,19 @@ class EPS(ABC):
     @abstractmethod
     def _register(self, key: str, params: dict[str, torch.Tensor]) -> None: ...
 
-    @abstractmethod
     def fetch(self, key: str, previous: bool = False) -> dict[str, torch.Tensor]:
         """Host working copy of a group (working_dtype), valid until the group's next update.
 
         With double buffering, `previous` gives the version committed one step earlier
         (PipeDream-2BW computes on it while the newest one is being written)."""
+        if self._unsettled is not None:
+            if previous:  # the newest step is still being written: what it replaces is one step back
+                return self._fetch(key, previous=False)
+            self._settle()
+        return self._fetch(key, previous)
+
+    @abstractmethod
+    def _fetch(self, key: str, previous: bool = False) -> dict[str, torch.Tensor]: ...
 
     @abstractmethod
     def _push(self, key: str, grads: dict[str, torch.Tensor], inv_scale: float) -> None: ...
@@ -249,6 +297,10 @@ class EPS(ABC):
 
     @abstractmethod
     def _load(self, key: str, name: str, slots: dict[str, torch.Tensor]) -> None: ...
+
+    def _load_previous(self, key: str, name: str, working: torch.Tensor) -> None:
+        """Double buffering: restore the version one commit back (working dtype), as fetched."""
+        raise NotImplementedError(f"the {self.name} EPS does not double-buffer")
 
     def _swap(self, keys: set[str]) -> None:
         """Double buffering: make the updates written for `keys` the committed state."""

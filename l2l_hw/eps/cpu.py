@@ -78,6 +78,10 @@ class CpuEps(EPS):
             self.previous.setdefault(key, {})[name] = {
                 slot: entry[slot].clone() for slot in ("param", "working") if slot in entry}
 
+    def _load_previous(self, key, name, working):
+        slot = "param" if self.working_dtype == "fp32" else "working"
+        self.previous[key][name][slot].copy_(working)
+
     def _convert(self, param: torch.Tensor, working: torch.Tensor) -> None:
         """Round-to-nearest-even working copy of `param`, by the kernel's own conversion."""
         zero = step_scalars(OptimConfig(optimizer="sgd", lr=0.0), 1)
@@ -88,7 +92,7 @@ class CpuEps(EPS):
     def _tensors(self, key, name):
         return {slot: t for slot, t in self.state[key][name].items() if slot != "working"}
 
-    def fetch(self, key, previous=False):
+    def _fetch(self, key, previous=False):
         if not self.double_buffer:  # double buffered: updates write the spare, fetch need not wait
             self.found_nonfinite |= self._worker.result(key)
         entries = self.previous[key] if previous and self.double_buffer else self.state[key]

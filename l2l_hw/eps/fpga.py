@@ -111,6 +111,9 @@ class FpgaEps(EPS):
         if self.double_buffer:
             self.previous.setdefault(key, {})[name] = self._read_working(key, name, t)
 
+    def _load_previous(self, key, name, working):
+        self.previous[key][name] = working.clone()
+
     def _read_working(self, key, name, t: _DeviceTensor) -> torch.Tensor:
         shape = self.shapes[key][name]
         if self.working_dtype == "fp32":
@@ -123,7 +126,7 @@ class FpgaEps(EPS):
                 for slot in ("param",) + STATE_SLOTS[self.config.optimizer]}
 
     # -- the step -------------------------------------------------------------------
-    def fetch(self, key, previous=False):
+    def _fetch(self, key, previous=False):
         if not self.double_buffer:  # double buffered: updates write the spare, fetch need not wait
             self.found_nonfinite |= self._worker.result(key)
         if previous and self.double_buffer:

@@ -159,10 +159,13 @@ class GoldenEps(EPS):
             entry[slot] = slots[slot].numpy().astype(np.float32, copy=True) if slot in slots else np.zeros_like(p)
         self.state.setdefault(key, {})[name] = entry
 
+    def _load_previous(self, key, name, working):
+        self.previous.setdefault(key, {})[name] = working.float().numpy().copy()  # exact: fp32 holds bf16/fp16
+
     def _tensors(self, key, name):
         return {slot: torch.from_numpy(a) for slot, a in self.state[key][name].items()}
 
-    def fetch(self, key, previous=False):
+    def _fetch(self, key, previous=False):
         params = {name: e["param"] for name, e in self.state[key].items()}
         if previous:
             params.update(self.previous.get(key, {}))

@@ -107,10 +107,14 @@ class ShardedEps(EPS):
         self.inner.push_grads(key, grads, inv_scale)
 
     def wait(self) -> None:
+        self.inner._settle()  # the slices are read below the inner EPS's public methods
         self.inner.wait()
 
-    def commit_step(self, grad_scale: float = 1.0, skip_nonfinite: bool = False) -> bool:
+    def commit_step(self, grad_scale: float = 1.0, skip_nonfinite: bool = False, wait: bool = True) -> bool:
         self._run_deferred(grad_scale)
+        if not wait:  # no flag to agree on: nothing is skipped (base.commit_step)
+            self._pushed.clear()
+            return self.inner.commit_step(wait=False)
         self.inner.wait()
         flag = torch.tensor([float(self.inner.found_nonfinite)], device=self.comm_device)
         guarded(self.group, "agreeing on non-finite gradients at commit", dist.all_reduce, flag,
@@ -139,7 +143,7 @@ class ShardedEps(EPS):
                 return None
         return unpack(flat.view(self.world, -1), sizes, self.shapes[key])
 
-    def fetch(self, key: str, previous: bool = False) -> dict[str, torch.Tensor]:
+    def _fetch(self, key: str, previous: bool = False) -> dict[str, torch.Tensor]:
         return self._gather(key, self.inner.fetch(key, previous=previous))
 
     def _tensors(self, key: str, name: str) -> dict[str, torch.Tensor]:
@@ -158,8 +162,15 @@ class ShardedEps(EPS):
                 whole = self._gather(key, {n: self.inner._tensors(key, n)[slot] for n in sizes}, root=0)
                 if whole is not None:
                     out.update({f"{key}/{n}/{slot}": t.to("cpu", copy=True) for n, t in whole.items()})
+            if self.double_buffer:  # the version one commit back (PipeDream-2BW computes on it), as base does
+                whole = self._gather(key, self.inner.fetch(key, previous=True), root=0)
+                if whole is not None:
+                    out.update({f"{key}/{n}/previous": t.to("cpu", torch.float32, copy=True) for n, t in whole.items()})
         return out
 
     def _load(self, key: str, name: str, slots: dict[str, torch.Tensor]) -> None:
         size = self.sizes[key][name]
         self.inner._load(key, name, {s: self._mine(t, size) for s, t in slots.items()})
+
+    def _load_previous(self, key: str, name: str, working: torch.Tensor) -> None:
+        self.inner._load_previous(key, name, self._mine(working, self.sizes[key][name]))

@@ -390,7 +390,10 @@ class Relay:
                 exc.add_note(f"while abandoning the step: {cleanup}")
             raise
         meter.drop_saved()
-        found = self.eps.commit_step(grad_scale=self._global_clip_factor(), skip_nonfinite=self.scaler is not None)
+        # PipeDream-2BW: the next step computes on the version this one replaces, so it need
+        # not wait for this step's last updates (unless fp16 must first learn of an overflow).
+        found = self.eps.commit_step(grad_scale=self._global_clip_factor(), skip_nonfinite=self.scaler is not None,
+                                     wait=not self.pipedream_2bw or self.scaler is not None)
         if self.scaler is not None:
             self.scaler.update(found)
         if self.dp is not None:
@@ -480,24 +483,26 @@ class Relay:
     # -- evaluation and export -------------------------------------------------
     @torch.no_grad()
     def evaluate(self, inputs, targets) -> float:
-        """Mean loss on a minibatch, layer-major, in eval mode; no update."""
+        """Mean loss on a minibatch, layer-major, in eval mode; no update. On the newest
+        committed weights, under PipeDream-2BW too (its steps compute one version back)."""
         xs, ts, weights = self._split(inputs, targets)
         modes = [m.training for m in self.layers]
         for m in self.layers:
             m.train(False)
         live: dict[str, dict[str, torch.Tensor]] = {}
-        try:
-            acts = xs
-            for i in range(len(self.layers)):
-                params = self._params(i, live)
-                acts = [self._call(i, a, params, self._device_buffers(i)) for a in acts]
-            total = sum(float(self._loss(_to_float(a), t)) * w for a, t, w in zip(acts, ts, weights))
-            if self.dp is not None:
-                total = self.dp.mean(total, sum(_flatten(t)[0].shape[0] for t in ts), "averaging the evaluation loss")
-        finally:
-            self.weights.clear()
-            for m, mode in zip(self.layers, modes):
-                m.train(mode)
+        with self.weights.newest():
+            try:
+                acts = xs
+                for i in range(len(self.layers)):
+                    params = self._params(i, live)
+                    acts = [self._call(i, a, params, self._device_buffers(i)) for a in acts]
+                total = sum(float(self._loss(_to_float(a), t)) * w for a, t, w in zip(acts, ts, weights))
+                if self.dp is not None:
+                    total = self.dp.mean(total, sum(_flatten(t)[0].shape[0] for t in ts), "averaging the evaluation loss")
+            finally:
+                self.weights.clear()
+                for m, mode in zip(self.layers, modes):
+                    m.train(mode)
         return total
 
     def materialize(self) -> nn.Sequential:
