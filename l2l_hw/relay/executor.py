@@ -257,7 +257,7 @@ class Relay:
 
         xs, ts = split(inputs, self.compute_dtype), split(targets)
         weights = [_flatten(t)[0].shape[0] / n for t in ts]
-        return xs, ts, weights
+        return xs, ts, weights, n
 
     def _active_layers(self, layers) -> list[int]:
         """The layers this step runs, in order: given, or drawn from the layer-drop schedule."""
@@ -281,8 +281,7 @@ class Relay:
         `layers` selects the layers to run this step (the last one always runs); a
         skipped layer passes its input through and costs neither transfer nor compute,
         and its weights get no update. Without it, the layer-drop schedule decides."""
-        xs, ts, weights = self._split(inputs, targets)
-        local_n = sum(_flatten(t)[0].shape[0] for t in ts)
+        xs, ts, weights, local_n = self._split(inputs, targets)
         if self.dp is not None:
             self.dp.start_step(local_n)
         order = self._active_layers(layers)
@@ -485,25 +484,22 @@ class Relay:
     def evaluate(self, inputs, targets) -> float:
         """Mean loss on a minibatch, layer-major, in eval mode; no update. On the newest
         committed weights, under PipeDream-2BW too (its steps compute one version back)."""
-        xs, ts, weights = self._split(inputs, targets)
+        xs, ts, weights, n = self._split(inputs, targets)
         modes = [m.training for m in self.layers]
         for m in self.layers:
             m.train(False)
         live: dict[str, dict[str, torch.Tensor]] = {}
-        with self.weights.newest():
-            try:
+        try:
+            with self.weights.newest():
                 acts = xs
                 for i in range(len(self.layers)):
                     params = self._params(i, live)
                     acts = [self._call(i, a, params, self._device_buffers(i)) for a in acts]
-                total = sum(float(self._loss(_to_float(a), t)) * w for a, t, w in zip(acts, ts, weights))
-                if self.dp is not None:
-                    total = self.dp.mean(total, sum(_flatten(t)[0].shape[0] for t in ts), "averaging the evaluation loss")
-            finally:
-                self.weights.clear()
-                for m, mode in zip(self.layers, modes):
-                    m.train(mode)
-        return total
+            total = sum(float(self._loss(_to_float(a), t)) * w for a, t, w in zip(acts, ts, weights))
+        finally:
+            for m, mode in zip(self.layers, modes):
+                m.train(mode)
+        return self.dp.mean(total, n, "averaging the evaluation loss") if self.dp is not None else total
 
     def materialize(self) -> nn.Sequential:
         """The trained model as an nn.Sequential on the CPU with the fp32 master weights."""
