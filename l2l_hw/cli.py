@@ -360,7 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--overlay", metavar="PATH", help="--eps fpga-pynq: the overlay to load (.bit with its .hwh, "
                    "or .xclbin; docs/BOARD.md)")
     t.add_argument("--kernel", metavar="NAME", help="--eps fpga-pynq: the kernel's IP name in the overlay "
-                   "(default: the one IP named l2l_optim*)")
+                   "(default: every IP named l2l_optim*, each a compute unit)")
     t.add_argument("--device", help=f"where layers run: cpu, cuda, cuda:N (default {d['device']}); under "
                    "torchrun, cuda means each rank's own GPU (LOCAL_RANK)")
     t.add_argument("--shard-state", action="store_true", default=None,

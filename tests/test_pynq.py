@@ -3,7 +3,8 @@ the Verilated l2l_optim and its DRAM model behind a `pynq.Device`, so pynq.Overl
 the overlay's .hwh, DefaultIP's MMIO and register_map reach the kernel's registers and
 pynq.allocate / sync_* move the tensors, exactly the calls a board gets. No board is used.
 
-Proves: fpga-pynq trains the reference GPT bit-identically to the CPU EPS after every step;
+Proves: fpga-pynq trains the reference GPT bit-identically to the CPU EPS after every step,
+on one l2l_optim IP and on an overlay with two (compute units, each tensor's run split over both);
 the overlay's register map is the RTL's; pynq's device probe finds the simulated device only
 when asked (L2L_PYNQ_SIM=1); `l2l train --eps fpga-pynq --overlay` runs and matches `--eps cpu`."""
 import json
@@ -55,18 +56,28 @@ def probe_finds_sim(monkeypatch):
         setattr(pynq.Device, k, v)
 
 
-def test_pynq_transport_trains_gpt_bit_identical_to_cpu_eps_every_step_on_real_pynq(sim_overlay, one_thread):
+@pytest.mark.parametrize("compute_units", [1, 2], ids=lambda k: f"{k}ip")
+def test_pynq_transport_trains_gpt_bit_identical_to_cpu_eps_every_step_on_real_pynq(compute_units, overlay_bit,
+                                                                                      tmp_path, one_thread):
+    from l2l_hw.hw.pynq_sim import SimulatedDevice, write_overlay
+    bit = overlay_bit if compute_units == 1 else write_overlay(tmp_path, compute_units=compute_units)
+    overlay = pynq.Overlay(str(bit), device=SimulatedDevice())
     relays = {b: l2l_hw.Relay(small_gpt(), lm_loss, micro_batches=2, precision="bf16",
-                              eps=l2l_hw.make_eps(b, lr=3e-3, **({"overlay": sim_overlay} if b == "fpga-pynq" else {})))
+                              eps=l2l_hw.make_eps(b, lr=3e-3, **({"overlay": overlay} if b == "fpga-pynq" else {})))
               for b in ("cpu", "fpga-pynq")}
-    transport = relays["fpga-pynq"].eps.transport
-    assert transport.name == "pynq" and transport.kernel == "l2l_optim_0"
-    assert isinstance(transport.mmio, pynq.MMIO) and transport.mmio.device is sim_overlay.device
+    transport, driver = relays["fpga-pynq"].eps.transport, relays["fpga-pynq"].eps.driver
+    assert transport.name == "pynq" and transport.kernels == [f"l2l_optim_{i}" for i in range(compute_units)]
+    assert isinstance(transport.mmio, pynq.MMIO) and transport.mmio.device is overlay.device
+    assert driver.compute_units == compute_units
+    largest = max(p.numel() for p in small_gpt().parameters())  # wte and lm_head: 8192 elements
+    assert len(driver.chunks(largest)) == compute_units  # their runs are split over every unit
     for step, (x, y) in enumerate(gpt_batches(3, batch=4), 1):
         for r in relays.values():
             r.train_step(x, y)
         assert_bit_identical(relays["cpu"].eps.state_dict(), relays["fpga-pynq"].eps.state_dict(), f"step {step}")
-    assert relays["fpga-pynq"].eps.driver.runs > 0  # the kernel did the updates
+    assert driver.runs > 0  # the kernel did the updates
+    # CYCLES: clocks of each IP's last run, read through its own pynq MMIO; unit 1 runs only split chunks
+    assert all(unit.read32(regs.CYCLES) > 0 for unit in transport.units)
 
 
 def test_overlay_register_map_is_the_rtl_register_map(sim_overlay):

@@ -3,7 +3,9 @@
     overlay   pynq.Overlay(bitstream) (the .hwh beside the .bit names the IP) or an xclbin
               (Alveo / Vitis), or an Overlay object already loaded
     control   the kernel IP's MMIO (`overlay.<ip>.mmio`, read/write of 32-bit words);
-              PYNQ 3.1 removed DefaultIP.call/start, so the driver writes CTRL.AP_START itself
+              PYNQ 3.1 removed DefaultIP.call/start, so the driver writes CTRL.AP_START itself.
+              An overlay with several l2l_optim IPs on one DRAM: each is a compute unit
+              (`units`, sorted by IP name) and the driver splits every run over them
     DRAM      pynq.allocate(...) buffers (contiguous, physically addressed; their
               `device_address` is what the kernel's AXI master sees), with
               sync_to_device / sync_from_device around every host access (cache coherence
@@ -37,28 +39,11 @@ def _pynq():
     return pynq
 
 
-class PynqTransport:
-    name = "pynq"
+class _ControlPort:
+    """One l2l_optim IP's AXI4-Lite registers through its pynq MMIO: a compute unit."""
 
-    def __init__(self, overlay, kernel: str | None = None):
-        pynq = _pynq()
-        if isinstance(overlay, (str, Path)):
-            if not Path(overlay).exists():
-                raise FileNotFoundError(f"overlay {overlay} not found (a .bit with its .hwh, or an .xclbin)")
-            overlay = pynq.Overlay(str(overlay))
-        self.overlay = overlay
-        names = list(getattr(overlay, "ip_dict", {}))
-        if kernel is None:
-            found = [n for n in names if n.startswith(KERNEL_NAMES)]
-            if len(found) != 1:
-                raise RuntimeError(f"expected one l2l_optim IP in the overlay, found {found or 'none'} among "
-                                   f"{names}; pass kernel='<ip name>'")
-            kernel = found[0]
-        self.kernel = kernel
-        self.mmio = getattr(overlay, kernel).mmio
-        # Buffers on the overlay's device (pynq's active device unless the Overlay was given one)
-        self._allocate = pynq.allocate
-        self._target = getattr(overlay, "device", None)
+    def __init__(self, mmio):
+        self.mmio = mmio
 
     def read32(self, offset: int) -> int:
         return int(self.mmio.read(offset)) & 0xFFFFFFFF
@@ -72,6 +57,31 @@ class PynqTransport:
 
     def recover(self) -> bool:
         return False  # ap_ctrl_hs has no soft reset: a hung kernel needs the overlay reloaded
+
+
+class PynqTransport(_ControlPort):
+    """The overlay's DRAM, and its l2l_optim IPs as compute units: `kernel` (an IP name) picks
+    one, None takes every IP named l2l_optim*. The transport's own control port is unit 0's."""
+
+    name = "pynq"
+
+    def __init__(self, overlay, kernel: str | None = None):
+        pynq = _pynq()
+        if isinstance(overlay, (str, Path)):
+            if not Path(overlay).exists():
+                raise FileNotFoundError(f"overlay {overlay} not found (a .bit with its .hwh, or an .xclbin)")
+            overlay = pynq.Overlay(str(overlay))
+        self.overlay = overlay
+        names = list(getattr(overlay, "ip_dict", {}))
+        self.kernels = [kernel] if kernel is not None else sorted(n for n in names if n.startswith(KERNEL_NAMES))
+        if not self.kernels:
+            raise RuntimeError(f"no l2l_optim IP in the overlay among {names}; pass kernel='<ip name>'")
+        self.kernel = self.kernels[0]
+        super().__init__(getattr(overlay, self.kernel).mmio)
+        self.units = [self] + [_ControlPort(getattr(overlay, k).mmio) for k in self.kernels[1:]]
+        # Buffers on the overlay's device (pynq's active device unless the Overlay was given one)
+        self._allocate = pynq.allocate
+        self._target = getattr(overlay, "device", None)
 
     def allocate(self, nbytes: int) -> DeviceBuffer:
         import numpy as np

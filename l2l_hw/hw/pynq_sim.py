@@ -16,14 +16,16 @@ model (l2l_hw/hw/verilator.py):
                 and l2l_optim_sim.hwh: a ZynqMP block design whose PS reaches the IP
                 l2l_optim_0 at KERNEL_BASE through M_AXI_HPM0_FPD, its registers taken
                 from hdl/l2l_optim_regs.json the way Vitis HLS lists an ap_ctrl_hs kernel
-                (64-bit pointers as NAME_1 / NAME_2).
-    download    "programming" starts a fresh simulation (kernel reset, DRAM zeroed),
-                built with the DATA_WIDTH and LANES the .hwh gives the IP.
+                (64-bit pointers as NAME_1 / NAME_2). write_overlay(dir, compute_units=k):
+                IPs l2l_optim_0..k-1 on one DRAM, each in the next KERNEL_RANGE window.
+    download    "programming" starts a fresh simulation (kernels reset, DRAM zeroed),
+                built with the DATA_WIDTH and LANES the .hwh gives the IPs, one Verilated
+                instance per IP (VerilatorTransport(compute_units=k)).
     MMIO        capability REGISTER_RW: pynq.MMIO calls read_registers /
-                write_registers with absolute addresses; those inside the kernel's
-                window become AXI4-Lite accesses of the simulation. While a run is
+                write_registers with absolute addresses; those inside a kernel's
+                window become AXI4-Lite accesses of that instance. While its run is
                 under way (CTRL.AP_START written, interrupt not yet seen), each read
-                first lets the kernel run up to CLOCKS_PER_READ clocks, stopping at its
+                first lets that kernel run up to CLOCKS_PER_READ clocks, stopping at its
                 interrupt: a board's clock runs while the host polls. Clocks of an idle
                 kernel change nothing, so they are not simulated.
     DRAM        allocate() hands out PynqBuffers whose host array is ordinary memory
@@ -60,10 +62,11 @@ ENV = "L2L_PYNQ_SIM"  # "1": pynq's device probe finds the simulated device
 # 200): with a board present, the board is the active device.
 PROBE_PRIORITY = 1000
 OVERLAY_NAME = "l2l_optim_sim"
-KERNEL_INSTANCE = "l2l_optim_0"
+KERNEL_TYPE = "l2l_optim"  # its instances are l2l_optim_0, l2l_optim_1, ... as Vivado names them
 PS_INSTANCE = "zynq_ultra_ps_e_0"
 # Where M_AXI_HPM0_FPD's window starts on a ZynqMP (Vivado assigns the first slave there)
-# and Vivado's default 64 KiB segment; the kernel decodes ADDR_WIDTH (8) bits of it.
+# and Vivado's default 64 KiB segment, the next kernel's in the next; a kernel decodes
+# ADDR_WIDTH (8) bits of it.
 KERNEL_BASE = 0xA000_0000
 KERNEL_RANGE = 0x1_0000
 # Kernel clocks per register read while a run is under way: PynqTransport's poll interval
@@ -104,8 +107,9 @@ def _register_elements(parent: ET.Element, reg_map: dict) -> None:
                 prop(fe, "BIT_WIDTH", f.get("width", 1))
 
 
-def hwh_text(data_width: int | None = None, lanes: int | None = None) -> str:
+def hwh_text(data_width: int | None = None, lanes: int | None = None, compute_units: int = 1) -> str:
     """The hardware handoff of the simulated design (see the module docstring)."""
+    kernels = [f"{KERNEL_TYPE}_{i}" for i in range(compute_units)]
     data_width, lanes = verilator.resolve(data_width, lanes)
     reg_map = json.loads(REGS_JSON.read_text())
     root = ET.Element("EDKSYSTEM", EDWVERSION="1.2", VIVADOVERSION="simulation")
@@ -128,10 +132,12 @@ def hwh_text(data_width: int | None = None, lanes: int | None = None) -> str:
                             (f"PSU__CRL_APB__PL{clk}_REF_CTRL__DIVISOR1", 1)):
             ET.SubElement(params, "PARAMETER", NAME=name, VALUE=str(value))
     memmap = ET.SubElement(ps, "MEMORYMAP")
-    ET.SubElement(memmap, "MEMRANGE", ADDRESSBLOCK="reg0", BASENAME="C_BASEADDR", BASEVALUE=hex(KERNEL_BASE),
-                  HIGHNAME="C_HIGHADDR", HIGHVALUE=hex(KERNEL_BASE + KERNEL_RANGE - 1), INSTANCE=KERNEL_INSTANCE,
-                  IS_DATA="TRUE", IS_INSTRUCTION="TRUE", MASTERBUSINTERFACE="M_AXI_HPM0_FPD", MEMTYPE="REGISTER",
-                  SLAVEBUSINTERFACE="s_axil")
+    for i, kernel in enumerate(kernels):
+        base = KERNEL_BASE + i * KERNEL_RANGE
+        ET.SubElement(memmap, "MEMRANGE", ADDRESSBLOCK="reg0", BASENAME="C_BASEADDR", BASEVALUE=hex(base),
+                      HIGHNAME="C_HIGHADDR", HIGHVALUE=hex(base + KERNEL_RANGE - 1), INSTANCE=kernel,
+                      IS_DATA="TRUE", IS_INSTRUCTION="TRUE", MASTERBUSINTERFACE="M_AXI_HPM0_FPD",
+                      MEMTYPE="REGISTER", SLAVEBUSINTERFACE="s_axil")
     ET.SubElement(ps, "PORTS")
     ps_buses = ET.SubElement(ps, "BUSINTERFACES")
     ET.SubElement(ps_buses, "BUSINTERFACE", BUSNAME="ps_to_kernel", DATAWIDTH="32", NAME="M_AXI_HPM0_FPD",
@@ -139,35 +145,37 @@ def hwh_text(data_width: int | None = None, lanes: int | None = None) -> str:
     ET.SubElement(ps_buses, "BUSINTERFACE", BUSNAME="kernel_to_ddr", DATAWIDTH=str(min(data_width, 128)),
                   NAME="S_AXI_HP0_FPD", TYPE="SLAVE", VLNV="xilinx.com:interface:aximm:1.0")
 
-    # The kernel: an AXI4-Lite slave (the registers) and an AXI4 master to DRAM.
-    k = ET.SubElement(modules, "MODULE", FULLNAME=f"/{KERNEL_INSTANCE}", INSTANCE=KERNEL_INSTANCE,
-                      IPTYPE="PERIPHERAL", IS_ENABLE="1", MODCLASS="PERIPHERAL", MODTYPE="l2l_optim",
-                      VLNV="l2l-hw:hls:l2l_optim:1.0")
-    params = ET.SubElement(k, "PARAMETERS")
-    for name, value in (("DATA_WIDTH", data_width), ("LANES", lanes), ("ID", reg_map["id"]),
-                        ("VERSION", reg_map["version"])):
-        ET.SubElement(params, "PARAMETER", NAME=name, VALUE=str(value))
-    blocks = ET.SubElement(k, "ADDRESSBLOCKS")
-    block = ET.SubElement(blocks, "ADDRESSBLOCK", ACCESS="read-write", INTERFACE="s_axil", NAME="reg0",
-                          RANGE=str(1 << reg_map["addr_width"]), USAGE="register")
-    _register_elements(ET.SubElement(block, "REGISTERS"), reg_map)
-    ET.SubElement(k, "PORTS")
-    buses = ET.SubElement(k, "BUSINTERFACES")
-    ET.SubElement(buses, "BUSINTERFACE", BUSNAME="ps_to_kernel", DATAWIDTH="32", NAME="s_axil", TYPE="SLAVE",
-                  VLNV="xilinx.com:interface:aximm:1.0")
-    ET.SubElement(buses, "BUSINTERFACE", BUSNAME="kernel_to_ddr", DATAWIDTH=str(data_width), NAME="m_axi",
-                  TYPE="MASTER", VLNV="xilinx.com:interface:aximm:1.0")
+    # The kernels: each an AXI4-Lite slave (the registers) and an AXI4 master to DRAM.
+    for kernel in kernels:
+        k = ET.SubElement(modules, "MODULE", FULLNAME=f"/{kernel}", INSTANCE=kernel, IPTYPE="PERIPHERAL",
+                          IS_ENABLE="1", MODCLASS="PERIPHERAL", MODTYPE=KERNEL_TYPE, VLNV="l2l-hw:hls:l2l_optim:1.0")
+        params = ET.SubElement(k, "PARAMETERS")
+        for name, value in (("DATA_WIDTH", data_width), ("LANES", lanes), ("ID", reg_map["id"]),
+                            ("VERSION", reg_map["version"])):
+            ET.SubElement(params, "PARAMETER", NAME=name, VALUE=str(value))
+        blocks = ET.SubElement(k, "ADDRESSBLOCKS")
+        block = ET.SubElement(blocks, "ADDRESSBLOCK", ACCESS="read-write", INTERFACE="s_axil", NAME="reg0",
+                              RANGE=str(1 << reg_map["addr_width"]), USAGE="register")
+        _register_elements(ET.SubElement(block, "REGISTERS"), reg_map)
+        ET.SubElement(k, "PORTS")
+        buses = ET.SubElement(k, "BUSINTERFACES")
+        ET.SubElement(buses, "BUSINTERFACE", BUSNAME="ps_to_kernel", DATAWIDTH="32", NAME="s_axil", TYPE="SLAVE",
+                      VLNV="xilinx.com:interface:aximm:1.0")
+        ET.SubElement(buses, "BUSINTERFACE", BUSNAME="kernel_to_ddr", DATAWIDTH=str(data_width), NAME="m_axi",
+                      TYPE="MASTER", VLNV="xilinx.com:interface:aximm:1.0")
     ET.indent(root)
     return '<?xml version="1.0" encoding="UTF-8" standalone="no" ?>\n' + ET.tostring(root, encoding="unicode") + "\n"
 
 
-def write_overlay(directory, data_width: int | None = None, lanes: int | None = None) -> Path:
-    """Write l2l_optim_sim.bit (the marker) and .hwh into `directory`; returns the .bit path."""
+def write_overlay(directory, data_width: int | None = None, lanes: int | None = None,
+                  compute_units: int = 1) -> Path:
+    """Write l2l_optim_sim.bit (the marker) and .hwh (`compute_units` l2l_optim IPs) into
+    `directory`; returns the .bit path."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     bit = directory / f"{OVERLAY_NAME}.bit"
     bit.write_bytes(MARKER)
-    Path(get_hwh_name(str(bit))).write_text(hwh_text(data_width, lanes))
+    Path(get_hwh_name(str(bit))).write_text(hwh_text(data_width, lanes, compute_units))
     return bit
 
 
@@ -225,8 +233,8 @@ class SimulatedDevice(pynq.Device):
         self.capabilities = {"REGISTER_RW": True, "MEMORY_MAPPED": False, "CALLABLE": False}
         self.dram_bytes, self.read_latency = dram_bytes, read_latency
         self.transport: verilator.VerilatorTransport | None = None
-        self.window: tuple[int, int] | None = None  # the kernel's (base, range) in the PS address map
-        self.running = False  # AP_START written and the interrupt not seen since
+        self.windows: list[tuple[int, int]] = []  # each kernel's (base, range) in the PS address map
+        self.running: list[bool] = []  # per kernel: AP_START written and the interrupt not seen since
         self.timestamp = ""
         self.bitfile_name = None
 
@@ -242,49 +250,54 @@ class SimulatedDevice(pynq.Device):
         return parser
 
     def download(self, bitstream, parser=None):
-        """Program the "FPGA": a fresh simulation of the kernel the .hwh describes."""
+        """Program the "FPGA": a fresh simulation of the kernels the .hwh describes, unit i
+        being the i-th l2l_optim IP by name (PynqTransport's order)."""
         _check_marker(bitstream.bitfile_name)
         parser = parser or self.get_bitfile_metadata(bitstream.bitfile_name)
-        kernels = [(name, ip) for name, ip in parser.ip_dict.items()
-                   if ip.get("type", "").split(":")[2:3] == ["l2l_optim"]]
-        if len(kernels) != 1:
-            raise RuntimeError(f"the simulated device runs one l2l_optim; {bitstream.bitfile_name} names "
-                               f"{[n for n, _ in kernels] or 'none'}")
-        _, ip = kernels[0]
-        params = ip["parameters"]  # absent: the default build (verilator.resolve)
-        data_width, lanes = (int(params[p]) if p in params else None for p in ("DATA_WIDTH", "LANES"))
+        kernels = [ip for _, ip in sorted(parser.ip_dict.items())
+                   if ip.get("type", "").split(":")[2:3] == [KERNEL_TYPE]]
+        # absent parameters: the default build (verilator.resolve)
+        builds = {tuple(int(ip["parameters"][p]) if p in ip["parameters"] else None for p in ("DATA_WIDTH", "LANES"))
+                  for ip in kernels}
+        if len(builds) != 1:
+            raise RuntimeError(f"the simulated device runs one or more l2l_optim of one build; "
+                               f"{bitstream.bitfile_name} names {len(kernels)} with DATA_WIDTH, LANES {builds}")
+        (data_width, lanes), = builds
         if self.transport is not None:
             self.transport.close()
-        self.transport = verilator.VerilatorTransport(data_width, self.dram_bytes, self.read_latency, lanes=lanes)
-        self.window = (ip["phys_addr"], ip["addr_range"])
-        self.running = False
+        self.transport = verilator.VerilatorTransport(data_width, self.dram_bytes, self.read_latency, lanes=lanes,
+                                                      compute_units=len(kernels))
+        self.windows = [(ip["phys_addr"], ip["addr_range"]) for ip in kernels]
+        self.running = [False] * len(kernels)
         self.post_download(bitstream, parser, self.name)
 
     # -- MMIO (REGISTER_RW) ------------------------------------------------------------
-    def _offset(self, address: int, length: int) -> int:
+    def _decode(self, address: int, length: int) -> tuple[int, int]:
+        """(unit, register offset) of an access, from the kernel windows of the .hwh."""
         if self.transport is None:
             raise RuntimeError("Overlay is not downloaded")
-        base, size = self.window
-        offset = address - base
-        if offset < 0 or offset + length > min(size, 1 << regs.ADDR_WIDTH) or offset % 4:
-            raise ValueError(f"no register at 0x{address:X} (+{length}): the simulated device decodes "
-                             f"only l2l_optim's map at 0x{base:X}")
-        return offset
+        for unit, (base, size) in enumerate(self.windows):
+            offset = address - base
+            if 0 <= offset and offset + length <= min(size, 1 << regs.ADDR_WIDTH) and offset % 4 == 0:
+                return unit, offset
+        raise ValueError(f"no register at 0x{address:X} (+{length}): the simulated device decodes only the "
+                         f"l2l_optim maps at {', '.join(f'0x{base:X}' for base, _ in self.windows)}")
 
     def read_registers(self, address: int, length: int) -> bytes:
-        offset = self._offset(address, length)
+        unit, offset = self._decode(address, length)
+        port = self.transport.units[unit]
         # The kernel runs on while the host polls. advance() stops at the interrupt, which the
         # driver enables for ap_done; without it a finished run costs CLOCKS_PER_READ per read.
-        if self.running and self.transport.advance(CLOCKS_PER_READ) >= 0:
-            self.running = False
-        return b"".join(self.transport.read32(offset + i).to_bytes(4, "little") for i in range(0, length, 4))
+        if self.running[unit] and port.advance(CLOCKS_PER_READ) >= 0:
+            self.running[unit] = False
+        return b"".join(port.read32(offset + i).to_bytes(4, "little") for i in range(0, length, 4))
 
     def write_registers(self, address: int, data: bytes) -> None:
-        offset = self._offset(address, len(data))
+        unit, offset = self._decode(address, len(data))
         for i in range(0, len(data), 4):
             word = int.from_bytes(data[i:i + 4], "little")
-            self.transport.write32(offset + i, word)
-            self.running |= offset + i == regs.CTRL and bool(word & regs.CTRL_AP_START)
+            self.transport.units[unit].write32(offset + i, word)
+            self.running[unit] |= offset + i == regs.CTRL and bool(word & regs.CTRL_AP_START)
 
     # -- DRAM ----------------------------------------------------------------------------
     @property
