@@ -123,29 +123,37 @@ def test_gradient_clipping_matches_torch_clip_grad_norm(mode):
     assert_same_training(plain_losses, plain, relay_losses(relay, data), relay)
 
 
-def test_pipedream_2bw_applies_each_gradient_one_step_late():
+# Active layers per step: block 2 skipped at steps 2 and 4, block 1 at step 3 (None: all).
+SKIPS = [None, [0, 1, 3, 4], [0, 2, 3, 4], [0, 1, 3, 4], None, None]
+
+
+@pytest.mark.parametrize("schedule", [[None] * 6, SKIPS], ids=["every-layer", "with-skipped-layers"])
+def test_pipedream_2bw_applies_each_gradient_one_step_late(schedule):
     # Hand-written reference with plain SGD: the gradient of step t+1 is taken at
     # W(t-1) (the version without step t's update) and applied to W(t):
     #   W(t+1) = W(t) - lr * grad f_{t+1}(W(t-1)),   W(-1) = W(0).
+    # A layer skipped at step t is not updated, so W(t) = W(t-1) for it: at step t+1 it
+    # computes on the version it has had since its last update.
     lr, data = 0.1, mlp_batches(6)
     reference = mlp_layers()
     stale = [p.detach().clone() for p in reference.parameters()]
-    for x, y in data:
+    for (x, y), active in zip(data, schedule):
+        active = active or range(len(reference))
         newest = [p.detach().clone() for p in reference.parameters()]
         with torch.no_grad():  # compute at the stale version
             for p, w in zip(reference.parameters(), stale):
                 p.copy_(w)
         reference.zero_grad()
-        nn.functional.mse_loss(reference(x), y).backward()
+        nn.functional.mse_loss(nn.Sequential(*[reference[i] for i in active])(x), y).backward()
         with torch.no_grad():
             for p, w in zip(reference.parameters(), newest):
-                p.copy_(w - lr * p.grad)
+                p.copy_(w - lr * p.grad if p.grad is not None else w)
         stale = newest
     for backend in ("golden", "cpu"):
         relay = l2l_hw.Relay(mlp_layers(), nn.functional.mse_loss, eps=l2l_hw.make_eps(backend, optimizer="sgd", lr=lr),
                              micro_batches=2, pipedream_2bw=True)
-        for x, y in data:
-            relay.train_step(x, y)
+        for (x, y), active in zip(data, schedule):
+            relay.train_step(x, y, layers=active)
         for p, q in zip(relay.materialize().parameters(), reference.parameters()):
             assert rel_diff(p, q) <= 1e-5, backend
 
@@ -252,19 +260,22 @@ def test_pipedream_2bw_step_does_not_wait_for_its_last_update():
     reference = mlp_layers()
     adamw_one_step_late(reference, data, nn.functional.mse_loss, lr=1e-2, weight_decay=0.01)
     eps = l2l_hw.make_eps("cpu", lr=1e-2, weight_decay=0.01)
-    release, held = threading.Event(), []
+    release, finished = threading.Event(), threading.Event()
     update = eps._update
 
     def slow_update(key, grads, s):
-        if key == "layer0" and not held:
-            held.append(key)
-            assert release.wait(30), "never released"
-        return update(key, grads, s)
+        if key != "layer0" or finished.is_set():
+            return update(key, grads, s)
+        assert release.wait(30), "never released"
+        try:
+            return update(key, grads, s)
+        finally:
+            finished.set()
 
     eps._update = slow_update
     relay = l2l_hw.Relay(mlp_layers(), nn.functional.mse_loss, eps=eps, micro_batches=2, pipedream_2bw=True)
     relay.train_step(*data[0])
-    assert held and not release.is_set() and relay.step == 1  # returned with layer0's update still running
+    assert not finished.is_set() and relay.step == 1  # returned before layer0's update could finish
     release.set()
     for x, y in data[1:]:
         relay.train_step(x, y)

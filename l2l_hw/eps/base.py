@@ -165,7 +165,7 @@ class EPS(ABC):
             self.discard_step()
             return True
         if self.double_buffer:
-            self._swap(self._pushed)
+            self._swap()
         self.step += 1
         self._pushed.clear()
         self.found_nonfinite = False
@@ -189,7 +189,7 @@ class EPS(ABC):
             self._pushed |= keys
             self.discard_step()
             raise
-        self._swap(keys)
+        self._swap()
         self.found_nonfinite = False
 
     def discard_step(self) -> None:
@@ -302,8 +302,10 @@ class EPS(ABC):
         """Double buffering: restore the version one commit back (working dtype), as fetched."""
         raise NotImplementedError(f"the {self.name} EPS does not double-buffer")
 
-    def _swap(self, keys: set[str]) -> None:
-        """Double buffering: make the updates written for `keys` the committed state."""
+    def _swap(self) -> None:
+        """Double buffering: the updates written in the step become the committed state, and
+        every tensor's previous version what was committed before (for a tensor the step left
+        alone, a skipped layer's, that is its committed version: it did not change)."""
         raise NotImplementedError(f"the {self.name} EPS does not double-buffer")
 
 

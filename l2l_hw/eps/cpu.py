@@ -129,10 +129,15 @@ class CpuEps(EPS):
             else:
                 e[slot], out[slot] = out[slot], e[slot]
 
-    def _swap(self, keys):
-        for key in keys:
-            for name in self._written.pop(key, ()):
-                self._rotate(key, name)
+    def _swap(self):
+        for key, group in self.state.items():
+            written = self._written.pop(key, set())
+            for name, e in group.items():
+                if name in written:
+                    self._rotate(key, name)
+                else:  # unchanged in the step: its version one step back is the committed one
+                    for slot, t in self.previous.get(key, {}).get(name, {}).items():
+                        t.copy_(e[slot])
 
     def discard_step(self):
         super().discard_step()  # waits for the updates first; they wrote only spare buffers

@@ -162,12 +162,13 @@ class FpgaEps(EPS):
                 self.tensors[key][name].cur ^= 1
         return found
 
-    def _swap(self, keys):
-        for key in keys:
-            for name in self._written.pop(key, ()):
-                t = self.tensors[key][name]
+    def _swap(self):
+        for key, group in self.tensors.items():
+            written = self._written.pop(key, set())
+            for name, t in group.items():
                 self.previous[key][name] = self._read_working(key, name, t)
-                t.cur ^= 1
+                if name in written:
+                    t.cur ^= 1
 
     def discard_step(self):
         super().discard_step()  # waits first; the runs wrote only spare copies

@@ -185,10 +185,10 @@ class GoldenEps(EPS):
             target = self.staged.setdefault(key, {}) if self.double_buffer else self.state[key]
             target[name] = new
 
-    def _swap(self, keys):
-        for key in keys:
-            self.previous[key] = {name: e["param"] for name, e in self.state[key].items()}
-            self.state[key].update(self.staged.pop(key, {}))
+    def _swap(self):
+        for key, group in self.state.items():
+            self.previous[key] = {name: e["param"] for name, e in group.items()}
+            group.update(self.staged.pop(key, {}))
 
     def discard_step(self):
         self.staged.clear()
