@@ -417,7 +417,8 @@ def build_parser() -> argparse.ArgumentParser:
     bm.set_defaults(func=cmd_bench_memory)
     bp = bsub.add_parser("precision", help="bf16, fp16, 2BW and approximate backward against fp32",
                          description="Validation loss of the default GPT after --steps steps for each cheaper "
-                                     "mode, against the fp32 run.")
+                                     "mode, against the fp32 run; plus plain-PyTorch references (exact, and with "
+                                     "each gradient one step late) that the relay's fp32 and 2BW runs must match.")
     bp.add_argument("--json", action="store_true", help="print the report as JSON")
     bp.add_argument("--steps", type=int, default=200, help="training steps per run (default 200)")
     bp.set_defaults(func=cmd_bench_precision)

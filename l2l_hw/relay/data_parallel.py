@@ -18,7 +18,7 @@ naming this rank and what it was waiting for.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,6 @@ class Reduction:
     work: object
     grads: dict[str, torch.Tensor]  # the result, valid once `work` is done
     device: torch.device
-    launched: float = field(default_factory=time.perf_counter)
 
 
 class GradReducer:
