@@ -129,22 +129,32 @@ class ShardedEps(EPS):
         self.inner.discard_step()
 
     # -- whole tensors from slices ---------------------------------------------
-    def _gather(self, key: str, slices: dict[str, torch.Tensor], root: int | None = None) -> dict | None:
-        """Whole tensors from every rank's `slices` of group `key`: on every rank, or on `root` only."""
+    def _gather(self, key: str, slices: dict[str, torch.Tensor], root: int | None = None,
+                async_op: bool = False):
+        """Whole tensors from every rank's `slices` of group `key`: on every rank, or on `root`
+        only (None elsewhere); with async_op, a PendingGather to wait on."""
         sizes = {n: self.sizes[key][n] for n in slices}
         row = torch.cat([slices[n].reshape(-1) for n in sizes]).to(self.comm_device)
         flat = torch.empty(self.world * row.numel(), dtype=row.dtype, device=self.comm_device)
         if root is None:
-            guarded(self.group, f"all-gather of {key}", dist.all_gather_single, flat, row, group=self.group)
+            what = f"all-gather of {key}"
+            work = guarded(self.group, what, dist.all_gather_single, flat, row, group=self.group, async_op=async_op)
         else:
-            guarded(self.group, f"gather of {key} on rank {root}", dist.gather, row,
-                    list(flat.chunk(self.world)) if self.rank == root else None, group_dst=root, group=self.group)
-            if self.rank != root:
-                return None
-        return unpack(flat.view(self.world, -1), sizes, self.shapes[key])
+            what = f"gather of {key} on rank {root}"
+            work = guarded(self.group, what, dist.gather, row, list(flat.chunk(self.world)) if self.rank == root
+                           else None, group_dst=root, group=self.group, async_op=async_op)
+        pending = PendingGather(flat, work, lambda: unpack(flat.view(self.world, -1), sizes, self.shapes[key]),
+                                self.group, what)
+        if async_op:
+            return pending
+        return pending.wait() if root is None or self.rank == root else None
 
     def _fetch(self, key: str, previous: bool = False) -> dict[str, torch.Tensor]:
         return self._gather(key, self.inner.fetch(key, previous=previous))
+
+    def fetch_async(self, key: str, previous: bool = False) -> "PendingGather":
+        """fetch() whose all-gather runs while the caller goes on (the relay's weight prefetch)."""
+        return self._gather(key, self.inner.fetch(key, previous=previous), async_op=True)
 
     def _tensors(self, key: str, name: str) -> dict[str, torch.Tensor]:
         return {s: self._gather(key, {name: t})[name] for s, t in self.inner._tensors(key, name).items()}
@@ -174,3 +184,19 @@ class ShardedEps(EPS):
 
     def _load_previous(self, key: str, name: str, working: torch.Tensor) -> None:
         self.inner._load_previous(key, name, self._mine(working, self.sizes[key][name]))
+
+
+class PendingGather:
+    """An all-gather under way: `held()` is the buffer it fills, `wait()` the whole tensors."""
+
+    def __init__(self, flat: torch.Tensor, work, unpack_fn, group, what: str):
+        self.flat, self._work, self._unpack, self._group, self._what = flat, work, unpack_fn, group, what
+
+    def held(self) -> list[torch.Tensor]:
+        return [self.flat]
+
+    def wait(self) -> dict[str, torch.Tensor]:
+        if self._work is not None:
+            guarded(self._group, self._what, self._work.wait)
+        return self._unpack()
+

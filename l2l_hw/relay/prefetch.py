@@ -27,7 +27,11 @@ class WeightStream:
         for key in keys:
             if key in self._inflight:
                 continue
-            host = self.eps.fetch(key, previous=True) if self.previous else self.eps.fetch(key)
+            start = getattr(self.eps, "fetch_async", None)  # a sharded EPS all-gathers meanwhile
+            if self.copy_stream is None and start is not None:
+                self._inflight[key] = (start(key, previous=self.previous), None)
+                continue
+            host = self.eps.fetch(key, previous=self.previous)
             if self.copy_stream is None:
                 self._inflight[key] = ({n: t.to(self.device) for n, t in host.items()}, None)
                 continue
@@ -41,6 +45,8 @@ class WeightStream:
         """The device tensors of `key`, once their copy has landed on the compute stream."""
         self.prefetch([key])
         dev, ready = self._inflight.pop(key)
+        if not isinstance(dev, dict):  # an all-gather under way
+            dev = {n: t.to(self.device) for n, t in dev.wait().items()}
         if ready is not None:
             torch.cuda.current_stream(self.device).wait_event(ready)
             for t in dev.values():  # the allocator must not reuse them before compute is done
@@ -49,7 +55,7 @@ class WeightStream:
 
     def on_device(self) -> list:
         """Weights in flight to the device (for the accounting)."""
-        return [dev for dev, _ in self._inflight.values()]
+        return [dev if isinstance(dev, dict) else dev.held() for dev, _ in self._inflight.values()]
 
     def clear(self) -> None:
         self._inflight.clear()
