@@ -132,6 +132,15 @@ def test_pipedream_2bw_sharded_resumes_on_one_rank(tmp_path):
     assert_params_close(got, want, "2BW: 2 sharded ranks for 3 steps, then 1 rank for 2")
 
 
+def test_fp16_overflow_on_one_rank_is_discarded_by_every_rank(tmp_path):
+    # The Inf lands in the other rank's slice after the reduce-scatter: the ranks must agree
+    # to discard the step, or one would commit while the other skips.
+    got = run_ok(2, model="gpt", optimizer="adamw", steps=4, batch=8, shard_state=True, precision="fp16",
+                 inf_at_step=2, out=str(tmp_path / "out.safetensors"))
+    assert got["flags"].tolist() == [[1, 1], [1, 1]]  # per rank: state unchanged (as gathered), scale halved
+    assert got["step"].item() == 3  # 4 steps, one discarded
+
+
 def test_a_dead_rank_fails_the_others_with_a_clear_error_not_a_hang(tmp_path):
     t0 = time.monotonic()
     results = launch(2, model="mlp", optimizer="adamw", steps=4, batch=8, die_before_step=2, timeout=20)
