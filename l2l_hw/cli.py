@@ -158,10 +158,9 @@ def _plot(rows: list[dict], path: Path):
 
 
 def cmd_train(args) -> int:
-    from tqdm import tqdm
-
     out = Path(args.out)
     given = {k: getattr(args, k) for k in TRAIN_DEFAULTS if getattr(args, k) is not None}
+    tensors = meta = None  # the checkpoint, with --resume
     if args.resume:
         try:
             tensors, meta = load_checkpoint(out / CHECKPOINT)
@@ -184,7 +183,7 @@ def cmd_train(args) -> int:
 
     ranks = _join(cfg["device"], args.dist_timeout)
     try:
-        return _train(args, cfg, stop, ranks, tensors if args.resume else None, meta if args.resume else None, tqdm)
+        return _train(args, cfg, stop, ranks, tensors, meta)
     finally:
         if ranks.joined:
             import torch.distributed as dist
@@ -192,7 +191,9 @@ def cmd_train(args) -> int:
             dist.destroy_process_group()
 
 
-def _train(args, cfg: dict, stop: int, ranks: Ranks, tensors, meta, tqdm) -> int:
+def _train(args, cfg: dict, stop: int, ranks: Ranks, tensors: dict | None, meta: dict | None) -> int:
+    from tqdm import tqdm
+
     out = Path(args.out)
     try:
         corpus = Corpus.load(cfg["data"])

@@ -1,10 +1,8 @@
 """Data-parallel relay on torch.distributed (gloo, CPU): N ranks on shards of the
 minibatch equal one process on the whole minibatch; resume across world sizes; a dead
 rank makes the others fail, never hang. Every rank is a real process (tests/dp_worker.py)."""
-import copy
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +12,7 @@ import pytest
 import safetensors.torch
 import torch
 
+from l2l_hw.distributed import free_port, run_local_ranks
 from tests.helpers import rel_diff
 from tests.test_relay_equivalence import MODELS, OPTIMIZERS
 
@@ -22,29 +21,14 @@ TOL = 1e-5
 LAUNCH_TIMEOUT = 180  # seconds for a whole multi-process run; a hang fails the test instead of CI
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(world: int, **cfg) -> list[subprocess.CompletedProcess]:
     """Run tests/dp_worker.py as `world` processes; their results once all have exited."""
-    env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
-               OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.dp_worker", json.dumps(cfg)], cwd=ROOT,
-                              env=dict(env, RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(world)]
-    results = []
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=LAUNCH_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail(f"a rank did not finish within {LAUNCH_TIMEOUT} s (hang)")
-        results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
-    return results
+    try:
+        return run_local_ranks(["-m", "tests.dp_worker", json.dumps(cfg)], world, timeout_s=LAUNCH_TIMEOUT, cwd=ROOT,
+                               env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"a rank did not finish within {LAUNCH_TIMEOUT} s (hang)")
 
 
 def run_ok(world: int, **cfg) -> dict:
@@ -156,7 +140,7 @@ def test_a_dead_rank_fails_the_others_with_a_clear_error_not_a_hang(tmp_path):
 def torchrun(world: int, *argv: str) -> subprocess.CompletedProcess:
     """`l2l train ...` under torchrun (`world` = 1: a plain process)."""
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
-                 "--master-port", str(_free_port()), "-m", "l2l_hw.cli"] if world > 1 else
+                 "--master-port", str(free_port()), "-m", "l2l_hw.cli"] if world > 1 else
                 [sys.executable, "-m", "l2l_hw.cli"])
     res = subprocess.run([*launcher, "train", *argv], cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
                          capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)

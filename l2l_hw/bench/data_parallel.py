@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 
 import torch
+
+from l2l_hw.distributed import run_local_ranks
 
 WARMUP = 2
 MODEL = dict(layers=4, width=128, heads=4, context=128, batch_size=32, micro_batches=4)
@@ -65,17 +66,11 @@ def _launch(world: int, steps: int, overlap: bool, shard_state: bool) -> dict:
     """Run the benchmark as `world` fresh processes; rank 0's figures."""
     threads = max(1, (os.cpu_count() or 1) // world)
     cfg = {"steps": steps, "overlap": overlap, "shard_state": shard_state, "threads": threads}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-               OMP_NUM_THREADS=str(threads))
-    procs = [subprocess.Popen([sys.executable, "-m", "l2l_hw.bench.data_parallel", json.dumps(cfg)],
-                              env=dict(env, RANK=str(r)), stdout=subprocess.PIPE, text=True) for r in range(world)]
-    outs = [p.communicate()[0] for p in procs]
+    procs = run_local_ranks(["-m", "l2l_hw.bench.data_parallel", json.dumps(cfg)], world, threads=threads,
+                            stdout=subprocess.PIPE)
     if any(p.returncode for p in procs):
         raise RuntimeError(f"a rank of the {world}-rank benchmark failed (exit codes {[p.returncode for p in procs]})")
-    return json.loads(outs[0].strip().splitlines()[-1])
+    return json.loads(procs[0].stdout.strip().splitlines()[-1])
 
 
 def run(steps: int = 5, world: int = 2, shard_state: bool = False) -> dict:

@@ -62,14 +62,13 @@ class GradReducer:
             if buf is not t:
                 t.detach().copy_(buf)
 
-    def start_step(self, local_batch: int) -> int:
-        """Agree on the minibatch size; returns it. Also this step's check that every rank is alive."""
+    def start_step(self, local_batch: int) -> None:
+        """Agree on the minibatch size (this rank's gradient weight); also this step's check that
+        every rank is alive."""
         n = torch.tensor([float(local_batch)], device=self.comm_device)
         self.guard("agreeing on the minibatch size at the start of a step", dist.all_reduce, n, group=self.group)
-        total = int(n.item())
-        self.weight = local_batch / total
+        self.weight = local_batch / n.item()
         self.wait_s = 0.0
-        return total
 
     def mean(self, local_mean: float, local_n: int, what: str) -> float:
         """The mean over all ranks' samples, from each rank's mean over its `local_n`."""
