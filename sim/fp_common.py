@@ -167,9 +167,10 @@ class FpTB:
 
     OPERAND_PORTS = ("a",)
 
-    def __init__(self, dut, latency, seed=1):
+    def __init__(self, dut, seed=1):
         self.dut = dut
-        self.latency = latency
+        # the unit's own LATENCY localparam (hdl/fp/fp_latency.vh), read from the model
+        self.latency = int(dut.LATENCY.value)
         self.rng = random.Random(seed)
         cocotb.start_soon(Clock(dut.clk, 10, unit="ns").start())
         dut.rst.value = 0
@@ -271,28 +272,28 @@ class FpTB:
             f"{n} back-to-back operations took {cycles} cycles, expected {n + self.latency}"
 
 
-def vector_tests(tb_class, latency, special_vectors, boundary_vectors, random_vectors, random_seed):
+def vector_tests(tb_class, special_vectors, boundary_vectors, random_vectors, random_seed):
     """The four cocotb tests of a unit bench, named run_test_*; a bench module puts them
     in its globals, where cocotb discovers them."""
 
     async def run_test_specials(dut):
-        tb = tb_class(dut, latency, seed=1)
+        tb = tb_class(dut, seed=1)
         await tb.cycle_reset()
         await tb.check_ops("specials", special_vectors())
 
     async def run_test_boundaries(dut):
-        tb = tb_class(dut, latency, seed=2)
+        tb = tb_class(dut, seed=2)
         await tb.cycle_reset()
         await tb.check_ops("boundaries", boundary_vectors())
 
     async def run_test_random(dut):
-        tb = tb_class(dut, latency, seed=3)
+        tb = tb_class(dut, seed=3)
         await tb.cycle_reset()
         for n, rng in chunks(random_count(), seed=random_seed):
             await tb.check_ops("random", random_vectors(n, rng))
 
     async def run_test_back_to_back(dut):
-        tb = tb_class(dut, latency, seed=4)
+        tb = tb_class(dut, seed=4)
         await tb.cycle_reset()
         await tb.check_back_to_back((special_vectors() * 4)[:100])  # 100 in a row, unary units too
 

@@ -1,6 +1,6 @@
 """Run the cocotb bench of the optimizer kernel (sim/l2l_optim/) on Verilator.
 
-One build per (DATA_WIDTH, LANES) into sim_build/ (l2l_hw.bench.rtl.build); LANES
+One build per (DATA_WIDTH, LANES) into sim_build/ (l2l_hw.bench.rtl.run_bench_module); LANES
 defaults to DATA_WIDTH/32, and (128, 2) runs the width conversion (two groups per fp32
 beat, four per 16-bit beat);
 each runs every test of sim/l2l_optim/test_l2l_optim.py: bit identity to

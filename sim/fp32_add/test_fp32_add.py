@@ -4,8 +4,6 @@ import softfloatpy as sf
 
 from fp_common import vector_tests, F32, FpTB, boundary_grid
 
-LATENCY = 4
-
 
 def add_or_sub(a, b, sub):
     return sf.f32_sub(a, b) if sub else sf.f32_add(a, b)
@@ -62,5 +60,5 @@ def random_vectors(n, rng):
 
 
 # The four tests every unit bench runs: specials, boundaries, random, back to back.
-globals().update(vector_tests(TB, LATENCY, special_vectors, boundary_vectors, random_vectors,
+globals().update(vector_tests(TB, special_vectors, boundary_vectors, random_vectors,
                               random_seed=1003))

@@ -4,8 +4,6 @@ import softfloatpy as sf
 
 from fp_common import vector_tests, F32, FpTB, boundary_grid
 
-LATENCY = 10  # 3 + ceil(25 / STEPS_PER_STAGE=4)
-
 
 class TB(FpTB):
     OPERAND_PORTS = ("a",)
@@ -50,5 +48,5 @@ def random_vectors(n, rng):
 
 
 # The four tests every unit bench runs: specials, boundaries, random, back to back.
-globals().update(vector_tests(TB, LATENCY, special_vectors, boundary_vectors, random_vectors,
+globals().update(vector_tests(TB, special_vectors, boundary_vectors, random_vectors,
                               random_seed=4003))

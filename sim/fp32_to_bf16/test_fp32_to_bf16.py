@@ -4,7 +4,6 @@ import softfloatpy as sf
 
 from fp_common import vector_tests, BF16, F32, FpTB, boundary_grid
 
-LATENCY = 2
 DROPPED = 16  # mantissa bits binary32 has and bfloat16 lacks
 
 
@@ -50,5 +49,5 @@ def random_vectors(n, rng):
 
 
 # The four tests every unit bench runs: specials, boundaries, random, back to back.
-globals().update(vector_tests(TB, LATENCY, special_vectors, boundary_vectors, random_vectors,
+globals().update(vector_tests(TB, special_vectors, boundary_vectors, random_vectors,
                               random_seed=5003))
