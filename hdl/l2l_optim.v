@@ -125,8 +125,11 @@ module l2l_optim #
 );
 
 `include "l2l_optim_regs.vh"
-
-localparam LANE_LATENCY = 62;  // l2l_optim_lane LATENCY
+// LANE_LATENCY: clocks from a group in to its results out, the lane's own schedule
+// (l2l_optim_lane's LATENCY is the same localparam); the side band is delayed by it.
+`include "fp_latency.vh"
+`include "l2l_optim_lane_schedule.vh"
+localparam ISSUE_STAGES = 1;  // the lanes' input register (see "issue")
 localparam BEAT_LANES = DATA_WIDTH/32;          // fp32 elements per beat
 localparam RATIO = BEAT_LANES/LANES;            // groups per fp32 beat
 localparam SUB_W = $clog2(RATIO) + 1;           // group index in a 16-bit beat
@@ -147,6 +150,10 @@ initial begin
         $error("Error: LANES must be a power of two, 1 <= LANES <= DATA_WIDTH/32 (instance %m)");
         $finish;
     end
+    if (ISSUE_STAGES + LANE_LATENCY > 254) begin
+        $error("Error: LANE_LATENCY %0d does not fit the 8-bit in-flight count (instance %m)", LANE_LATENCY);
+        $finish;
+    end
     if (TILE_BEATS < 2 || TILE_BEATS > 256 || FIFO_DEPTH < 2*TILE_BEATS) begin
         $error("Error: need 2 <= TILE_BEATS <= 256 and FIFO_DEPTH >= 2*TILE_BEATS (instance %m)");
         $finish;
@@ -157,7 +164,7 @@ end
 wire ap_start;
 reg ap_done_reg;
 reg [1:0] state_reg;
-reg [2:0] status_reg;  // {misaligned, axi_error, nonfinite}
+reg [2:0] status_reg;  // bits STATUS_*_BIT of the register map
 reg [63:0] cycles_reg;
 
 wire [64*8-1:0] arg_pointers;
@@ -226,7 +233,7 @@ always @* begin
 end
 
 wire run_start = (state_reg == ST_SETUP) && (ptr_misaligned == 0) && (n_reg != 0);
-wire abort = status_reg[1];
+wire abort = status_reg[STATUS_AXI_ERROR_BIT];
 
 wire [ADDR_WIDTH-1:0] ptr_a [0:7];
 genvar k;
@@ -288,14 +295,24 @@ l2l_optim_writer #(
 );
 
 // ---------------------------------------------------------------- issue
-reg [31:0] issued_reg;
-reg [7:0] in_flight_reg;  // groups inside the lanes
+// Timing (docs/BENCHMARKS.md, issue 19): every decision of the issue logic comes from
+// registers: the groups left and the last-group flag are counted down, the credit is
+// registered one clock early (so it reserves room for one more group), and the lanes take
+// their operands from an input register (ISSUE_STAGES), not from the FIFO read ports.
+reg [31:0] left_reg;       // groups not yet issued
+reg more_reg;              // left_reg != 0
+reg last_reg;              // left_reg == 1: the group issued now is the last
+reg [SUB_W-1:0] sub_reg;   // groups issued, modulo 2*RATIO
+reg credit_reg;
+reg [7:0] in_flight_reg;  // groups issued whose results have not left the lanes
 
 wire [FIFO_AW:0] wc_p = wr_count[0 +: FIFO_AW+1];
 wire [FIFO_AW:0] wc_m = wr_count[(FIFO_AW+1) +: FIFO_AW+1];
 wire [FIFO_AW:0] wc_v = wr_count[2*(FIFO_AW+1) +: FIFO_AW+1];
 wire [FIFO_AW:0] wc_c = wr_count[3*(FIFO_AW+1) +: FIFO_AW+1];
-wire [FIFO_AW+1:0] flight = {{(FIFO_AW+2-8){1'b0}}, in_flight_reg};
+// credit_reg is computed one clock before it is used, when one more group may still be
+// issued: count that one as in flight.
+wire [FIFO_AW+1:0] flight = {{(FIFO_AW+2-8){1'b0}}, in_flight_reg} + 1'b1;
 
 // Beats that the groups in flight and the one being issued may still push: an fp32
 // stream pushes at every RATIO-th group and at the last one, so at most
@@ -312,12 +329,12 @@ wire credit = ({1'b0, wc_p} + due32 <= FIFO_DEPTH)
            && (!en_c || ((RATIO == 1) ? {wc_c, 1'b0} + flight + 2 <= 2*FIFO_DEPTH
                                       : {1'b0, wc_c} + due16 <= FIFO_DEPTH));
 wire data_ready = !rd_empty[0] && (!en_m || !rd_empty[1]) && (!en_v || !rd_empty[2]) && !rd_empty[3];
-wire more = (issued_reg != groups);
-wire issue = (state_reg == ST_RUN) && !abort && more && data_ready && credit;
-wire last_group = (issued_reg == groups - 1);
+wire more = more_reg;
+wire issue = (state_reg == ST_RUN) && !abort && more && data_ready && credit_reg;
+wire last_group = last_reg;
 // read-side width conversion: group `sub` of the head beats; a 16-bit beat
 // holds 2*RATIO groups, an fp32 beat RATIO (group sub % RATIO)
-wire [SUB_W-1:0] sub = issued_reg[SUB_W-1:0];
+wire [SUB_W-1:0] sub = sub_reg;
 wire sub_end16 = (sub == {SUB_W{1'b1}});
 wire sub_end32 = (sub == {SUB_W{1'b1}}) || (sub == {1'b0, {(SUB_W-1){1'b1}}});
 
@@ -339,11 +356,17 @@ for (k = 0; k < 2*RATIO; k = k + 1) begin : g_rd_group
     assign g16_grp[k] = rd_head[3*DATA_WIDTH + (GROUP_BITS/2)*k +: GROUP_BITS/2];
 end
 endgenerate
-wire [GROUP_BITS-1:0] p_in = p_grp[sub];
-wire [GROUP_BITS-1:0] m_in = m_grp[sub];
-wire [GROUP_BITS-1:0] v_in = v_grp[sub];
-wire [GROUP_BITS-1:0] g_in = g_grp[sub];
-wire [GROUP_BITS/2-1:0] g16_in = g16_grp[sub];
+// the lanes' input register: the operands of the group issued in the clock before
+reg [GROUP_BITS-1:0] p_in, m_in, v_in, g_in;
+integer li;
+always @(posedge clk) begin
+    p_in <= p_grp[sub];
+    m_in <= en_m ? m_grp[sub] : {GROUP_BITS{1'b0}};
+    v_in <= en_v ? v_grp[sub] : {GROUP_BITS{1'b0}};
+    for (li = 0; li < LANES; li = li + 1) begin
+        g_in[32*li +: 32] <= grad16 ? {16'd0, g16_grp[sub][16*li +: 16]} : g_grp[sub][32*li +: 32];
+    end
+end
 
 // lanes beyond n in the last group carry whatever memory held: mask them
 wire [LANES-1:0] lane_mask = (last_group && rem_lane != 0) ? ~({LANES{1'b1}} << rem_lane) : {LANES{1'b1}};
@@ -351,7 +374,7 @@ wire [LANES-1:0] lane_mask = (last_group && rem_lane != 0) ? ~({LANES{1'b1}} << 
 wire out_valid, out_last;
 wire [SUB_W-1:0] out_sub;
 wire [LANES-1:0] out_mask;
-l2l_optim_delay #(.WIDTH(LANES + SUB_W + 2), .DEPTH(LANE_LATENCY), .RESET(1)) sideband (
+l2l_optim_delay #(.WIDTH(LANES + SUB_W + 2), .DEPTH(ISSUE_STAGES + LANE_LATENCY), .RESET(1)) sideband (
     .clk(clk), .rst(rst || run_start),
     .x({issue, last_group, sub, lane_mask}),
     .y({out_valid, out_last, out_sub, out_mask})
@@ -382,9 +405,9 @@ for (k = 0; k < LANES; k = k + 1) begin : g_lane
         .momentum(arg_scalars[32*11 +: 32]),
         .dampening_complement(arg_scalars[32*12 +: 32]),
         .p(p_in[32*k +: 32]),
-        .m(en_m ? m_in[32*k +: 32] : 32'd0),
-        .v(en_v ? v_in[32*k +: 32] : 32'd0),
-        .g(grad16 ? {16'd0, g16_in[16*k +: 16]} : g_in[32*k +: 32]),
+        .m(m_in[32*k +: 32]),
+        .v(v_in[32*k +: 32]),
+        .g(g_in[32*k +: 32]),
         .p_out(p_out[32*k +: 32]), .m_out(m_out[32*k +: 32]), .v_out(v_out[32*k +: 32]),
         .copy_out(c_out[16*k +: 16]), .nonfinite(nf_out[k])
     );
@@ -430,8 +453,12 @@ assign wr_data = {c_beat, v_beat, m_beat, p_beat};
 always @(posedge clk) begin
     ap_done_reg <= 1'b0;
 
+    credit_reg <= credit;
     if (issue) begin
-        issued_reg <= issued_reg + 32'd1;
+        left_reg <= left_reg - 32'd1;
+        more_reg <= !last_reg;
+        last_reg <= (left_reg == 32'd2);
+        sub_reg <= sub_reg + 1'b1;
     end
     in_flight_reg <= in_flight_reg + {7'd0, issue} - {7'd0, out_valid};
     if (out_valid) begin
@@ -441,10 +468,10 @@ always @(posedge clk) begin
         c_acc_reg <= c_beat;
     end
     if (out_valid && ((nf_out & out_mask) != 0)) begin
-        status_reg[0] <= 1'b1;
+        status_reg[STATUS_NONFINITE_BIT] <= 1'b1;
     end
     if ((rd_error || wr_error) && state_reg == ST_RUN) begin
-        status_reg[1] <= 1'b1;
+        status_reg[STATUS_AXI_ERROR_BIT] <= 1'b1;
     end
     if (state_reg != ST_IDLE) begin
         cycles_reg <= cycles_reg + 64'd1;
@@ -467,10 +494,13 @@ always @(posedge clk) begin
             end
         end
         ST_SETUP: begin
-            issued_reg <= 32'd0;
+            left_reg <= groups;
+            more_reg <= (groups != 32'd0);
+            last_reg <= (groups == 32'd1);
+            sub_reg <= {SUB_W{1'b0}};
             in_flight_reg <= 8'd0;
             if (ptr_misaligned != 0) begin
-                status_reg[2] <= 1'b1;
+                status_reg[STATUS_MISALIGNED_BIT] <= 1'b1;
                 state_reg <= ST_FINISH;
             end else if (n_reg == 0) begin
                 state_reg <= ST_FINISH;
@@ -493,7 +523,11 @@ always @(posedge clk) begin
         state_reg <= ST_IDLE;
         ap_done_reg <= 1'b0;
         status_reg <= 3'd0;
-        issued_reg <= 32'd0;
+        left_reg <= 32'd0;
+        more_reg <= 1'b0;
+        last_reg <= 1'b0;
+        sub_reg <= {SUB_W{1'b0}};
+        credit_reg <= 1'b0;
         in_flight_reg <= 8'd0;
         cycles_reg <= 64'd0;
     end

@@ -10,23 +10,25 @@
 // nesterov) take the delayed input instead of the unit's result, so the
 // latency is LATENCY for every mode.
 //
-// Schedule (cycle at which a value is ready, input at 0):
-//   g32        2   widen bf16/fp16 (exact) or delay fp32
-//   gs         6   A  g * inv_scale                      (non-finite check)
-//   pw         6   B  p * (adamw ? decay : weight_decay)
-//   g1        10   C  gs + pw                 (adam/sgd, weight_decay != 0)
-//   d, y_g    14   D  g1 - m;    G  g1 * (sgd ? dampening_complement : one_minus_beta2)
-//   dm,gg,y_i 18   E  d * one_minus_beta1;  H  y_g * g1;  I  (sgd ? m : v) * (sgd ? momentum : beta2)
-//   m',y_j    22   F  m + dm;    J  y_i + (sgd ? y_g : gg)     (v' or SGD m')
-//   sq        32   K  sqrt(v')
-//   q         42   L  sq / bias_correction2_sqrt
-//   den       46   M  q + eps
-//   y_n       26   N  m' * (sgd ? momentum : step_size)
-//   g2n       30   Q  g1 + y_n                               (nesterov)
-//   u_sgd     34   R  g2 * lr
-//   u_adam    56   O  y_n / den
-//   p'        60   P  p1 - (sgd ? u_sgd : u_adam)
-//   copy      62   fp32_to_bf16 / fp32_to_fp16 of p'
+// Schedule: hdl/l2l_optim_lane_schedule.vh gives the clock at which each value
+// is ready (an element enters at 0), computed from the unit latencies of
+// hdl/fp/fp_latency.vh; every operand reaches its unit through a delay line of
+// the difference. In order:
+//   T_G32   widen bf16/fp16 (exact) or delay fp32
+//   T_GS    A  g * inv_scale (non-finite check);  B  p * (adamw ? decay : weight_decay)
+//   T_G1    C  gs + pw                            (adam/sgd, weight_decay != 0)
+//   T_DG    D  g1 - m;    G  g1 * (sgd ? dampening_complement : one_minus_beta2)
+//   T_EHI   E  d * one_minus_beta1;  H  y_g * g1;  I  (sgd ? m : v) * (sgd ? momentum : beta2)
+//   T_MV    F  m + dm;    J  y_i + (sgd ? y_g : gg)     (v' or SGD m')
+//   T_SQ    K  sqrt(v')
+//   T_Q     L  sq / bias_correction2_sqrt
+//   T_DEN   M  q + eps
+//   T_YN    N  m' * (sgd ? momentum : step_size)
+//   T_GN    Q  g1 + y_n                               (nesterov)
+//   T_USGD  R  g2 * lr
+//   T_UPD   O  y_n / den
+//   T_P     P  p1 - (sgd ? u_sgd : u_adam)
+//   LATENCY    fp32_to_bf16 / fp32_to_fp16 of p'
 
 `resetall
 `timescale 1ns / 1ps
@@ -73,9 +75,12 @@ module l2l_optim_lane
     output wire        nonfinite
 );
 
+`include "fp_latency.vh"
+`include "l2l_optim_lane_schedule.vh"
+
 // Cycles from element in to element out; l2l_optim delays its side band by it.
 /* verilator lint_off UNUSEDPARAM */
-localparam LATENCY = 62;
+localparam LATENCY = LANE_LATENCY;
 /* verilator lint_on UNUSEDPARAM */
 
 // Unit outputs the lane does not use: valid (the side band carries it) and flags.
@@ -86,88 +91,89 @@ wire [4:0]  unused_flags [0:22];
 
 `define L2L_UNIT_PORTS(idx) .clk(clk), .rst(rst), .ce(1'b1), .in_valid(1'b1), .out_valid(unused_valid[idx]), .flags(unused_flags[idx])
 
-// ---------------------------------------------------------------- widen g: 0 -> 2
-wire [31:0] g_bf16, g_fp16, g_fp32_d;
+// Operand names carry the schedule point at which they are valid: x_t<POINT>.
+`define L2L_DELAY(name, width, depth, from, to) l2l_optim_delay #(.WIDTH(width), .DEPTH(depth)) name (.clk(clk), .rst(rst), .x(from), .y(to))
+
+// ---------------------------------------------------------------- widen g: 0 -> T_G32
+wire [31:0] g_bf16, g_fp16, g_fp32_tg32, p_tg32;
 bf16_to_fp32 widen_bf16 (`L2L_UNIT_PORTS(0), .a(g[15:0]), .y(g_bf16));
 fp16_to_fp32 widen_fp16 (`L2L_UNIT_PORTS(1), .a(g[15:0]), .y(g_fp16));
-l2l_optim_delay #(.WIDTH(32), .DEPTH(2)) d_g (.clk(clk), .rst(rst), .x(g), .y(g_fp32_d));
-wire [31:0] g32 = (grad_dtype == 2'd1) ? g_bf16 : (grad_dtype == 2'd2) ? g_fp16 : g_fp32_d;
+`L2L_DELAY(d_g, 32, T_G32, g, g_fp32_tg32);
+`L2L_DELAY(d_p_tg32, 32, T_G32, p, p_tg32);
+wire [31:0] g32 = (grad_dtype == 2'd1) ? g_bf16 : (grad_dtype == 2'd2) ? g_fp16 : g_fp32_tg32;
 
-wire [31:0] p_2;
-l2l_optim_delay #(.WIDTH(32), .DEPTH(2)) d_p2 (.clk(clk), .rst(rst), .x(p), .y(p_2));
-
-// ---------------------------------------------------------------- 2 -> 6
-wire [31:0] gs, pw;
+// ---------------------------------------------------------------- T_G32 -> T_GS
+wire [31:0] gs, pw, p_tgs;
 fp32_mul unit_a (`L2L_UNIT_PORTS(2), .a(g32), .b(inv_scale), .y(gs));
-fp32_mul unit_b (`L2L_UNIT_PORTS(3), .a(p_2), .b(mode_adamw ? decay : weight_decay), .y(pw));
-
-wire [31:0] p_6;
-l2l_optim_delay #(.WIDTH(32), .DEPTH(4)) d_p6 (.clk(clk), .rst(rst), .x(p_2), .y(p_6));
+fp32_mul unit_b (`L2L_UNIT_PORTS(3), .a(p_tg32), .b(mode_adamw ? decay : weight_decay), .y(pw));
+`L2L_DELAY(d_p_tgs, 32, T_GS - T_G32, p_tg32, p_tgs);
 // AdamW: p = p * decay when weight_decay != 0
-wire [31:0] p1_6 = (mode_adamw && wd_nonzero) ? pw : p_6;
+wire [31:0] p1_tgs = (mode_adamw && wd_nonzero) ? pw : p_tgs;
+wire gs_nonfinite_tgs = (gs[30:23] == 8'hFF);
 
-wire gs_nonfinite_6 = (gs[30:23] == 8'hFF);
-
-// ---------------------------------------------------------------- 6 -> 10
-wire [31:0] g_sum, gs_10;
+// ---------------------------------------------------------------- T_GS -> T_G1
+wire [31:0] g_sum, gs_tg1;
 fp32_add unit_c (`L2L_UNIT_PORTS(4), .a(gs), .b(pw), .sub(1'b0), .y(g_sum));
-l2l_optim_delay #(.WIDTH(32), .DEPTH(4)) d_gs (.clk(clk), .rst(rst), .x(gs), .y(gs_10));
+`L2L_DELAY(d_gs_tg1, 32, T_G1 - T_GS, gs, gs_tg1);
 // Adam and SGD: g = g + p * weight_decay when weight_decay != 0
-wire [31:0] g1 = (!mode_adamw && wd_nonzero) ? g_sum : gs_10;
+wire [31:0] g1 = (!mode_adamw && wd_nonzero) ? g_sum : gs_tg1;
 
-wire [31:0] m_10, m_14, m_18, m_22, v_14;
-l2l_optim_delay #(.WIDTH(32), .DEPTH(10)) d_m10 (.clk(clk), .rst(rst), .x(m), .y(m_10));
-l2l_optim_delay #(.WIDTH(32), .DEPTH(4)) d_m14 (.clk(clk), .rst(rst), .x(m_10), .y(m_14));
-l2l_optim_delay #(.WIDTH(32), .DEPTH(4)) d_m18 (.clk(clk), .rst(rst), .x(m_14), .y(m_18));
-l2l_optim_delay #(.WIDTH(32), .DEPTH(4)) d_m22 (.clk(clk), .rst(rst), .x(m_18), .y(m_22));
-l2l_optim_delay #(.WIDTH(32), .DEPTH(14)) d_v14 (.clk(clk), .rst(rst), .x(v), .y(v_14));
+wire [31:0] m_tg1, m_tdg, m_tehi, m_tmv, v_tdg;
+`L2L_DELAY(d_m_tg1, 32, T_G1, m, m_tg1);
+`L2L_DELAY(d_m_tdg, 32, T_DG - T_G1, m_tg1, m_tdg);
+`L2L_DELAY(d_m_tehi, 32, T_EHI - T_DG, m_tdg, m_tehi);
+`L2L_DELAY(d_m_tmv, 32, T_MV - T_EHI, m_tehi, m_tmv);
+`L2L_DELAY(d_v_tdg, 32, T_DG, v, v_tdg);
 
-// ---------------------------------------------------------------- 10 -> 14
-wire [31:0] d_diff, y_g, g1_14;
-fp32_add unit_d (`L2L_UNIT_PORTS(5), .a(g1), .b(m_10), .sub(1'b1), .y(d_diff));
+// ---------------------------------------------------------------- T_G1 -> T_DG
+wire [31:0] d_diff, y_g, d_diff_tdg, y_g_tdg, g1_tdg;
+fp32_add unit_d (`L2L_UNIT_PORTS(5), .a(g1), .b(m_tg1), .sub(1'b1), .y(d_diff));
 fp32_mul unit_g (`L2L_UNIT_PORTS(6), .a(g1), .b(mode_sgd ? dampening_complement : one_minus_beta2), .y(y_g));
-l2l_optim_delay #(.WIDTH(32), .DEPTH(4)) d_g1_14 (.clk(clk), .rst(rst), .x(g1), .y(g1_14));
+// the faster of the two waits for the slower
+`L2L_DELAY(d_d_tdg, 32, T_DG - T_G1 - FP32_ADD_LATENCY, d_diff, d_diff_tdg);
+`L2L_DELAY(d_yg_tdg, 32, T_DG - T_G1 - FP32_MUL_LATENCY, y_g, y_g_tdg);
+`L2L_DELAY(d_g1_tdg, 32, T_DG - T_G1, g1, g1_tdg);
 
-// ---------------------------------------------------------------- 14 -> 18
-wire [31:0] dm, gg, y_i, y_g_18;
-fp32_mul unit_e (`L2L_UNIT_PORTS(7), .a(d_diff), .b(one_minus_beta1), .y(dm));
-fp32_mul unit_h (`L2L_UNIT_PORTS(8), .a(y_g), .b(g1_14), .y(gg));
-fp32_mul unit_i (`L2L_UNIT_PORTS(9), .a(mode_sgd ? m_14 : v_14), .b(mode_sgd ? momentum : beta2), .y(y_i));
-l2l_optim_delay #(.WIDTH(32), .DEPTH(4)) d_yg18 (.clk(clk), .rst(rst), .x(y_g), .y(y_g_18));
+// ---------------------------------------------------------------- T_DG -> T_EHI
+wire [31:0] dm, gg, y_i, y_g_tehi;
+fp32_mul unit_e (`L2L_UNIT_PORTS(7), .a(d_diff_tdg), .b(one_minus_beta1), .y(dm));
+fp32_mul unit_h (`L2L_UNIT_PORTS(8), .a(y_g_tdg), .b(g1_tdg), .y(gg));
+fp32_mul unit_i (`L2L_UNIT_PORTS(9), .a(mode_sgd ? m_tdg : v_tdg), .b(mode_sgd ? momentum : beta2), .y(y_i));
+`L2L_DELAY(d_yg_tehi, 32, T_EHI - T_DG, y_g_tdg, y_g_tehi);
 
-// ---------------------------------------------------------------- 18 -> 22
+// ---------------------------------------------------------------- T_EHI -> T_MV
 wire [31:0] m_adam, y_j;
-fp32_add unit_f (`L2L_UNIT_PORTS(10), .a(m_18), .b(dm), .sub(1'b0), .y(m_adam));
-fp32_add unit_j (`L2L_UNIT_PORTS(11), .a(y_i), .b(mode_sgd ? y_g_18 : gg), .sub(1'b0), .y(y_j));
+fp32_add unit_f (`L2L_UNIT_PORTS(10), .a(m_tehi), .b(dm), .sub(1'b0), .y(m_adam));
+fp32_add unit_j (`L2L_UNIT_PORTS(11), .a(y_i), .b(mode_sgd ? y_g_tehi : gg), .sub(1'b0), .y(y_j));
 
 // m and v as written back
-wire [31:0] m_new_22 = !mode_sgd ? m_adam : (mom_nonzero ? y_j : m_22);
-wire [31:0] v_new_22 = y_j;
+wire [31:0] m_new_tmv = !mode_sgd ? m_adam : (mom_nonzero ? y_j : m_tmv);
+wire [31:0] v_new_tmv = y_j;
 
-// ---------------------------------------------------------------- Adam: 22 -> 56
-wire [31:0] sq, q, den, y_n, y_n_46, u_adam;
+// ---------------------------------------------------------------- Adam: T_MV -> T_UPD
+wire [31:0] sq, q, den, y_n, y_n_tden, u_adam;
 fp32_sqrt unit_k (`L2L_UNIT_PORTS(12), .a(y_j), .y(sq));
 fp32_div  unit_l (`L2L_UNIT_PORTS(13), .a(sq), .b(bias_correction2_sqrt), .y(q));
 fp32_add  unit_m (`L2L_UNIT_PORTS(14), .a(q), .b(eps), .sub(1'b0), .y(den));
-fp32_mul  unit_n (`L2L_UNIT_PORTS(15), .a(m_new_22), .b(mode_sgd ? momentum : step_size), .y(y_n));
-l2l_optim_delay #(.WIDTH(32), .DEPTH(20)) d_yn46 (.clk(clk), .rst(rst), .x(y_n), .y(y_n_46));
-fp32_div  unit_o (`L2L_UNIT_PORTS(16), .a(y_n_46), .b(den), .y(u_adam));
+fp32_mul  unit_n (`L2L_UNIT_PORTS(15), .a(m_new_tmv), .b(mode_sgd ? momentum : step_size), .y(y_n));
+`L2L_DELAY(d_yn_tden, 32, T_DEN - T_YN, y_n, y_n_tden);
+fp32_div  unit_o (`L2L_UNIT_PORTS(16), .a(y_n_tden), .b(den), .y(u_adam));
 
-// ---------------------------------------------------------------- SGD: 26 -> 34
-wire [31:0] g1_26, g1_30, m_new_30, g_nest, u_sgd, u_sgd_56;
-l2l_optim_delay #(.WIDTH(32), .DEPTH(12)) d_g1_26 (.clk(clk), .rst(rst), .x(g1_14), .y(g1_26));
-l2l_optim_delay #(.WIDTH(32), .DEPTH(4)) d_g1_30 (.clk(clk), .rst(rst), .x(g1_26), .y(g1_30));
-l2l_optim_delay #(.WIDTH(32), .DEPTH(8)) d_mn30 (.clk(clk), .rst(rst), .x(m_new_22), .y(m_new_30));
-fp32_add unit_q (`L2L_UNIT_PORTS(17), .a(g1_26), .b(y_n), .sub(1'b0), .y(g_nest));
+// ---------------------------------------------------------------- SGD: T_YN -> T_USGD
+wire [31:0] g1_tyn, g1_tgn, m_new_tgn, g_nest, u_sgd, u_sgd_tupd;
+`L2L_DELAY(d_g1_tyn, 32, T_YN - T_DG, g1_tdg, g1_tyn);
+`L2L_DELAY(d_g1_tgn, 32, T_GN - T_YN, g1_tyn, g1_tgn);
+`L2L_DELAY(d_mn_tgn, 32, T_GN - T_MV, m_new_tmv, m_new_tgn);
+fp32_add unit_q (`L2L_UNIT_PORTS(17), .a(g1_tyn), .b(y_n), .sub(1'b0), .y(g_nest));
 // momentum: g = g + m * momentum (nesterov) or g = m
-wire [31:0] g2_30 = !mom_nonzero ? g1_30 : (nesterov ? g_nest : m_new_30);
-fp32_mul unit_r (`L2L_UNIT_PORTS(18), .a(g2_30), .b(lr), .y(u_sgd));
-l2l_optim_delay #(.WIDTH(32), .DEPTH(22)) d_usgd (.clk(clk), .rst(rst), .x(u_sgd), .y(u_sgd_56));
+wire [31:0] g2_tgn = !mom_nonzero ? g1_tgn : (nesterov ? g_nest : m_new_tgn);
+fp32_mul unit_r (`L2L_UNIT_PORTS(18), .a(g2_tgn), .b(lr), .y(u_sgd));
+`L2L_DELAY(d_usgd_tupd, 32, T_UPD - T_USGD, u_sgd, u_sgd_tupd);
 
-// ---------------------------------------------------------------- 56 -> 62
-wire [31:0] p1_56, p_new;
-l2l_optim_delay #(.WIDTH(32), .DEPTH(50)) d_p56 (.clk(clk), .rst(rst), .x(p1_6), .y(p1_56));
-fp32_add unit_p (`L2L_UNIT_PORTS(19), .a(p1_56), .b(mode_sgd ? u_sgd_56 : u_adam), .sub(1'b1), .y(p_new));
+// ---------------------------------------------------------------- T_UPD -> T_P -> LATENCY
+wire [31:0] p1_tupd, p_new;
+`L2L_DELAY(d_p1_tupd, 32, T_UPD - T_GS, p1_tgs, p1_tupd);
+fp32_add unit_p (`L2L_UNIT_PORTS(19), .a(p1_tupd), .b(mode_sgd ? u_sgd_tupd : u_adam), .sub(1'b1), .y(p_new));
 
 wire [15:0] c_bf16, c_fp16;
 fp32_to_bf16 narrow_bf16 (`L2L_UNIT_PORTS(20), .a(p_new), .y(c_bf16));
@@ -176,11 +182,12 @@ assign copy_out = copy_fp16 ? c_fp16 : c_bf16;
 assign unused_valid[22] = 1'b0;
 assign unused_flags[22] = 5'd0;
 
-`undef L2L_UNIT_PORTS
+`L2L_DELAY(d_pout, 32, LATENCY - T_P, p_new, p_out);
+`L2L_DELAY(d_mvout, 64, LATENCY - T_MV, ({m_new_tmv, v_new_tmv}), ({m_out, v_out}));
+`L2L_DELAY(d_nf, 1, LATENCY - T_GS, gs_nonfinite_tgs, nonfinite);
 
-l2l_optim_delay #(.WIDTH(32), .DEPTH(2)) d_pout (.clk(clk), .rst(rst), .x(p_new), .y(p_out));
-l2l_optim_delay #(.WIDTH(64), .DEPTH(40)) d_mvout (.clk(clk), .rst(rst), .x({m_new_22, v_new_22}), .y({m_out, v_out}));
-l2l_optim_delay #(.WIDTH(1), .DEPTH(56)) d_nf (.clk(clk), .rst(rst), .x(gs_nonfinite_6), .y(nonfinite));
+`undef L2L_UNIT_PORTS
+`undef L2L_DELAY
 
 endmodule
 

@@ -104,14 +104,19 @@ assign m_axi_arvalid = arvalid_reg;
 assign m_axi_rready = 1'b1;
 
 // ---------------------------------------------------------------- requests
+// The next burst is planned in registers, two clocks deep (timing: one carry chain per
+// clock): its length (4 KiB page, rest of the tile), then whether its FIFO has room. The
+// plan is used only once the state it was made from has been stable for two clocks
+// (settle_reg); in between, the FIFO only drains, so a stale "room" is conservative.
 wire [ADDR_WIDTH-1:0] cur_addr = addr_reg[s_reg];
 wire [12:0] page_beats_left = (13'd4096 - {1'b0, cur_addr[11:0]}) >> BYTE_SHIFT;
-wire [8:0] tile_burst_len = (page_beats_left < {4'd0, tleft_reg}) ? page_beats_left[8:0] : tleft_reg;
+reg [8:0] tile_burst_len;   // the plan: beats of the next burst of stream s_reg
+reg room_reg;               // its FIFO has room for them
+reg [1:0] settle_reg;
 /* verilator lint_off UNUSEDSIGNAL */
 wire [8:0] tile_burst_m1 = tile_burst_len - 9'd1;  // a burst is at most 256 beats
 /* verilator lint_on UNUSEDSIGNAL */
 wire all_requested = (left_reg[0] == 0) && (left_reg[1] == 0) && (left_reg[2] == 0) && (left_reg[3] == 0);
-wire room = (resv_reg[s_reg] + {7'd0, tile_burst_len}) <= FIFO_DEPTH[15:0];
 wire issue;
 
 // route FIFO: {stream, beats - 1} of every burst in flight
@@ -127,7 +132,8 @@ l2l_optim_fifo #(.WIDTH(10), .DEPTH(ROUTE_DEPTH)) route_fifo (
     .pop(route_pop), .head(route_head), .empty(route_empty), .count(route_count)
 );
 
-assign issue = !start && !abort && !arvalid_reg && tile_loaded_reg && room && (route_count < ROUTE_DEPTH);
+assign issue = !start && !abort && !arvalid_reg && tile_loaded_reg && settle_reg[1] && room_reg
+               && (route_count < ROUTE_DEPTH);
 assign idle = (all_requested || abort) && !arvalid_reg && route_empty;
 
 wire [8:0] tile_s = stream_tile[9*s_reg +: 9];
@@ -177,6 +183,11 @@ end
 endgenerate
 
 always @(posedge clk) begin
+    tile_burst_len <= (page_beats_left < {4'd0, tleft_reg}) ? page_beats_left[8:0] : tleft_reg;
+    room_reg <= (resv_reg[s_reg] + {7'd0, tile_burst_len}) <= FIFO_DEPTH[15:0];
+    // the state the plan reads changes at an issue and at every step of the tile loader
+    settle_reg <= (issue || !tile_loaded_reg) ? 2'b00 : {settle_reg[0], 1'b1};
+
     if (arvalid_reg && m_axi_arready) begin
         arvalid_reg <= 1'b0;
     end
@@ -208,6 +219,7 @@ always @(posedge clk) begin
         s_reg <= 2'd0;
         tile_loaded_reg <= 1'b0;
         rbeat_reg <= 8'd0;
+        settle_reg <= 2'b00;
     end
     if (rst) begin
         arvalid_reg <= 1'b0;

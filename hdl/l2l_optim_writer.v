@@ -100,21 +100,25 @@ assign m_axi_bready = 1'b1;
 
 // ---------------------------------------------------------------- AW
 wire [ADDR_WIDTH-1:0] cur_addr = addr_reg[s_reg];
-wire [12:0] page_beats_left = (13'd4096 - {1'b0, cur_addr[11:0]}) >> BYTE_SHIFT;
-wire [31:0] cur_left = left_reg[s_reg];
-wire [12:0] cap = (page_beats_left < BURST_BEATS) ? page_beats_left : BURST_BEATS;
-wire [8:0] burst_len = (cur_left < {19'd0, cap}) ? cur_left[8:0] : cap[8:0];
+// Each stream's next burst is planned in registers, two clocks deep (timing: one carry
+// chain per clock): its length (4 KiB page, BURST_BEATS, beats left), then whether its
+// FIFO holds all of it. A plan is used only once the stream's state has been stable for
+// two clocks (settle_reg); in between, the FIFO only fills, so a stale "ready" is
+// conservative.
+reg [8:0] len_reg [0:3];
+reg [3:0] ready_reg;
+reg [1:0] settle_reg [0:3];
+wire [8:0] burst_len = len_reg[s_reg];
 /* verilator lint_off UNUSEDSIGNAL */
 wire [8:0] burst_m1 = burst_len - 9'd1;  // a burst is at most 256 beats
 /* verilator lint_on UNUSEDSIGNAL */
 wire [FIFO_AW:0] fifo_count [0:3];
-wire [15:0] avail = {{(15-FIFO_AW){1'b0}}, fifo_count[s_reg]} - committed_reg[s_reg];
 
 wire queue_empty;
 wire [QUEUE_AW:0] queue_count;
 wire [9:0] queue_head;
 wire all_requested = (left_reg[0] == 0) && (left_reg[1] == 0) && (left_reg[2] == 0) && (left_reg[3] == 0);
-wire issue = !start && !abort && !awvalid_reg && (cur_left != 0) && ({7'd0, burst_len} <= avail)
+wire issue = !start && !abort && !awvalid_reg && ready_reg[s_reg] && settle_reg[s_reg][1]
              && (queue_count < QUEUE_DEPTH) && (b_pending_reg != 16'hFFFF);
 
 // ---------------------------------------------------------------- W
@@ -155,7 +159,15 @@ for (k = 0; k < 4; k = k + 1) begin : g_stream
     /* verilator lint_on UNUSEDSIGNAL */
     assign count[(FIFO_AW+1)*k +: FIFO_AW+1] = fifo_count[k];
 
+    wire [12:0] page_beats_left = (13'd4096 - {1'b0, addr_reg[k][11:0]}) >> BYTE_SHIFT;
+    wire [12:0] cap = (page_beats_left < BURST_BEATS) ? page_beats_left : BURST_BEATS;
+    wire [15:0] avail = {{(15-FIFO_AW){1'b0}}, fifo_count[k]} - committed_reg[k];
+
     always @(posedge clk) begin
+        len_reg[k] <= (left_reg[k] < {19'd0, cap}) ? left_reg[k][8:0] : cap[8:0];
+        ready_reg[k] <= (left_reg[k] != 0) && ({7'd0, len_reg[k]} <= avail);
+        settle_reg[k] <= (start || (issue && s_reg == k)) ? 2'b00 : {settle_reg[k][0], 1'b1};
+
         committed_reg[k] <= committed_reg[k] + ((issue && s_reg == k) ? {7'd0, burst_len} : 16'd0)
                             - {15'd0, pop};
         if (issue && s_reg == k) begin
@@ -175,6 +187,7 @@ for (k = 0; k < 4; k = k + 1) begin : g_stream
             left_reg[k] <= 32'd0;
             wleft_reg[k] <= 32'd0;
             committed_reg[k] <= 16'd0;
+            settle_reg[k] <= 2'b00;
         end
     end
 end

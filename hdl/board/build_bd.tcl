@@ -14,9 +14,11 @@ set hdl        [file dirname $here]
 set build      [file join [pwd] build]
 
 create_project -force l2l_optim_bd $build/proj -part $part
-add_files [glob $hdl/*.v $hdl/fp/*.v $hdl/l2l_optim_regs.vh]
+# headers: the register map, the unit latencies and the lane's schedule
+set headers [glob $hdl/*.vh $hdl/fp/*.vh]
+add_files [concat [glob $hdl/*.v $hdl/fp/*.v] $headers]
 set_property include_dirs [list $hdl $hdl/fp] [current_fileset]
-set_property file_type {Verilog Header} [get_files l2l_optim_regs.vh]
+set_property file_type {Verilog Header} [get_files $headers]
 update_compile_order -fileset sources_1
 
 create_bd_design l2l

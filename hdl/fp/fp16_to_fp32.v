@@ -8,8 +8,9 @@
 // bit layout of Berkeley SoftFloat's softfloat_exceptionFlags (inexact = 1,
 // underflow = 2, overflow = 4, infinite = 8, invalid = 16).
 //
-// Fully pipelined: one conversion per clock, LATENCY = 2 cycles from an input
-// accepted (in_valid with ce high) to out_valid; ce low holds the pipeline.
+// Fully pipelined: one conversion per clock, LATENCY = FP_CONVERT_LATENCY cycles
+// (hdl/fp/fp_latency.vh) from an input accepted (in_valid with ce high) to
+// out_valid; ce low holds the pipeline.
 
 `resetall
 `timescale 1ns / 1ps
@@ -29,9 +30,10 @@ module fp16_to_fp32
     output wire [4:0]  flags
 );
 
-// Cycles from input to output; the bench checks it.
+`include "fp_latency.vh"
+// Cycles from input to output (hdl/fp/fp_latency.vh); the bench reads and checks it.
 /* verilator lint_off UNUSEDPARAM */
-localparam LATENCY = 2;
+localparam LATENCY = FP_CONVERT_LATENCY;
 /* verilator lint_on UNUSEDPARAM */
 
 fp_convert #(

@@ -11,13 +11,17 @@
 // underflow = 2, overflow = 4, infinite = 8, invalid = 16). Tininess is
 // detected after rounding.
 //
-// Fully pipelined: one operation per clock, LATENCY = 4 cycles from an input
-// accepted (in_valid with ce high) to out_valid. ce low holds every stage,
-// out_valid included.
+// Fully pipelined: one operation per clock, LATENCY = FP32_ADD_LATENCY cycles
+// (hdl/fp/fp_latency.vh) from an input accepted (in_valid with ce high) to
+// out_valid. ce low holds every stage, out_valid included. One carry chain or
+// one shifter per stage (timing on the ECP5: docs/BENCHMARKS.md):
 //   stage 1  classify, special results, order operands by magnitude
-//   stage 2  align the smaller operand (guard, round, sticky) and add/subtract
-//   stage 3  count leading zeros and normalize
-//   stage 4  round and pack (fp_round_pack), output register
+//   stage 2  align the smaller operand (guard, round, sticky)
+//   stage 3  add/subtract
+//   stage 4  count leading zeros
+//   stage 5  normalize
+//   stages   round and pack (fp_round_pack, FP_ROUND_LATENCY stages)
+//   last     special results, output register
 
 `resetall
 `timescale 1ns / 1ps
@@ -39,9 +43,10 @@ module fp32_add
     output wire [4:0]  flags
 );
 
-// Cycles from input to output; the bench checks it. Documentation for users.
+`include "fp_latency.vh"
+// Cycles from input to output (hdl/fp/fp_latency.vh); the bench reads and checks it.
 /* verilator lint_off UNUSEDPARAM */
-localparam LATENCY = 4;
+localparam LATENCY = FP32_ADD_LATENCY;
 /* verilator lint_on UNUSEDPARAM */
 localparam [31:0] QNAN = 32'h7FC00000;
 
@@ -119,32 +124,23 @@ wire [4:0] align_shift = (s1_exp_diff > ALIGN_W) ? ALIGN_W[4:0] : s1_exp_diff[4:
 wire [ALIGN_W-1:0] small_ext   = {s1_small_sig, 3'b000};
 wire [ALIGN_W-1:0] small_shift = small_ext >> align_shift;
 wire small_lost = |(small_ext & ~({ALIGN_W{1'b1}} << align_shift));
-wire [ALIGN_W-1:0] small_aligned = {small_shift[ALIGN_W-1:1], small_shift[0] | small_lost};
-wire [ALIGN_W-1:0] big_ext = {s1_big_sig, 3'b000};
 
-// One bit of headroom for the carry of an effective addition.
-wire [ALIGN_W:0] sum = s1_eff_sub ? {1'b0, big_ext} - {1'b0, small_aligned}
-                                  : {1'b0, big_ext} + {1'b0, small_aligned};
+// Side band of the datapath: special, special_y, special_invalid, sign, eff_sub.
+localparam SIDE_W = 1 + 32 + 1 + 1 + 1;
 
-reg        s2_valid;
-reg        s2_special;
-reg [31:0] s2_special_y;
-reg        s2_special_invalid;
-reg        s2_sign;
-reg        s2_eff_sub;
-reg [7:0]  s2_exp;
-reg [ALIGN_W:0] s2_sum;
+reg              s2_valid;
+reg [SIDE_W-1:0] s2_side;
+reg [7:0]        s2_exp;
+reg [23:0]       s2_big_sig;
+reg [ALIGN_W-1:0] s2_small;
 
 always @(posedge clk) begin
     if (ce) begin
-        s2_valid           <= s1_valid;
-        s2_special         <= s1_special;
-        s2_special_y       <= s1_special_y;
-        s2_special_invalid <= s1_special_invalid;
-        s2_sign            <= s1_sign;
-        s2_eff_sub         <= s1_eff_sub;
-        s2_exp             <= s1_exp;
-        s2_sum             <= sum;
+        s2_valid   <= s1_valid;
+        s2_side    <= {s1_special, s1_special_y, s1_special_invalid, s1_sign, s1_eff_sub};
+        s2_exp     <= s1_exp;
+        s2_big_sig <= s1_big_sig;
+        s2_small   <= {small_shift[ALIGN_W-1:1], small_shift[0] | small_lost};
     end
     if (rst) begin
         s2_valid <= 1'b0;
@@ -152,37 +148,23 @@ always @(posedge clk) begin
 end
 
 // ---------------------------------------------------------------- stage 3
-wire [4:0] sum_lz;
+wire s2_eff_sub = s2_side[0];
+wire [ALIGN_W-1:0] big_ext = {s2_big_sig, 3'b000};
+// One bit of headroom for the carry of an effective addition.
+wire [ALIGN_W:0] sum = s2_eff_sub ? {1'b0, big_ext} - {1'b0, s2_small}
+                                  : {1'b0, big_ext} + {1'b0, s2_small};
 
-fp_lzc #(.WIDTH(ALIGN_W+1), .COUNT_W(5)) lzc_sum (
-    .in(s2_sum), .count(sum_lz)
-);
-
-// The big operand's hidden bit sits at sum[ALIGN_W-1]; after the shift the
-// leading one is at sum[ALIGN_W], so the exponent is exp + 1 - lz.
-wire signed [9:0] norm_exp = $signed({2'b00, s2_exp}) + 10'sd1 - $signed({5'b00000, sum_lz});
-
-reg        s3_valid;
-reg        s3_special;
-reg [31:0] s3_special_y;
-reg        s3_special_invalid;
-reg        s3_sign;
-reg        s3_zero;
-reg        s3_eff_sub;
-reg signed [9:0] s3_exp;
-reg [ALIGN_W:0] s3_sig;
+reg              s3_valid;
+reg [SIDE_W-1:0] s3_side;
+reg [7:0]        s3_exp;
+reg [ALIGN_W:0]  s3_sum;
 
 always @(posedge clk) begin
     if (ce) begin
-        s3_valid           <= s2_valid;
-        s3_special         <= s2_special;
-        s3_special_y       <= s2_special_y;
-        s3_special_invalid <= s2_special_invalid;
-        s3_sign            <= s2_sign;
-        s3_zero            <= (s2_sum == {(ALIGN_W+1){1'b0}});
-        s3_eff_sub         <= s2_eff_sub;
-        s3_exp             <= norm_exp;
-        s3_sig             <= s2_sum << sum_lz;
+        s3_valid <= s2_valid;
+        s3_side  <= s2_side;
+        s3_exp   <= s2_exp;
+        s3_sum   <= sum;
     end
     if (rst) begin
         s3_valid <= 1'b0;
@@ -190,27 +172,89 @@ always @(posedge clk) begin
 end
 
 // ---------------------------------------------------------------- stage 4
-wire [31:0] rounded_y;
+wire [4:0] sum_lz;
+
+fp_lzc #(.WIDTH(ALIGN_W+1), .COUNT_W(5)) lzc_sum (
+    .in(s3_sum), .count(sum_lz)
+);
+
+reg              s4_valid;
+reg [SIDE_W-1:0] s4_side;
+reg [7:0]        s4_exp;
+reg [ALIGN_W:0]  s4_sum;
+reg [4:0]        s4_lz;
+reg              s4_zero;
+
+always @(posedge clk) begin
+    if (ce) begin
+        s4_valid <= s3_valid;
+        s4_side  <= s3_side;
+        s4_exp   <= s3_exp;
+        s4_sum   <= s3_sum;
+        s4_lz    <= sum_lz;
+        s4_zero  <= (s3_sum == {(ALIGN_W+1){1'b0}});
+    end
+    if (rst) begin
+        s4_valid <= 1'b0;
+    end
+end
+
+// ---------------------------------------------------------------- stage 5
+// The big operand's hidden bit sits at sum[ALIGN_W-1]; after the shift the
+// leading one is at sum[ALIGN_W], so the exponent is exp + 1 - lz.
+wire signed [9:0] norm_exp = $signed({2'b00, s4_exp}) + 10'sd1 - $signed({5'b00000, s4_lz});
+
+reg                s5_valid;
+reg [SIDE_W:0]     s5_side;   // {zero, side}
+reg signed [9:0]   s5_exp;
+reg [ALIGN_W:0]    s5_sig;
+
+always @(posedge clk) begin
+    if (ce) begin
+        s5_valid <= s4_valid;
+        s5_side  <= {s4_zero, s4_side};
+        s5_exp   <= norm_exp;
+        s5_sig   <= s4_sum << s4_lz;
+    end
+    if (rst) begin
+        s5_valid <= 1'b0;
+    end
+end
+
+// ---------------------------------------------------------------- round
+wire              rounded_valid;
+wire [SIDE_W:0]   rounded_side;
+wire [31:0]       rounded_y;
 wire rounded_overflow, rounded_underflow, rounded_inexact;
 
-fp_round_pack #(.EXP_W(8), .MAN_W(23), .SIG_W(ALIGN_W+1), .E_W(10)) round_sum (
-    .sign(s3_sign), .exp(s3_exp), .sig(s3_sig), .sticky(1'b0),
+fp_round_pack #(.EXP_W(8), .MAN_W(23), .SIG_W(ALIGN_W+1), .E_W(10), .SIDE_W(SIDE_W+1)) round_sum (
+    .clk(clk), .rst(rst), .ce(ce), .in_valid(s5_valid), .in_side(s5_side),
+    .sign(s5_side[1]), .exp(s5_exp), .sig(s5_sig), .sticky(1'b0),
+    .out_valid(rounded_valid), .out_side(rounded_side),
     .y(rounded_y), .overflow(rounded_overflow), .underflow(rounded_underflow),
     .inexact(rounded_inexact)
 );
+
+// ---------------------------------------------------------------- last stage
+wire        r_zero            = rounded_side[SIDE_W];
+wire        r_special         = rounded_side[SIDE_W-1];
+wire [31:0] r_special_y       = rounded_side[SIDE_W-2 -: 32];
+wire        r_special_invalid = rounded_side[2];
+wire        r_sign            = rounded_side[1];
+wire        r_eff_sub         = rounded_side[0];
 
 // The output register is a one-deep fp_pipe: valid reset, data held with ce.
 wire [32-1:0] result_y;
 wire [4:0] result_flags;
 // Exact cancellation gives +0 in round-to-nearest; -0 + -0 = -0.
-assign result_y     = s3_special ? s3_special_y :
-                      s3_zero    ? {s3_sign & ~s3_eff_sub, 31'd0} : rounded_y;
-assign result_flags = s3_special ? {s3_special_invalid, 4'b0000} :
-                      s3_zero    ? 5'b00000 : {2'b00, rounded_overflow, rounded_underflow, rounded_inexact};
+assign result_y     = r_special ? r_special_y :
+                      r_zero    ? {r_sign & ~r_eff_sub, 31'd0} : rounded_y;
+assign result_flags = r_special ? {r_special_invalid, 4'b0000} :
+                      r_zero    ? 5'b00000 : {2'b00, rounded_overflow, rounded_underflow, rounded_inexact};
 
 fp_pipe #(.WIDTH(32+5), .DEPTH(1)) out_reg (
     .clk(clk), .rst(rst), .ce(ce),
-    .in_valid(s3_valid), .in_data({result_y, result_flags}),
+    .in_valid(rounded_valid), .in_data({result_y, result_flags}),
     .out_valid(out_valid), .out_data({y, flags})
 );
 

@@ -18,25 +18,23 @@
 // rounded result. Each step is one 25-bit compare-subtract; STEPS_PER_STAGE
 // steps share a pipeline stage.
 //
-// Fully pipelined: one operation per clock, LATENCY = 3 + ceil(26 /
-// STEPS_PER_STAGE) cycles (10 with the default 4) from an input accepted
-// (in_valid with ce high) to out_valid. ce low holds every stage, out_valid
-// included.
+// Fully pipelined: one operation per clock, LATENCY = FP32_DIV_LATENCY cycles
+// (hdl/fp/fp_latency.vh: 5 + ceil(26 / STEPS_PER_STAGE) + FP_ROUND_LATENCY)
+// from an input accepted (in_valid with ce high) to out_valid. ce low holds
+// every stage, out_valid included.
 //   stage 1        classify, special results
-//   stage 2        normalize subnormal significands (leading-zero count)
-//   stages 3..     DIV_STAGES stages of STEPS_PER_STAGE restoring steps
-//   last stage     select quotient alignment, round and pack, output register
+//   stage 2        count leading zeros of subnormal significands
+//   stage 3        normalize them, quotient exponent
+//   stages 4..     DIV_STAGES stages of STEPS_PER_STAGE restoring steps
+//   select         quotient alignment (below or above 1), sticky bit
+//   stages         round and pack (fp_round_pack, FP_ROUND_LATENCY stages)
+//   last           special results, output register
 
 `resetall
 `timescale 1ns / 1ps
 `default_nettype none
 
-module fp32_div #
-(
-    // Restoring steps per pipeline stage: more steps, fewer registers and
-    // cycles but a longer combinational path (one 25-bit carry chain each).
-    parameter STEPS_PER_STAGE = 4
-)
+module fp32_div
 (
     input  wire        clk,
     input  wire        rst,
@@ -51,12 +49,16 @@ module fp32_div #
     output wire [4:0]  flags
 );
 
+`include "fp_latency.vh"
+// Restoring steps per pipeline stage: more steps, fewer registers and cycles but a
+// longer combinational path (one carry chain each).
+localparam STEPS_PER_STAGE = FP32_DIV_STEPS_PER_STAGE;
 localparam QUO_W = 26;  // quotient bits computed
 localparam REM_W = 25;  // partial remainder r < 2 * divisor < 2^25
 localparam DIV_STAGES = (QUO_W + STEPS_PER_STAGE - 1) / STEPS_PER_STAGE;
-// Cycles from input to output; the bench checks it.
+// Cycles from input to output (hdl/fp/fp_latency.vh); the bench reads and checks it.
 /* verilator lint_off UNUSEDPARAM */
-localparam LATENCY = 3 + DIV_STAGES;
+localparam LATENCY = FP32_DIV_LATENCY;
 /* verilator lint_on UNUSEDPARAM */
 localparam [31:0] QNAN = 32'h7FC00000;
 localparam BIAS = 127;
@@ -117,27 +119,50 @@ wire [4:0] a_lz, b_lz;
 fp_lzc #(.WIDTH(24), .COUNT_W(5)) lzc_a (.in(s1_a_sig), .count(a_lz));
 fp_lzc #(.WIDTH(24), .COUNT_W(5)) lzc_b (.in(s1_b_sig), .count(b_lz));
 
-// a / b = (na / nb) * 2^(exp - BIAS) with na, nb in [2^23, 2^24).
-wire signed [9:0] quo_exp = $signed({2'b00, s1_a_exp}) - $signed({5'b00000, a_lz})
-                          - $signed({2'b00, s1_b_exp}) + $signed({5'b00000, b_lz}) + BIAS;
-
-// Side band that travels alongside the recurrence: special, y, flags, sign, exp.
-localparam SIDE_W = 1 + 32 + 5 + 1 + 10;
+// Side band that travels alongside the datapath: special, y, flags, sign.
+localparam SIDE_W = 1 + 32 + 5 + 1;
 
 reg              s2_valid;
 reg [SIDE_W-1:0] s2_side;
-reg [23:0]       s2_dividend;
-reg [23:0]       s2_divisor;
+reg [7:0]        s2_a_exp, s2_b_exp;
+reg [23:0]       s2_a_sig, s2_b_sig;
+reg [4:0]        s2_a_lz, s2_b_lz;
 
 always @(posedge clk) begin
     if (ce) begin
-        s2_valid    <= s1_valid;
-        s2_side     <= {s1_special, s1_special_y, s1_special_flags, s1_sign, quo_exp};
-        s2_dividend <= s1_a_sig << a_lz;
-        s2_divisor  <= s1_b_sig << b_lz;
+        s2_valid <= s1_valid;
+        s2_side  <= {s1_special, s1_special_y, s1_special_flags, s1_sign};
+        s2_a_exp <= s1_a_exp;
+        s2_b_exp <= s1_b_exp;
+        s2_a_sig <= s1_a_sig;
+        s2_b_sig <= s1_b_sig;
+        s2_a_lz  <= a_lz;
+        s2_b_lz  <= b_lz;
     end
     if (rst) begin
         s2_valid <= 1'b0;
+    end
+end
+
+// ---------------------------------------------------------------- stage 3
+// a / b = (na / nb) * 2^(exp - BIAS) with na, nb in [2^23, 2^24).
+wire signed [9:0] quo_exp = $signed({2'b00, s2_a_exp}) - $signed({5'b00000, s2_a_lz})
+                          - $signed({2'b00, s2_b_exp}) + $signed({5'b00000, s2_b_lz}) + BIAS;
+
+reg                 s3_valid;
+reg [SIDE_W+9:0]    s3_side;   // {side, quotient exponent}
+reg [23:0]          s3_dividend;
+reg [23:0]          s3_divisor;
+
+always @(posedge clk) begin
+    if (ce) begin
+        s3_valid    <= s2_valid;
+        s3_side     <= {s2_side, quo_exp};
+        s3_dividend <= s2_a_sig << s2_a_lz;
+        s3_divisor  <= s2_b_sig << s2_b_lz;
+    end
+    if (rst) begin
+        s3_valid <= 1'b0;
     end
 end
 
@@ -150,9 +175,9 @@ wire [(DIV_STAGES+1)*QUO_W-1:0] quo_chain;
 wire [(DIV_STAGES+1)*24-1:0]    dvs_chain;
 /* verilator lint_on UNUSEDSIGNAL */
 
-assign rem_chain[REM_W-1:0] = {1'b0, s2_dividend};
+assign rem_chain[REM_W-1:0] = {1'b0, s3_dividend};
 assign quo_chain[QUO_W-1:0] = {QUO_W{1'b0}};
-assign dvs_chain[23:0]      = s2_divisor;
+assign dvs_chain[23:0]      = s3_divisor;
 
 genvar k;
 generate
@@ -165,14 +190,19 @@ generate
         reg [QUO_W-1:0] quo_next;
         integer j;
 
+        reg [REM_W:0]   diff;
+
         // One restoring step: quotient bit = (r >= d); r = 2 * (r - bit * d).
+        // One carry chain per step: the borrow out of r - d is the compare.
         always @* begin
             rem_next = rem_in;
             quo_next = quo_in;
+            diff     = {(REM_W+1){1'b0}};
             for (j = 0; j < STEPS_PER_STAGE; j = j + 1) begin
                 if (k * STEPS_PER_STAGE + j < QUO_W) begin
-                    if (rem_next >= {1'b0, dvs_in}) begin
-                        rem_next = (rem_next - {1'b0, dvs_in}) << 1;
+                    diff = {1'b0, rem_next} - {2'b00, dvs_in};
+                    if (!diff[REM_W]) begin
+                        rem_next = diff[REM_W-1:0] << 1;
                         quo_next = {quo_next[QUO_W-2:0], 1'b1};
                     end else begin
                         rem_next = rem_next << 1;
@@ -201,47 +231,70 @@ generate
 endgenerate
 
 wire              rec_valid;
-wire [SIDE_W-1:0] rec_side;
+wire [SIDE_W+9:0] rec_side;
 
-fp_pipe #(.WIDTH(SIDE_W), .DEPTH(DIV_STAGES)) side_pipe (
+fp_pipe #(.WIDTH(SIDE_W+10), .DEPTH(DIV_STAGES)) side_pipe (
     .clk(clk), .rst(rst), .ce(ce),
-    .in_valid(s2_valid), .in_data(s2_side),
+    .in_valid(s3_valid), .in_data(s3_side),
     .out_valid(rec_valid), .out_data(rec_side)
 );
 
-// ---------------------------------------------------------------- last stage
-wire             rec_special = rec_side[SIDE_W-1];
-wire [31:0]      rec_special_y = rec_side[SIDE_W-2 -: 32];
-wire [4:0]       rec_special_flags = rec_side[15:11];
-wire             rec_sign = rec_side[10];
-wire signed [9:0] rec_exp = rec_side[9:0];
-wire [REM_W-1:0] rem_final = rem_chain[DIV_STAGES*REM_W +: REM_W];
-wire [QUO_W-1:0] quo_final = quo_chain[DIV_STAGES*QUO_W +: QUO_W];
+// ---------------------------------------------------------------- select
+wire signed [9:0] rec_exp    = rec_side[9:0];
+wire [REM_W-1:0]  rem_final  = rem_chain[DIV_STAGES*REM_W +: REM_W];
+wire [QUO_W-1:0]  quo_final  = quo_chain[DIV_STAGES*QUO_W +: QUO_W];
 
 // Quotient >= 1 has its leading one at bit 25; otherwise at bit 24, one
 // binade lower.
-wire              quo_high = quo_final[QUO_W-1];
-wire [QUO_W-1:0]  quo_sig  = quo_high ? quo_final : {quo_final[QUO_W-2:0], 1'b0};
-wire signed [9:0] quo_exp_final = quo_high ? rec_exp : rec_exp - 10'sd1;
+wire quo_high = quo_final[QUO_W-1];
 
-wire [31:0] rounded_y;
+reg              sel_valid;
+reg [SIDE_W-1:0] sel_side;
+reg signed [9:0] sel_exp;
+reg [QUO_W-1:0]  sel_sig;
+reg              sel_sticky;
+
+always @(posedge clk) begin
+    if (ce) begin
+        sel_valid  <= rec_valid;
+        sel_side   <= rec_side[SIDE_W+9:10];
+        sel_exp    <= quo_high ? rec_exp : rec_exp - 10'sd1;
+        sel_sig    <= quo_high ? quo_final : {quo_final[QUO_W-2:0], 1'b0};
+        sel_sticky <= |rem_final;
+    end
+    if (rst) begin
+        sel_valid <= 1'b0;
+    end
+end
+
+// ---------------------------------------------------------------- round
+wire              rounded_valid;
+wire [SIDE_W-1:0] rounded_side;
+wire [31:0]       rounded_y;
 wire rounded_overflow, rounded_underflow, rounded_inexact;
 
-fp_round_pack #(.EXP_W(8), .MAN_W(23), .SIG_W(QUO_W), .E_W(10)) round_quo (
-    .sign(rec_sign), .exp(quo_exp_final), .sig(quo_sig), .sticky(|rem_final),
+fp_round_pack #(.EXP_W(8), .MAN_W(23), .SIG_W(QUO_W), .E_W(10), .SIDE_W(SIDE_W)) round_quo (
+    .clk(clk), .rst(rst), .ce(ce), .in_valid(sel_valid), .in_side(sel_side),
+    .sign(sel_side[0]), .exp(sel_exp), .sig(sel_sig), .sticky(sel_sticky),
+    .out_valid(rounded_valid), .out_side(rounded_side),
     .y(rounded_y), .overflow(rounded_overflow), .underflow(rounded_underflow),
     .inexact(rounded_inexact)
 );
 
+// ---------------------------------------------------------------- last stage
+wire        r_special       = rounded_side[SIDE_W-1];
+wire [31:0] r_special_y     = rounded_side[SIDE_W-2 -: 32];
+wire [4:0]  r_special_flags = rounded_side[5:1];
+
 // The output register is a one-deep fp_pipe: valid reset, data held with ce.
 wire [32-1:0] result_y;
 wire [4:0] result_flags;
-assign result_y     = rec_special ? rec_special_y : rounded_y;
-assign result_flags = rec_special ? rec_special_flags : {2'b00, rounded_overflow, rounded_underflow, rounded_inexact};
+assign result_y     = r_special ? r_special_y : rounded_y;
+assign result_flags = r_special ? r_special_flags : {2'b00, rounded_overflow, rounded_underflow, rounded_inexact};
 
 fp_pipe #(.WIDTH(32+5), .DEPTH(1)) out_reg (
     .clk(clk), .rst(rst), .ce(ce),
-    .in_valid(rec_valid), .in_data({result_y, result_flags}),
+    .in_valid(rounded_valid), .in_data({result_y, result_flags}),
     .out_valid(out_valid), .out_data({y, flags})
 );
 

@@ -17,24 +17,23 @@
 // result (a root is never a tie: the remainder decides). Each step is one
 // 28-bit compare-subtract; STEPS_PER_STAGE steps share a pipeline stage.
 //
-// Fully pipelined: one operation per clock, LATENCY = 3 + ceil(25 /
-// STEPS_PER_STAGE) cycles (10 with the default 4) from an input accepted
-// (in_valid with ce high) to out_valid. ce low holds every stage, out_valid
-// included.
+// Fully pipelined: one operation per clock, LATENCY = FP32_SQRT_LATENCY cycles
+// (hdl/fp/fp_latency.vh: 5 + ceil(25 / STEPS_PER_STAGE) + FP_ROUND_LATENCY)
+// from an input accepted (in_valid with ce high) to out_valid. ce low holds
+// every stage, out_valid included.
 //   stage 1        classify, special results
-//   stage 2        normalize a subnormal significand, halve the exponent
-//   stages 3..     SQRT_STAGES stages of STEPS_PER_STAGE restoring steps
-//   last stage     round and pack, output register
+//   stage 2        count leading zeros of a subnormal significand
+//   stage 3        normalize it, halve the exponent
+//   stages 4..     SQRT_STAGES stages of STEPS_PER_STAGE restoring steps
+//   sticky         remainder != 0
+//   stages         round and pack (fp_round_pack, FP_ROUND_LATENCY stages)
+//   last           special results, output register
 
 `resetall
 `timescale 1ns / 1ps
 `default_nettype none
 
-module fp32_sqrt #
-(
-    // Restoring steps per pipeline stage (one 28-bit carry chain each).
-    parameter STEPS_PER_STAGE = 4
-)
+module fp32_sqrt
 (
     input  wire        clk,
     input  wire        rst,
@@ -48,13 +47,16 @@ module fp32_sqrt #
     output wire [4:0]  flags
 );
 
+`include "fp_latency.vh"
+// Restoring steps per pipeline stage (one 28-bit carry chain each).
+localparam STEPS_PER_STAGE = FP32_SQRT_STEPS_PER_STAGE;
 localparam ROOT_W = 25;   // root bits: integer bit, 23 mantissa bits, guard
 localparam REM_W  = 28;   // remainder r <= 2 * root < 2^26, shifted by 2 plus 2 bits
 localparam RAD_W  = 2 * ROOT_W;  // radicand integer M * 2^25, consumed 2 bits a step
 localparam SQRT_STAGES = (ROOT_W + STEPS_PER_STAGE - 1) / STEPS_PER_STAGE;
-// Cycles from input to output; the bench checks it.
+// Cycles from input to output (hdl/fp/fp_latency.vh); the bench reads and checks it.
 /* verilator lint_off UNUSEDPARAM */
-localparam LATENCY = 3 + SQRT_STAGES;
+localparam LATENCY = FP32_SQRT_LATENCY;
 /* verilator lint_on UNUSEDPARAM */
 localparam [31:0] QNAN = 32'h7FC00000;
 localparam BIAS = 127;
@@ -102,30 +104,50 @@ wire [4:0] sig_lz;
 
 fp_lzc #(.WIDTH(24), .COUNT_W(5)) lzc_a (.in(s1_sig), .count(sig_lz));
 
-// a = (n / 2^23) * 2^e with n in [2^23, 2^24) and e unbiased. An odd e moves
-// one factor 2 into the radicand so the root exponent is e / 2 exactly.
-wire [23:0]       norm_sig = s1_sig << sig_lz;
-wire signed [9:0] unb_exp  = $signed({2'b00, s1_exp}) - $signed({5'b00000, sig_lz}) - BIAS;
-wire              exp_odd  = unb_exp[0];
-wire [24:0]       radicand = exp_odd ? {norm_sig, 1'b0} : {1'b0, norm_sig};
-wire signed [9:0] root_exp = (unb_exp >>> 1) + BIAS;
-
-// Side band that travels alongside the recurrence: special, y, flags, exp.
-localparam SIDE_W = 1 + 32 + 5 + 10;
+// Side band that travels alongside the datapath: special, y, flags.
+localparam SIDE_W = 1 + 32 + 5;
 
 reg              s2_valid;
 reg [SIDE_W-1:0] s2_side;
-reg [RAD_W-1:0]  s2_rad;
+reg [7:0]        s2_exp;
+reg [23:0]       s2_sig;
+reg [4:0]        s2_lz;
 
 always @(posedge clk) begin
     if (ce) begin
         s2_valid <= s1_valid;
-        s2_side  <= {s1_special, s1_special_y, s1_special_flags, root_exp};
-        // root = floor(sqrt(radicand * 2^25)) has ROOT_W bits
-        s2_rad   <= {radicand, {(RAD_W-25){1'b0}}};
+        s2_side  <= {s1_special, s1_special_y, s1_special_flags};
+        s2_exp   <= s1_exp;
+        s2_sig   <= s1_sig;
+        s2_lz    <= sig_lz;
     end
     if (rst) begin
         s2_valid <= 1'b0;
+    end
+end
+
+// ---------------------------------------------------------------- stage 3
+// a = (n / 2^23) * 2^e with n in [2^23, 2^24) and e unbiased. An odd e moves
+// one factor 2 into the radicand so the root exponent is e / 2 exactly.
+wire [23:0]       norm_sig = s2_sig << s2_lz;
+wire signed [9:0] unb_exp  = $signed({2'b00, s2_exp}) - $signed({5'b00000, s2_lz}) - BIAS;
+wire              exp_odd  = unb_exp[0];
+wire [24:0]       radicand = exp_odd ? {norm_sig, 1'b0} : {1'b0, norm_sig};
+wire signed [9:0] root_exp = (unb_exp >>> 1) + BIAS;
+
+reg              s3_valid;
+reg [SIDE_W+9:0] s3_side;   // {side, root exponent}
+reg [RAD_W-1:0]  s3_rad;
+
+always @(posedge clk) begin
+    if (ce) begin
+        s3_valid <= s2_valid;
+        s3_side  <= {s2_side, root_exp};
+        // root = floor(sqrt(radicand * 2^25)) has ROOT_W bits
+        s3_rad   <= {radicand, {(RAD_W-25){1'b0}}};
+    end
+    if (rst) begin
+        s3_valid <= 1'b0;
     end
 end
 
@@ -139,7 +161,7 @@ wire [(SQRT_STAGES+1)*RAD_W-1:0]  rad_chain;
 
 assign rem_chain[REM_W-1:0]   = {REM_W{1'b0}};
 assign root_chain[ROOT_W-1:0] = {ROOT_W{1'b0}};
-assign rad_chain[RAD_W-1:0]   = s2_rad;
+assign rad_chain[RAD_W-1:0]   = s3_rad;
 
 genvar k;
 generate
@@ -152,6 +174,7 @@ generate
         reg [ROOT_W-1:0] root_next;
         reg [RAD_W-1:0]  rad_next;
         reg [REM_W-1:0]  trial;
+        reg [REM_W:0]    diff;
         integer j;
 
         // One restoring step: bring down two radicand bits, r = 4r + bits;
@@ -161,13 +184,16 @@ generate
             root_next = root_in;
             rad_next  = rad_in;
             trial     = {REM_W{1'b0}};
+            diff      = {(REM_W+1){1'b0}};
             for (j = 0; j < STEPS_PER_STAGE; j = j + 1) begin
                 if (k * STEPS_PER_STAGE + j < ROOT_W) begin
                     rem_next = {rem_next[REM_W-3:0], rad_next[RAD_W-1 -: 2]};
                     rad_next = rad_next << 2;
                     trial    = {{(REM_W-ROOT_W-2){1'b0}}, root_next, 2'b01};
-                    if (rem_next >= trial) begin
-                        rem_next  = rem_next - trial;
+                    // one carry chain: its borrow out is the compare
+                    diff     = {1'b0, rem_next} - {1'b0, trial};
+                    if (!diff[REM_W]) begin
+                        rem_next  = diff[REM_W-1:0];
                         root_next = {root_next[ROOT_W-2:0], 1'b1};
                     end else begin
                         root_next = {root_next[ROOT_W-2:0], 1'b0};
@@ -195,44 +221,67 @@ generate
 endgenerate
 
 wire              rec_valid;
-wire [SIDE_W-1:0] rec_side;
+wire [SIDE_W+9:0] rec_side;
 
-fp_pipe #(.WIDTH(SIDE_W), .DEPTH(SQRT_STAGES)) side_pipe (
+fp_pipe #(.WIDTH(SIDE_W+10), .DEPTH(SQRT_STAGES)) side_pipe (
     .clk(clk), .rst(rst), .ce(ce),
-    .in_valid(s2_valid), .in_data(s2_side),
+    .in_valid(s3_valid), .in_data(s3_side),
     .out_valid(rec_valid), .out_data(rec_side)
 );
 
-// ---------------------------------------------------------------- last stage
-wire              rec_special       = rec_side[SIDE_W-1];
-wire [31:0]       rec_special_y     = rec_side[SIDE_W-2 -: 32];
-wire [4:0]        rec_special_flags = rec_side[14:10];
-wire signed [9:0] rec_exp           = rec_side[9:0];
+// ---------------------------------------------------------------- sticky
 wire [REM_W-1:0]  rem_final  = rem_chain[SQRT_STAGES*REM_W +: REM_W];
 wire [ROOT_W-1:0] root_final = root_chain[SQRT_STAGES*ROOT_W +: ROOT_W];
 
-wire [31:0] rounded_y;
+reg              st_valid;
+reg [SIDE_W+9:0] st_side;
+reg [ROOT_W-1:0] st_root;
+reg              st_sticky;
+
+always @(posedge clk) begin
+    if (ce) begin
+        st_valid  <= rec_valid;
+        st_side   <= rec_side;
+        st_root   <= root_final;
+        st_sticky <= |rem_final;
+    end
+    if (rst) begin
+        st_valid <= 1'b0;
+    end
+end
+
+// ---------------------------------------------------------------- round
+wire              rounded_valid;
+wire [SIDE_W-1:0] rounded_side;
+wire [31:0]       rounded_y;
 wire rounded_inexact;
 // A root of a binary32 value is always normal: no overflow or underflow.
 /* verilator lint_off UNUSEDSIGNAL */
 wire rounded_overflow, rounded_underflow;
 /* verilator lint_on UNUSEDSIGNAL */
 
-fp_round_pack #(.EXP_W(8), .MAN_W(23), .SIG_W(ROOT_W+1), .E_W(10)) round_root (
-    .sign(1'b0), .exp(rec_exp), .sig({root_final, 1'b0}), .sticky(|rem_final),
+fp_round_pack #(.EXP_W(8), .MAN_W(23), .SIG_W(ROOT_W+1), .E_W(10), .SIDE_W(SIDE_W)) round_root (
+    .clk(clk), .rst(rst), .ce(ce), .in_valid(st_valid), .in_side(st_side[SIDE_W+9:10]),
+    .sign(1'b0), .exp(st_side[9:0]), .sig({st_root, 1'b0}), .sticky(st_sticky),
+    .out_valid(rounded_valid), .out_side(rounded_side),
     .y(rounded_y), .overflow(rounded_overflow), .underflow(rounded_underflow),
     .inexact(rounded_inexact)
 );
 
+// ---------------------------------------------------------------- last stage
+wire        r_special       = rounded_side[SIDE_W-1];
+wire [31:0] r_special_y     = rounded_side[SIDE_W-2 -: 32];
+wire [4:0]  r_special_flags = rounded_side[4:0];
+
 // The output register is a one-deep fp_pipe: valid reset, data held with ce.
 wire [32-1:0] result_y;
 wire [4:0] result_flags;
-assign result_y     = rec_special ? rec_special_y : rounded_y;
-assign result_flags = rec_special ? rec_special_flags : {4'b0000, rounded_inexact};
+assign result_y     = r_special ? r_special_y : rounded_y;
+assign result_flags = r_special ? r_special_flags : {4'b0000, rounded_inexact};
 
 fp_pipe #(.WIDTH(32+5), .DEPTH(1)) out_reg (
     .clk(clk), .rst(rst), .ce(ce),
-    .in_valid(rec_valid), .in_data({result_y, result_flags}),
+    .in_valid(rounded_valid), .in_data({result_y, result_flags}),
     .out_valid(out_valid), .out_data({y, flags})
 );
 

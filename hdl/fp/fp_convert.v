@@ -11,10 +11,12 @@
 // flags = {invalid, divide_by_zero, overflow, underflow, inexact} = [4:0]: the
 // bit layout of Berkeley SoftFloat's softfloat_exceptionFlags.
 //
-// Fully pipelined: LATENCY = 2. ce low holds every stage, out_valid included.
-//   stage 1  classify, special results, normalize (leading-zero count),
-//            rebias the exponent
-//   stage 2  round and pack (fp_round_pack), output register
+// Fully pipelined: LATENCY = FP_CONVERT_LATENCY (hdl/fp/fp_latency.vh). ce
+// low holds every stage, out_valid included.
+//   stage 1  classify, special results, count leading zeros
+//   stage 2  normalize, rebias the exponent
+//   stages   round and pack (fp_round_pack, FP_ROUND_LATENCY stages)
+//   last     special results, output register
 
 `resetall
 `timescale 1ns / 1ps
@@ -70,28 +72,22 @@ wire [LZ_W-1:0] sig_lz;
 
 fp_lzc #(.WIDTH(SIG_IN_W), .COUNT_W(LZ_W)) lzc_a (.in(a_sig), .count(sig_lz));
 
-// Same value, exponent of the leading one in the output's bias.
-wire signed [E_W-1:0] out_exp = $signed({{(E_W-IN_EXP_W){1'b0}}, a_exp})
-                              - $signed({{(E_W-LZ_W){1'b0}}, sig_lz})
-                              - IN_BIAS + OUT_BIAS;
+// Side band of the datapath: special, special_y, special_invalid, sign.
+localparam SIDE_W = 1 + OUT_W + 1 + 1;
 
-reg                   s1_valid;
-reg                   s1_special;
-reg [OUT_W-1:0]       s1_special_y;
-reg                   s1_special_invalid;
-reg                   s1_sign;
-reg signed [E_W-1:0]  s1_exp;
-reg [SIG_W-1:0]       s1_sig;
+reg                s1_valid;
+reg [SIDE_W-1:0]   s1_side;
+reg [IN_EXP_W-1:0] s1_exp;
+reg [IN_MAN_W:0]   s1_sig;
+reg [LZ_W-1:0]     s1_lz;
 
 always @(posedge clk) begin
     if (ce) begin
-        s1_valid           <= in_valid;
-        s1_special         <= special;
-        s1_special_y       <= special_y;
-        s1_special_invalid <= a_snan;
-        s1_sign            <= a_sign;
-        s1_exp             <= out_exp;
-        s1_sig             <= {a_sig << sig_lz, {(SIG_W-SIG_IN_W){1'b0}}};
+        s1_valid <= in_valid;
+        s1_side  <= {special, special_y, a_snan, a_sign};
+        s1_exp   <= a_exp;
+        s1_sig   <= a_sig;
+        s1_lz    <= sig_lz;
     end
     if (rst) begin
         s1_valid <= 1'b0;
@@ -99,24 +95,56 @@ always @(posedge clk) begin
 end
 
 // ---------------------------------------------------------------- stage 2
-wire [OUT_W-1:0] rounded_y;
+// Same value, exponent of the leading one in the output's bias.
+wire signed [E_W-1:0] out_exp = $signed({{(E_W-IN_EXP_W){1'b0}}, s1_exp})
+                              - $signed({{(E_W-LZ_W){1'b0}}, s1_lz})
+                              - IN_BIAS + OUT_BIAS;
+
+reg                   s2_valid;
+reg [SIDE_W-1:0]      s2_side;
+reg signed [E_W-1:0]  s2_exp;
+reg [SIG_W-1:0]       s2_sig;
+
+always @(posedge clk) begin
+    if (ce) begin
+        s2_valid <= s1_valid;
+        s2_side  <= s1_side;
+        s2_exp   <= out_exp;
+        s2_sig   <= {s1_sig << s1_lz, {(SIG_W-SIG_IN_W){1'b0}}};
+    end
+    if (rst) begin
+        s2_valid <= 1'b0;
+    end
+end
+
+// ---------------------------------------------------------------- round
+wire              rounded_valid;
+wire [SIDE_W-1:0] rounded_side;
+wire [OUT_W-1:0]  rounded_y;
 wire rounded_overflow, rounded_underflow, rounded_inexact;
 
-fp_round_pack #(.EXP_W(OUT_EXP_W), .MAN_W(OUT_MAN_W), .SIG_W(SIG_W), .E_W(E_W)) round_out (
-    .sign(s1_sign), .exp(s1_exp), .sig(s1_sig), .sticky(1'b0),
+fp_round_pack #(.EXP_W(OUT_EXP_W), .MAN_W(OUT_MAN_W), .SIG_W(SIG_W), .E_W(E_W), .SIDE_W(SIDE_W)) round_out (
+    .clk(clk), .rst(rst), .ce(ce), .in_valid(s2_valid), .in_side(s2_side),
+    .sign(s2_side[0]), .exp(s2_exp), .sig(s2_sig), .sticky(1'b0),
+    .out_valid(rounded_valid), .out_side(rounded_side),
     .y(rounded_y), .overflow(rounded_overflow), .underflow(rounded_underflow),
     .inexact(rounded_inexact)
 );
 
+// ---------------------------------------------------------------- last stage
+wire             r_special         = rounded_side[SIDE_W-1];
+wire [OUT_W-1:0] r_special_y       = rounded_side[SIDE_W-2 -: OUT_W];
+wire             r_special_invalid = rounded_side[1];
+
 // The output register is a one-deep fp_pipe: valid reset, data held with ce.
 wire [OUT_W-1:0] result_y;
 wire [4:0] result_flags;
-assign result_y     = s1_special ? s1_special_y : rounded_y;
-assign result_flags = s1_special ? {s1_special_invalid, 4'b0000} : {2'b00, rounded_overflow, rounded_underflow, rounded_inexact};
+assign result_y     = r_special ? r_special_y : rounded_y;
+assign result_flags = r_special ? {r_special_invalid, 4'b0000} : {2'b00, rounded_overflow, rounded_underflow, rounded_inexact};
 
 fp_pipe #(.WIDTH(OUT_W+5), .DEPTH(1)) out_reg (
     .clk(clk), .rst(rst), .ce(ce),
-    .in_valid(s1_valid), .in_data({result_y, result_flags}),
+    .in_valid(rounded_valid), .in_data({result_y, result_flags}),
     .out_valid(out_valid), .out_data({y, flags})
 );
 

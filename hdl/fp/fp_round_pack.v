@@ -3,6 +3,14 @@
 // ties to even) and pack it, with the overflow, underflow and inexact flags.
 // Shared by every unit whose result may need rounding.
 //
+// Pipelined: FP_ROUND_LATENCY = 2 registers (hdl/fp/fp_latency.vh) between
+// the inputs and the (combinational) outputs; a side band of SIDE_W bits and
+// the valid bit travel alongside, ce low holds every stage.
+//   stage 1  subnormal shift distance, exponent field, overflow and tininess
+//            tests on the exponent
+//   stage 2  shift, guard / round / sticky, round-up decision
+//   outputs  the packing add (a rounding carry bumps the exponent), overflow
+//
 // Input: value = sig * 2^(exp - BIAS - (SIG_W-1)), sig[SIG_W-1] == 1, plus a
 // sticky bit for anything below sig. exp is the biased exponent of the leading
 // one, signed, and may be <= 0 (result below the normal range) or >= all-ones
@@ -33,20 +41,30 @@ module fp_round_pack #
     parameter EXP_W = 8,
     parameter MAN_W = 23,
     parameter SIG_W = 28,
-    parameter E_W   = 10
+    parameter E_W   = 10,
+    parameter SIDE_W = 1
 )
 (
+    input  wire                 clk,
+    input  wire                 rst,
+    input  wire                 ce,
+
+    input  wire                 in_valid,
+    input  wire [SIDE_W-1:0]    in_side,
     input  wire                 sign,
     input  wire signed [E_W-1:0] exp,
     input  wire [SIG_W-1:0]     sig,
     input  wire                 sticky,
 
+    output wire                 out_valid,
+    output wire [SIDE_W-1:0]    out_side,
     output wire [EXP_W+MAN_W:0] y,
     output wire                 overflow,
     output wire                 underflow,
     output wire                 inexact
 );
 
+`include "fp_latency.vh"
 localparam SH_W = $clog2(SIG_W+2);
 localparam [EXP_W-1:0] EXP_ONES = {EXP_W{1'b1}};
 // Largest shift worth doing: SIG_W+1 moves every bit of sig into sticky.
@@ -59,6 +77,7 @@ localparam integer EXP_MAX_INT = (1 << EXP_W) - 1;
 wire signed [E_W:0]   sig_w_s = SIG_W_INT[E_W:0];
 wire signed [E_W-1:0] exp_max = EXP_MAX_INT[E_W-1:0];
 
+// ---------------------------------------------------------------- stage 1
 wire denorm = (exp < 1);
 
 // Shift distance for a subnormal result: 1 - exp, saturated.
@@ -66,34 +85,81 @@ wire signed [E_W:0] shift_full = 1 - {exp[E_W-1], exp};
 wire [SH_W-1:0] shift = !denorm ? {SH_W{1'b0}} :
                         (shift_full > sig_w_s) ? SH_MAX : shift_full[SH_W-1:0];
 
-wire [SIG_W-1:0] shifted     = sig >> shift;
-wire             shifted_out = |(sig & ~({SIG_W{1'b1}} << shift));
-
-// kept = hidden bit + mantissa; guard is the first bit below; the rest is sticky.
-wire [MAN_W:0] kept  = shifted[SIG_W-1 -: MAN_W+1];
-wire           guard = shifted[SIG_W-2-MAN_W];
-wire           rest  = |shifted[SIG_W-3-MAN_W:0] | sticky | shifted_out;
-
-wire round_up = guard && (rest || kept[0]);
-
 // Exponent field minus the hidden bit: adding `kept` (hidden bit included)
 // restores it, and a rounding carry out of the mantissa bumps the exponent.
 wire [EXP_W-1:0] exp_base = denorm ? {EXP_W{1'b0}} : exp[EXP_W-1:0] - 1'b1;
-wire [EXP_W+MAN_W-1:0] packed_abs = {exp_base, {MAN_W{1'b0}}} + {{(EXP_W-1){1'b0}}, kept} + {{(EXP_W+MAN_W-1){1'b0}}, round_up};
-
 wire exp_too_big = !denorm && (exp >= exp_max);
-assign overflow  = exp_too_big || (packed_abs[EXP_W+MAN_W-1:MAN_W] == EXP_ONES);
 
 // Tiny after rounding: below 2^emin unless exp == 0 and full-precision
 // rounding (all ones kept, guard set) would carry up to 2^emin.
 wire carries_at_full_precision = (&sig[SIG_W-1 -: MAN_W+1]) && sig[SIG_W-2-MAN_W];
 wire tiny = denorm && !((exp == 0) && carries_at_full_precision);
 
-wire lost = guard || rest;
-assign inexact   = lost || overflow;
-assign underflow = tiny && lost;
+reg [SIG_W-1:0] r1_sig;
+reg             r1_sticky;
+reg [SH_W-1:0]  r1_shift;
+reg [EXP_W-1:0] r1_exp_base;
+reg             r1_exp_too_big;
+reg             r1_tiny;
+reg             r1_sign;
 
-assign y = overflow ? {sign, EXP_ONES, {MAN_W{1'b0}}} : {sign, packed_abs};
+always @(posedge clk) begin
+    if (ce) begin
+        r1_sig         <= sig;
+        r1_sticky      <= sticky;
+        r1_shift       <= shift;
+        r1_exp_base    <= exp_base;
+        r1_exp_too_big <= exp_too_big;
+        r1_tiny        <= tiny;
+        r1_sign        <= sign;
+    end
+end
+
+// ---------------------------------------------------------------- stage 2
+wire [SIG_W-1:0] shifted     = r1_sig >> r1_shift;
+wire             shifted_out = |(r1_sig & ~({SIG_W{1'b1}} << r1_shift));
+
+// kept = hidden bit + mantissa; guard is the first bit below; the rest is sticky.
+wire [MAN_W:0] kept  = shifted[SIG_W-1 -: MAN_W+1];
+wire           guard = shifted[SIG_W-2-MAN_W];
+wire           rest  = |shifted[SIG_W-3-MAN_W:0] | r1_sticky | shifted_out;
+
+reg [MAN_W:0]   r2_kept;
+reg             r2_round_up;
+reg             r2_lost;
+reg [EXP_W-1:0] r2_exp_base;
+reg             r2_exp_too_big;
+reg             r2_tiny;
+reg             r2_sign;
+
+always @(posedge clk) begin
+    if (ce) begin
+        r2_kept        <= kept;
+        r2_round_up    <= guard && (rest || kept[0]);
+        r2_lost        <= guard || rest;
+        r2_exp_base    <= r1_exp_base;
+        r2_exp_too_big <= r1_exp_too_big;
+        r2_tiny        <= r1_tiny;
+        r2_sign        <= r1_sign;
+    end
+end
+
+// FP_ROUND_LATENCY names these two stages for the units that count their latency.
+fp_pipe #(.WIDTH(SIDE_W), .DEPTH(FP_ROUND_LATENCY)) side_pipe (
+    .clk(clk), .rst(rst), .ce(ce),
+    .in_valid(in_valid), .in_data(in_side),
+    .out_valid(out_valid), .out_data(out_side)
+);
+
+// ---------------------------------------------------------------- outputs
+wire [EXP_W+MAN_W-1:0] packed_abs = {r2_exp_base, {MAN_W{1'b0}}} + {{(EXP_W-1){1'b0}}, r2_kept}
+                                  + {{(EXP_W+MAN_W-1){1'b0}}, r2_round_up};
+
+assign overflow  = r2_exp_too_big || (packed_abs[EXP_W+MAN_W-1:MAN_W] == EXP_ONES);
+assign inexact   = r2_lost || overflow;
+assign underflow = r2_tiny && r2_lost;
+
+assign y = overflow ? {r2_sign, EXP_ONES, {MAN_W{1'b0}}} : {r2_sign, packed_abs};
 
 endmodule
 
