@@ -30,6 +30,7 @@ import re
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -53,14 +54,14 @@ class Design:
     name: str
     top: str
     parameters: dict = field(default_factory=dict)
-    elements_per_clock: float | None = None  # filled by the caller for the kernel
 
 
 FP_UNITS = ("fp32_add", "fp32_mul", "fp32_div", "fp32_sqrt",
             "fp32_to_bf16", "fp32_to_fp16", "bf16_to_fp32", "fp16_to_fp32")
-# The whole kernel at the size that fits the ECP5-85 (84k LUT4, 156 18x18 multipliers): one
-# lane at a 64-bit bus. Two lanes need 2 x 18 fp32 multipliers of 4 DSP each: also fits, but
-# a 64-bit bus carries 64/8/14 = 0.57 elements per clock, so the second lane idles.
+# The whole kernel at a size that fits the ECP5-85 (83,640 LUT4 and FF, 156 18x18
+# multipliers): one lane (~20k LUT4, ~29k FF, 32 multipliers) on a 64-bit bus. Two lanes
+# would fit too, but a 64-bit bus carries 64/8/14 = 0.57 elements per clock: one lane is
+# not the limit.
 KERNEL_PARAMETERS = {"DATA_WIDTH": 64, "LANES": 1}
 DESIGNS = {**{u: Design(u, u) for u in FP_UNITS},
            "l2l_optim_lane": Design("l2l_optim_lane", "l2l_optim_lane"),
@@ -84,7 +85,7 @@ def tool_versions() -> dict:
 
 def _tool(name: str) -> str:
     """The console script of a yowasp package, next to this Python if not on PATH."""
-    found = shutil.which(name) or shutil.which(name, path=str(Path(os.sys.executable).parent))
+    found = shutil.which(name) or shutil.which(name, path=str(Path(sys.executable).parent))
     if found is None:
         raise ToolError(f"`{name}` is not on PATH (pip install {name})")
     return found
