@@ -275,7 +275,7 @@ def _version(dist: str) -> str:
 
 def cmd_info(args) -> int:
     import numpy
-    from l2l_hw.eps.base import known_backends
+    from l2l_hw.eps.registry import known_backends
 
     print(f"l2l_hw      {l2l_hw.__version__}")
     print(f"python      {platform.python_version()} ({sys.executable})")
