@@ -441,6 +441,11 @@ def build_parser() -> argparse.ArgumentParser:
                          description=bench_rtl.__doc__.split("\n\n")[0])
     bench_rtl.add_arguments(bt)
     bt.set_defaults(func=bench_rtl.run_from_args)
+    from l2l_hw.bench import capacity as bench_capacity
+    bc = bsub.add_parser("capacity", help="host bytes per parameter of each EPS configuration; the largest GPT",
+                         description=bench_capacity.__doc__.split("\n\n")[0])
+    bench_capacity.add_arguments(bc)
+    bc.set_defaults(func=bench_capacity.run_from_args)
     return p
 
 

@@ -169,10 +169,11 @@ def _in_fresh_process(function: str, *args) -> dict:
 
 
 def run(configs=tuple(CONFIGS), width: int = 2048, measure_depth: int = 6, train: tuple[str, ...] = (),
-        memory_bytes: int | None = None) -> dict:
+        memory_bytes: int | None = None, train_depth: int | None = None) -> dict:
     """Bytes per parameter of each configuration (a GPT of `measure_depth` blocks at `width`:
     about 300 M parameters at the defaults), the largest depth that fits, and for the
-    configurations in `train` that model trained, checkpointed and resumed."""
+    configurations in `train` that model (or one of `train_depth` blocks) trained,
+    checkpointed and resumed."""
     memory_bytes = memory_bytes or mem_total_bytes()
     rows = []
     for config in configs:
@@ -180,7 +181,8 @@ def run(configs=tuple(CONFIGS), width: int = 2048, measure_depth: int = 6, train
         depth = largest_depth(row["bytes_per_param"], width, memory_bytes)
         row.update(largest_depth=depth, largest_params=gpt_params(width, depth))
         if config in train:
-            with tempfile.TemporaryDirectory(prefix="l2l-capacity-") as out:
+            depth = train_depth or depth
+            with tempfile.TemporaryDirectory(prefix="l2l-capacity-", dir=os.environ.get("TMPDIR", "/var/tmp")) as out:
                 row["train"] = _in_fresh_process("train_and_checkpoint", config, width, depth, out, False)
                 row["resume"] = _in_fresh_process("train_and_checkpoint", config, width, depth, out, True)
         rows.append(row)
@@ -211,10 +213,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--measure-depth", type=int, default=6, help="blocks of the model measured (default 6)")
     parser.add_argument("--train", nargs="*", choices=list(CONFIGS), default=[],
                         help="configurations whose largest model is trained one step, checkpointed and resumed")
+    parser.add_argument("--train-depth", type=int, default=None,
+                        help="train a model of this many blocks instead of the largest that fits")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
 def run_from_args(args) -> int:
-    report = run(tuple(args.configs), args.width, args.measure_depth, tuple(args.train))
+    report = run(tuple(args.configs), args.width, args.measure_depth, tuple(args.train), train_depth=args.train_depth)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
