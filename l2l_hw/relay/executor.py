@@ -556,12 +556,19 @@ class Relay:
         for m in self.layers:
             m.train(False)
         live: dict[str, dict[str, torch.Tensor]] = {}
+        last_use = {key: i for i, plan in enumerate(self.plans) for key in plan.groups}
         try:
             with self.weights.newest():
                 acts = xs
                 for i in range(len(self.layers)):
                     params = self._params(i, live)
+                    if i + 1 < len(self.layers):
+                        self._prefetch(i + 1, live)
                     acts = [self._call(i, a, params, self._device_buffers(i)) for a in acts]
+                    self._sample(live, acts)
+                    for key in self.plans[i].groups:  # as in training, a layer's weights leave after their last use
+                        if last_use[key] == i:
+                            live.pop(key)
             total = sum(float(self._loss(_to_float(a), t)) * w for a, t, w in zip(acts, ts, weights))
         finally:
             for m, mode in zip(self.layers, modes):
