@@ -1,10 +1,12 @@
 """Checkpoints: one safetensors file, written atomically, checked on load. Never pickle.
 
-Layout: the tensors as given, plus three safetensors metadata strings:
+Layout: the tensors as given, plus four safetensors metadata strings:
   "l2l_hw"         json.dumps(meta), the caller's dict (config, step, ...)
   "l2l_hw_format"  FORMAT_VERSION
   "l2l_hw_crc32"   json {tensor name: crc32 of its bytes}; safetensors itself has
                    no checksum, so without it flipped bytes in the data would load.
+  "l2l_hw_header_crc32"  crc32 of the other metadata strings and of every tensor's name,
+                   dtype and shape: with the tensor checksums, every byte of the file is checked.
 """
 import contextlib
 import json
@@ -17,7 +19,7 @@ import safetensors.torch
 import torch
 
 FORMAT_VERSION = 1
-META_KEY, FORMAT_KEY, CRC_KEY = "l2l_hw", "l2l_hw_format", "l2l_hw_crc32"
+META_KEY, FORMAT_KEY, CRC_KEY, HEADER_CRC_KEY = "l2l_hw", "l2l_hw_format", "l2l_hw_crc32", "l2l_hw_header_crc32"
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on the JSON header
 
 
@@ -27,6 +29,25 @@ class CheckpointError(ValueError):
 
 def _crc32(t: torch.Tensor) -> int:
     return zlib.crc32(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def header_crc32(metadata: dict[str, str], tensors: dict[str, torch.Tensor]) -> str:
+    """The checksum of the header: every metadata string but this one, every tensor's name, dtype, shape."""
+    layout = {name: [str(t.dtype), list(t.shape)] for name, t in tensors.items()}
+    covered = {k: v for k, v in metadata.items() if k != HEADER_CRC_KEY}
+    return str(zlib.crc32(json.dumps([covered, layout], sort_keys=True).encode()))
+
+
+def remove_stale_temporaries(path) -> list[Path]:
+    """Remove what an interrupted save_checkpoint(path) left beside `path`: its own temporary
+    file and the one safetensors writes first (".tmp" and 6 characters). The removed paths."""
+    path = Path(path)
+    stale = [p for p in path.parent.glob(f".{path.name}.*.tmp")] + \
+            [p for p in path.parent.glob(".tmp??????") if p.name[4:].isalnum()]
+    for p in stale:
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+    return stale
 
 
 def _standalone(tensors: dict) -> dict:
@@ -65,11 +86,15 @@ def save_checkpoint(path, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         FORMAT_KEY: str(FORMAT_VERSION),
         CRC_KEY: json.dumps({name: _crc32(t) for name, t in tensors.items()}, sort_keys=True),
     }
+    metadata[HEADER_CRC_KEY] = header_crc32(metadata, tensors)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
         safetensors.torch.save_file(tensors, tmp, metadata=metadata)
+        umask = os.umask(0)  # the file is 0600 (a temporary): give it the mode open() gives the run's others
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         with open(tmp, "rb+") as f:  # save_file closed it; make its bytes durable before the rename
             f.flush()
             os.fsync(f.fileno())
@@ -106,6 +131,8 @@ def _read_header(path: Path, raw: bytes) -> dict:
 def load_checkpoint(path) -> tuple[dict[str, torch.Tensor], dict]:
     """(tensors, meta) of a checkpoint written by save_checkpoint; CheckpointError otherwise."""
     path = Path(path)
+    if path.is_dir():
+        raise CheckpointError(f"{path}: a folder, not a checkpoint file")
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
     raw = path.read_bytes()
@@ -123,7 +150,10 @@ def load_checkpoint(path) -> tuple[dict[str, torch.Tensor], dict]:
         crcs = json.loads(metadata[CRC_KEY])
     except Exception as e:  # safetensors raises its own SafetensorError; json a ValueError
         raise CheckpointError(f"{path}: corrupted bytes: cannot decode ({e})") from None
-    if set(crcs) != set(tensors):
+    if metadata.get(HEADER_CRC_KEY) != header_crc32(metadata, tensors):
+        raise CheckpointError(f"{path}: corrupted bytes: the header (metadata, tensor names, dtypes or shapes) "
+                              "fails its crc32 check")
+    if not isinstance(crcs, dict) or set(crcs) != set(tensors):
         raise CheckpointError(f"{path}: corrupted: tensor names differ from the checksum table")
     for name, t in tensors.items():
         if _crc32(t) != crcs[name]:

@@ -29,12 +29,28 @@ def train_config(args) -> TrainConfig:
     return resume_config(**given, **control) if args.resume else TrainConfig(**given, **control)
 
 
+FLAG_OF = {"eps_backend": "--eps", "recompute": "--no-recompute"}  # where a flag's name is not the field's
+
+
+def flag_message(e: ConfigError) -> str:
+    """A config error in the command line's words: the flag, the value given, what is allowed."""
+    if e.field is None:
+        return str(e)
+    return f"{FLAG_OF.get(e.field, '--' + e.field.replace('_', '-'))} {e.value}: {e.rule}"
+
+
 def cmd_train(args) -> int:
     try:
         train(train_config(args))
-    except (ConfigError, CheckpointError) as e:  # a bad flag value or file: say which, no traceback
+    except ConfigError as e:  # a bad flag value or input file: say which, no traceback
+        print(f"l2l train: {flag_message(e)}", file=sys.stderr)
+        return 2
+    except CheckpointError as e:
         print(f"l2l train: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # an output that cannot be written (read-only, full disk): one line
+        print(f"l2l train: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -26,19 +26,26 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
+from safetensors import SafetensorError
 
-from l2l_hw.checkpoint import load_checkpoint, save_checkpoint
+from l2l_hw.checkpoint import load_checkpoint, remove_stale_temporaries, save_checkpoint
 from l2l_hw.distributed import Ranks, join_torchrun, leave_torchrun, rank_shard
-from l2l_hw.eps import make_eps
+from l2l_hw.eps import known_backends, make_eps
+from l2l_hw.eps.base import OPTIMIZERS, SCHEDULES
 from l2l_hw.models import Corpus, GPTConfig, build_gpt, generate, lm_loss
+from l2l_hw.models.gpt import GELUS
 from l2l_hw.relay import Relay
+from l2l_hw.relay.precision import COMPUTE_DTYPES
+from l2l_hw.relay.stash import POLICIES
 from l2l_hw.version import __version__
 
 CHECKPOINT, METRICS, PLOT, TENSORBOARD = "checkpoint.safetensors", "metrics.jsonl", "loss.png", "tensorboard"
@@ -50,7 +57,100 @@ RESUME_MAY_CHANGE = ("steps", "device", "eps_backend", "shard_state")
 
 
 class ConfigError(ValueError):
-    """A TrainConfig value, or a file or checkpoint the run needs, cannot be used; the message says which."""
+    """A TrainConfig value, or a file or checkpoint the run needs, cannot be used; the message says
+    which. With `field`: "field=value: what is allowed" (the CLI names the flag instead)."""
+
+    def __init__(self, message: str, field: str | None = None, value=None):
+        self.field, self.value, self.rule = field, value, message
+        super().__init__(f"{field}={value!r}: {message}" if field else message)
+
+
+CLIP_MODES = ("layer", "global")  # Relay's clip_mode
+INT_AT_LEAST_1 = ("layers", "width", "heads", "context", "batch_size", "micro_batches", "steps", "eval_every")
+BOOLS = ("tie_weights", "recompute", "shard_state", "pipedream_2bw", "resume", "tensorboard", "verbose")
+FLOAT_RANGES = {  # field -> (lowest, highest, whether the highest itself is allowed); every value finite
+    "lr": (0.0, math.inf, False), "momentum": (0.0, 1.0, False), "weight_decay": (0.0, math.inf, False),
+    "dropout": (0.0, 1.0, False), "layer_drop": (0.0, 1.0, False), "linear_projection": (0.0, 1.0, True),
+}
+
+
+def choices() -> dict[str, tuple]:
+    return {"optimizer": OPTIMIZERS, "schedule": SCHEDULES, "precision": tuple(COMPUTE_DTYPES),
+            "activations": POLICIES, "clip_mode": CLIP_MODES, "gelu": GELUS, "eps_backend": tuple(known_backends())}
+
+
+def check_device(device: str) -> None:
+    """cpu, cuda or cuda:N, as this machine has them."""
+    if not isinstance(device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise ConfigError("must be cpu, cuda or cuda:N", "device", device)
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError("CUDA is not available on this machine (torch.cuda.is_available() is False); "
+                              "use cpu", "device", device)
+        index = int(device.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise ConfigError(f"this machine has {torch.cuda.device_count()} CUDA device(s): cuda:0 to "
+                              f"cuda:{torch.cuda.device_count() - 1}", "device", device)
+
+
+def check_config(cfg: "TrainConfig") -> None:
+    """Every field's type and range, and the rules between fields; ConfigError names the first bad one."""
+    for name in INT_AT_LEAST_1:
+        value = getattr(cfg, name)
+        if not _is_int(value) or value < 1:
+            raise ConfigError("must be a whole number >= 1", name, value)
+    for name in BOOLS:
+        if not isinstance(getattr(cfg, name), bool):
+            raise ConfigError("must be True or False", name, getattr(cfg, name))
+    for name, (low, high, high_ok) in FLOAT_RANGES.items():
+        value = getattr(cfg, name)
+        if not _is_real(value) or not (low <= value < high or (high_ok and value == high)) or not math.isfinite(value):
+            allowed = f">= {low:g}" if high == math.inf else f"in [{low:g}, {high:g}{']' if high_ok else ')'}"
+            raise ConfigError(f"must be a finite number {allowed}", name, value)
+    for name, allowed in choices().items():
+        if getattr(cfg, name) not in allowed:
+            raise ConfigError(f"must be one of {', '.join(allowed)}", name, getattr(cfg, name))
+    for name in ("clip_grad_norm", "dist_timeout"):
+        value = getattr(cfg, name)
+        if value is not None and (not _is_real(value) or not 0 < value < math.inf):
+            raise ConfigError("must be a finite number > 0", name, value)
+    if not _is_int(cfg.seed) or not 0 <= cfg.seed < 2**63:
+        raise ConfigError("must be a whole number in [0, 2^63)", "seed", cfg.seed)
+    if cfg.warmup is not None and (not _is_int(cfg.warmup) or not 0 <= cfg.warmup <= cfg.steps
+                                   or (cfg.schedule == "cosine" and cfg.warmup == cfg.steps)):
+        cosine = " (less with the cosine schedule)" if cfg.schedule == "cosine" else ""
+        raise ConfigError(f"must be a whole number from 0 to steps ({cfg.steps}){cosine}", "warmup", cfg.warmup)
+    if cfg.stop_after is not None and (not _is_int(cfg.stop_after) or cfg.stop_after < 1):
+        raise ConfigError("must be a whole number >= 1 (the step to stop at)", "stop_after", cfg.stop_after)
+    for name in ("data", "out", "overlay", "kernel"):
+        if getattr(cfg, name) is not None and not isinstance(getattr(cfg, name), (str, os.PathLike)):
+            raise ConfigError("must be a path (a str) or None", name, getattr(cfg, name))
+    if cfg.width % cfg.heads:
+        raise ConfigError(f"must divide width ({cfg.width}): {', '.join(map(str, _divisors(cfg.width)))}",
+                          "heads", cfg.heads)
+    if cfg.micro_batches > cfg.batch_size:
+        raise ConfigError(f"must be at most batch_size ({cfg.batch_size})", "micro_batches", cfg.micro_batches)
+    if cfg.activations == "host" and not cfg.recompute:
+        raise ConfigError("needs recompute (without it the forward graphs keep every layer's intermediates on "
+                          "the device)", "activations", cfg.activations)
+    if (cfg.eps_backend == "fpga-pynq") != (cfg.overlay is not None):
+        if cfg.overlay is None:
+            raise ConfigError("needs an overlay (--overlay PATH: the .bit with its .hwh beside it, or an xclbin; "
+                              "docs/BOARD.md)", "eps_backend", cfg.eps_backend)
+        raise ConfigError(f"is for the fpga-pynq EPS, not {cfg.eps_backend}", "overlay", cfg.overlay)
+    check_device(cfg.device)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0][:12]
 
 
 @dataclass
@@ -110,6 +210,9 @@ class TrainConfig:
     kernel: str | None = None
     dist_timeout: float = 300.0  # under torchrun: seconds a rank waits for the others
 
+    def __post_init__(self):
+        check_config(self)
+
     def run_config(self) -> dict:
         """The fields that define the run's numbers: saved in the checkpoint, compared on resume."""
         cfg = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in CONTROL_FIELDS}
@@ -131,7 +234,7 @@ def resume_config(out: str | os.PathLike, **given) -> TrainConfig:
     """The config of the run checkpointed in `out`, with `given` fields: those of
     RESUME_MAY_CHANGE and the control fields may differ, any other must agree."""
     _, meta = load_checkpoint(Path(out) / CHECKPOINT)
-    saved = _saved_config(meta)
+    saved = _saved_config(meta, Path(out) / CHECKPOINT)
     clash = {k: v for k, v in given.items() if k in saved and k not in RESUME_MAY_CHANGE and v != saved[k]}
     if clash:
         raise ConfigError("--resume: the checkpoint's run differs from what is given: " + ", ".join(
@@ -139,11 +242,17 @@ def resume_config(out: str | os.PathLike, **given) -> TrainConfig:
     return TrainConfig(**{**saved, **given, "out": str(out), "resume": True})
 
 
-def _saved_config(meta: dict) -> dict:
+def _saved_config(meta: dict, path: Path) -> dict:
+    """The checkpoint's run config, checked as a TrainConfig (a checkpoint of another version may differ)."""
     known = {f.name for f in dataclasses.fields(TrainConfig)} - set(CONTROL_FIELDS)
-    saved = meta.get("config")
-    if not isinstance(saved, dict) or not set(saved) <= known:
-        raise ConfigError(f"the checkpoint's config is not one this l2l-hw writes (fields {sorted(saved or ())})")
+    saved = meta.get("config") if isinstance(meta, dict) else None
+    if not isinstance(saved, dict) or not set(saved) <= known or not _is_int(meta.get("step")) \
+            or not _is_real(meta.get("elapsed")):
+        raise ConfigError(f"{path}: its metadata is not what this l2l-hw writes (config, step, elapsed)")
+    try:
+        TrainConfig(**{**saved, "device": "cpu", "eps_backend": "cpu", "out": None})  # wherever it resumes
+    except ConfigError as e:
+        raise ConfigError(f"{path}: its config is not usable: {e}") from e
     return saved
 
 
@@ -151,13 +260,6 @@ def build_relay(cfg: TrainConfig, layers=None, loss_fn: Callable | None = None, 
                 shard_state: bool | None = None) -> Relay:
     """The relay of `cfg`: its EPS (optimizer, schedule, backend) around `layers` and `loss_fn`,
     the reference GPT and its loss when not given. Seeds torch with cfg.seed first."""
-    if not 1 <= cfg.micro_batches <= cfg.batch_size:
-        raise ConfigError(f"--micro-batches must be between 1 and --batch-size ({cfg.batch_size}), "
-                          f"got {cfg.micro_batches}")
-    if (cfg.eps_backend == "fpga-pynq") != (cfg.overlay is not None):
-        raise ConfigError("--eps fpga-pynq needs --overlay PATH (the .bit with its .hwh beside it, or an "
-                          "xclbin; docs/BOARD.md)" if cfg.overlay is None else
-                          f"--overlay is for --eps fpga-pynq, not --eps {cfg.eps_backend}")
     run = cfg.run_config()
     torch.manual_seed(cfg.seed)
     if layers is None:
@@ -172,6 +274,10 @@ def build_relay(cfg: TrainConfig, layers=None, loss_fn: Callable | None = None, 
                         recompute=cfg.recompute, precision=cfg.precision, pipedream_2bw=cfg.pipedream_2bw,
                         activations=cfg.activations, layer_drop=cfg.layer_drop, clip_grad_norm=cfg.clip_grad_norm,
                         clip_mode=cfg.clip_mode)
+
+
+class OutputError(OSError):
+    """A file of the run could not be written (read-only, missing, full); the message names it."""
 
 
 class CorpusBatches:
@@ -224,13 +330,13 @@ def train(cfg: TrainConfig | None = None, *, layers=None, loss_fn: Callable | No
             loop, corpus = _set_up(cfg, ranks, layers, loss_fn, data, val_data, relay, checkpoint)
         except ConfigError:
             raise
-        except (ValueError, TypeError, FileNotFoundError, NotADirectoryError) as e:
+        except (ValueError, TypeError, OSError) as e:
             raise ConfigError(str(e)) from e
         loop.callbacks = list(callbacks)
         if cfg.verbose and ranks.lead:
             print(_banner(cfg, loop.relay, ranks, corpus))
         result = loop.run()
-        if cfg.verbose and ranks.lead:
+        if cfg.verbose:  # every rank: the report gathers the weights (a collective when sharded)
             loop.report(result, sample=corpus is not None)
         return result
     finally:
@@ -238,9 +344,11 @@ def train(cfg: TrainConfig | None = None, *, layers=None, loss_fn: Callable | No
 
 
 def _set_up(cfg: TrainConfig, ranks: Ranks, layers, loss_fn, data, val_data, relay, checkpoint):
+    if cfg.out is not None and ranks.lead:
+        prepare_out(cfg)
     corpus = None
     if layers is None and relay is None:  # the reference GPT on the reference corpus
-        corpus = Corpus.load(cfg.data)
+        corpus = load_corpus(cfg)
         data = CorpusBatches(corpus, cfg.batch_size, cfg.context, cfg.seed)
         val_data = corpus_val_batches(corpus, cfg)
     if relay is None:
@@ -249,6 +357,32 @@ def _set_up(cfg: TrainConfig, ranks: Ranks, layers, loss_fn, data, val_data, rel
     if checkpoint is not None:  # after building: construction draws from the RNGs restored now
         loop.restore(*checkpoint)
     return loop, corpus
+
+
+def prepare_out(cfg: TrainConfig) -> None:
+    """The output folder exists and takes files; what an interrupted checkpoint write left is removed."""
+    out = Path(cfg.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(out / CHECKPOINT)
+        with open(out / METRICS, "a"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"cannot write there ({e.strerror or e})", "out", str(cfg.out)) from e
+
+
+def load_corpus(cfg: TrainConfig) -> Corpus:
+    """The reference corpus of cfg.data, with room for a context window in each split."""
+    try:
+        corpus = Corpus.load(cfg.data)
+    except (ValueError, OSError) as e:
+        raise ConfigError(str(e), "data", cfg.data) from e
+    for split in ("train", "val"):
+        size = len(getattr(corpus, split))
+        if size < cfg.context + 1:
+            raise ConfigError(f"its {split} split has {size} bytes, fewer than context + 1 = {cfg.context + 1} "
+                              "(a file's last tenth is validation)", "data", cfg.data)
+    return corpus
 
 
 def sharded(cfg: TrainConfig, ranks: Ranks) -> bool:
@@ -260,11 +394,14 @@ def _load_for_resume(cfg: TrainConfig):
     if cfg.out is None:
         raise ConfigError("resume needs out= (the folder holding the checkpoint)")
     tensors, meta = load_checkpoint(Path(cfg.out) / CHECKPOINT)
-    saved, run = _saved_config(meta), cfg.run_config()
+    saved, run = _saved_config(meta, Path(cfg.out) / CHECKPOINT), cfg.run_config()
     clash = [k for k in saved if k not in RESUME_MAY_CHANGE and saved[k] != run.get(k)]
     if clash:
         raise ConfigError(f"resume: {cfg.out}/{CHECKPOINT} is a different run: " + ", ".join(
             f"{k} is {saved[k]!r} there, {run.get(k)!r} in the config" for k in clash))
+    if cfg.steps < meta["step"]:
+        raise ConfigError(f"is below the checkpoint's step {meta['step']}; give at least that many", "steps",
+                          cfg.steps)
     return tensors, meta
 
 
@@ -320,7 +457,21 @@ class _Loop:
             tensors.update({f"data.{k}": v for k, v in self.data.state_dict().items()})
         meta = {"config": self.cfg.run_config(), "step": self.relay.step, "elapsed": self.elapsed,
                 "l2l_hw_version": __version__}
-        save_checkpoint(self.out / CHECKPOINT, tensors, meta)
+        try:
+            save_checkpoint(self.out / CHECKPOINT, tensors, meta)
+        except (OSError, SafetensorError) as e:  # safetensors reports a full disk as its own error
+            raise OutputError(f"{self.out / CHECKPOINT}: cannot write the checkpoint ({e}); the previous "
+                              "checkpoint is unchanged") from e
+
+    def write_rows(self, metrics, rows: list[dict], rewrite: bool = False) -> None:
+        try:
+            if rewrite:
+                metrics.seek(0)
+                metrics.truncate()
+            metrics.writelines(json.dumps(r) + "\n" for r in rows)
+            metrics.flush()
+        except OSError as e:
+            raise OutputError(f"{self.out / METRICS}: cannot write the metrics ({e.strerror or e})") from e
 
     def run(self) -> TrainResult:
         from tqdm import tqdm
@@ -336,25 +487,24 @@ class _Loop:
         val_loss = None
         bar = tqdm(total=stop, initial=relay.step, unit="step", desc="train", dynamic_ncols=True,
                    disable=not (cfg.verbose and self.ranks.lead))
-        with open(self.out / METRICS if self.files else os.devnull, "w") as metrics:  # rewritten: rows past the
-            metrics.writelines(json.dumps(r) + "\n" for r in self.history)            # checkpoint are dropped
+        # the bar closes (ends its line) before an error is reported; metrics.jsonl is rewritten: rows past the
+        with bar, open(self.out / METRICS if self.files else os.devnull, "w") as metrics:
+            self.write_rows(metrics, self.history)  # checkpoint are dropped
             while relay.step < stop:
                 batch = next(batches, None)
                 if batch is None:  # a finite iterable ran out: validate and checkpoint where it ended
                     if self.history and "val_loss" not in self.history[-1]:
                         val_loss = self.history[-1]["val_loss"] = self.evaluate()
                         if self.files:  # the last row again, with its val_loss
-                            metrics.seek(0)
-                            metrics.truncate()
-                            metrics.writelines(json.dumps(r) + "\n" for r in self.history)
+                            self.write_rows(metrics, self.history, rewrite=True)
                         self.save()
                     break
                 row = self.step(batch)
                 evaluate = relay.step % cfg.eval_every == 0 or relay.step == stop
                 if evaluate:
                     val_loss = row["val_loss"] = self.evaluate()
-                metrics.write(json.dumps(row) + "\n")
-                metrics.flush()
+                if self.files:
+                    self.write_rows(metrics, [row])
                 if evaluate:  # after the row: a checkpoint never runs ahead of its metrics
                     self.save()
                 self.history.append(row)
@@ -366,7 +516,6 @@ class _Loop:
                             board.add_scalar(name, value, row["step"])
                 bar.update(1)
                 bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}")
-        bar.close()
         if board is not None:
             board.close()
         if val_loss is None:  # nothing left to train: report the checkpoint as it is
@@ -417,10 +566,22 @@ def restore_rng(tensors: dict) -> None:
 
 
 def read_metrics(path: Path, up_to_step: int | None = None) -> list[dict]:
-    """The rows of a metrics.jsonl up to a step."""
+    """The rows of a metrics.jsonl up to a step. A torn last line (a kill during its write) is
+    dropped; any other line that is not a metrics row is an error naming the file and line."""
     if not path.exists():
         return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = path.read_text(errors="replace").splitlines()
+    rows = []
+    for number, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict) or not _is_int(row.get("step")):
+                raise ValueError("no step")
+        except ValueError:
+            if number == len(lines):
+                break
+            raise ConfigError(f"{path}: line {number} is not a metrics row; move the file away to resume") from None
+        rows.append(row)
     return [r for r in rows if up_to_step is None or r["step"] <= up_to_step]
 
 
