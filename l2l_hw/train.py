@@ -133,6 +133,8 @@ def check_config(cfg: "TrainConfig") -> None:
     if cfg.activations == "host" and not cfg.recompute:
         raise ConfigError("needs recompute (without it the forward graphs keep every layer's intermediates on "
                           "the device)", "activations", cfg.activations)
+    if cfg.kernel is not None and cfg.overlay is None:
+        raise ConfigError("names an IP in an overlay: give --overlay too (the fpga-pynq EPS)", "kernel", cfg.kernel)
     if (cfg.eps_backend == "fpga-pynq") != (cfg.overlay is not None):
         if cfg.overlay is None:
             raise ConfigError("needs an overlay (--overlay PATH: the .bit with its .hwh beside it, or an xclbin; "
@@ -235,6 +237,8 @@ def resume_config(out: str | os.PathLike, **given) -> TrainConfig:
     RESUME_MAY_CHANGE and the control fields may differ, any other must agree."""
     _, meta = load_checkpoint(Path(out) / CHECKPOINT)
     saved = _saved_config(meta, Path(out) / CHECKPOINT)
+    if given.get("data"):  # as the checkpoint holds it
+        given["data"] = str(Path(given["data"]).expanduser().resolve())
     clash = {k: v for k, v in given.items() if k in saved and k not in RESUME_MAY_CHANGE and v != saved[k]}
     if clash:
         raise ConfigError("--resume: the checkpoint's run differs from what is given: " + ", ".join(
@@ -319,11 +323,15 @@ def train(cfg: TrainConfig | None = None, *, layers=None, loss_fn: Callable | No
           callbacks: Iterable[Callable[[dict], None]] = ()) -> TrainResult:
     """Train per `cfg` (see the module docstring); every callback gets each metrics row."""
     cfg = cfg or TrainConfig()
+    if not isinstance(cfg, TrainConfig):
+        raise ConfigError(f"train() takes a TrainConfig, not a {type(cfg).__name__}")
     if (layers is not None or relay is not None) and data is None:
         raise ConfigError("train() with your own layers or relay needs data= (an iterable of (inputs, targets))")
     if layers is not None and (loss_fn is None or relay is not None):
         raise ConfigError("train(layers=...) needs loss_fn= and no relay=")
     checkpoint = _load_for_resume(cfg) if cfg.resume else None
+    if checkpoint is not None and cfg.warmup is None:  # "a tenth of steps" was settled when the run began
+        cfg = dataclasses.replace(cfg, warmup=checkpoint[1]["config"]["warmup"])
     ranks = join_torchrun(cfg.device, cfg.dist_timeout)
     try:
         try:  # set-up: what fails here is a value or a file of the config, named in the message
@@ -395,6 +403,8 @@ def _load_for_resume(cfg: TrainConfig):
         raise ConfigError("resume needs out= (the folder holding the checkpoint)")
     tensors, meta = load_checkpoint(Path(cfg.out) / CHECKPOINT)
     saved, run = _saved_config(meta, Path(cfg.out) / CHECKPOINT), cfg.run_config()
+    if cfg.warmup is None:  # as train() takes it
+        run["warmup"] = saved["warmup"]
     clash = [k for k in saved if k not in RESUME_MAY_CHANGE and saved[k] != run.get(k)]
     if clash:
         raise ConfigError(f"resume: {cfg.out}/{CHECKPOINT} is a different run: " + ", ".join(

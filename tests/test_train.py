@@ -48,12 +48,16 @@ def test_readme_training_loop_runs_and_its_resume_is_bit_identical_to_a_straight
 
 
 def test_resume_with_a_config_that_differs_from_the_checkpoint_is_refused_naming_the_field(tmp_path):
-    data = [(torch.randn(8, 4), torch.randn(8, 2)) for _ in range(4)]
-    cfg = TrainConfig(steps=4, batch_size=8, micro_batches=2, eval_every=2, out=str(tmp_path), verbose=False)
+    data = [(torch.randn(8, 4), torch.randn(8, 2)) for _ in range(20)]
+    cfg = TrainConfig(steps=20, batch_size=8, micro_batches=2, eval_every=10, out=str(tmp_path), verbose=False)
     train(cfg, layers=[nn.Linear(4, 2)], loss_fn=nn.functional.mse_loss, data=data)
     with pytest.raises(ConfigError, match=r"lr is 0.002 there, 0.1 in the config"):
         train(dataclasses.replace(cfg, lr=0.1, resume=True), layers=[nn.Linear(4, 2)],
               loss_fn=nn.functional.mse_loss, data=data)
+    # a longer step target may change: the warm-up (None: a tenth of steps) stays the one the run began with
+    longer = train(dataclasses.replace(cfg, steps=40, resume=True), layers=[nn.Linear(4, 2)],
+                   loss_fn=nn.functional.mse_loss, data=data * 2)
+    assert longer.relay.step == 40 and longer.relay.eps.config.warmup_steps == 2  # 20 // 10, not 40 // 10
 
 
 def test_callbacks_get_every_metrics_row_and_a_prebuilt_relay_is_trained_in_place():
