@@ -492,8 +492,9 @@ class _Loop:
             self.out.mkdir(parents=True, exist_ok=True)
         board = _tensorboard(self.out, relay.step) if cfg.tensorboard and self.files else None
         batches = iter(self.data)
-        for _ in range(self.skip):
-            next(batches)
+        for skipped in range(self.skip):
+            if next(batches, None) is None:
+                raise ConfigError(f"the data ends after {skipped} batches, before the checkpoint's step {self.skip}")
         val_loss = None
         bar = tqdm(total=stop, initial=relay.step, unit="step", desc="train", dynamic_ncols=True,
                    disable=not (cfg.verbose and self.ranks.lead))
