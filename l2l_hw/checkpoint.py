@@ -18,7 +18,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the header checksum; a version-1 file is refused by the version check
 META_KEY, FORMAT_KEY, CRC_KEY, HEADER_CRC_KEY = "l2l_hw", "l2l_hw_format", "l2l_hw_crc32", "l2l_hw_header_crc32"
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on the JSON header
 

@@ -97,7 +97,7 @@ def test_other_format_version_raises_checkpoint_error_naming_both_versions(tmp_p
     path = tmp_path / "future.safetensors"
     safetensors.torch.save_file({"w": torch.zeros(2)}, str(path),
                                 metadata={"l2l_hw": "{}", "l2l_hw_format": "999", "l2l_hw_crc32": "{}"})
-    with pytest.raises(CheckpointError, match="format version mismatch.*'999'.*version 1"):
+    with pytest.raises(CheckpointError, match="format version mismatch.*'999'.*version 2"):
         load_checkpoint(path)
 
 
