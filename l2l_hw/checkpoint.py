@@ -81,10 +81,12 @@ def _header(entries: dict, meta: dict, crcs: dict[str, int]) -> bytes:
 
 
 def remove_stale_temporaries(path) -> list[Path]:
-    """Remove what an interrupted save_checkpoint(path) left beside `path` (its temporary
-    file, `.{name}.*.tmp`); the removed paths."""
+    """Remove what an interrupted save_checkpoint(path) left beside `path`: its temporary file,
+    and the one safetensors' writer made (".tmp" and 6 characters) when versions before the
+    streamed writer saved. The removed paths."""
     path = Path(path)
-    stale = list(path.parent.glob(f".{path.name}.*.tmp"))
+    stale = list(path.parent.glob(f".{path.name}.*.tmp")) + \
+        [p for p in path.parent.glob(".tmp??????") if p.name[4:].isalnum()]
     for p in stale:
         with contextlib.suppress(FileNotFoundError):
             p.unlink()
