@@ -173,9 +173,10 @@ class Code8:
         return decode_codes(np.arange(256, dtype=np.uint8), self)
 
 
-# m: sign, 4 exponent bits, 3 mantissa bits: 17 binades below the block's largest value.
-# v: no sign (v >= 0), 5 exponent bits, 3 mantissa bits: 34 binades, so sqrt(v), which
-# divides m in the update, spans the same 17 binades with the same relative precision.
+# m: sign, 4 exponent bits, 3 mantissa bits: codes from 2^-17 to 1.875 (x the block scale).
+# v: no sign (v >= 0), 5 exponent bits, 3 mantissa bits: 2^-33 to 1.875, so sqrt(v), which
+# divides m in the update, spans 2^-16.5 to 1.37: about the reach of m, at half m's
+# relative rounding error.
 M_CODE = Code8("m", exp_bits=4, man_bits=3, signed=True)
 V_CODE = Code8("v", exp_bits=5, man_bits=3, signed=False)
 STATE_CODES = {"m": M_CODE, "v": V_CODE}
