@@ -60,17 +60,36 @@ typedef struct {
         step_size, bias_correction2_sqrt, eps, momentum, dampening_complement;
 } l2l_scalars;
 
+/* An 8-bit code book as golden.Code8 defines it (the binding passes golden's). */
+typedef struct { int32_t exp_bits, man_bits, is_signed; } l2l_codebook;
+typedef struct { l2l_codebook m, v; } l2l_codebooks;
+
+/* A code book with the constants of its encode and decode derived once. */
+typedef struct {
+    uint32_t man_bits, drop, rebase, smallest_normal, max_magnitude, mag_mask, sign_mask;
+    float sub_scale, sub_unit; /* 2^subnormal_shift and its inverse */
+} l2l_code;
+
+/* One call: what every tile needs. m/v are float32, bf16 bits or 8-bit codes by `format`;
+ * the 8-bit scales are one float32 per L2L_BLOCK elements. */
 typedef struct {
     l2l_scalars s;
+    int32_t g_dtype, w_dtype, format, uses_m, uses_v;
     const void *g;
-    int32_t g_dtype, w_dtype;
-    const float *p_src, *m_src, *v_src;
-    float *p_dst, *m_dst, *v_dst;
+    const float *p_src;
+    float *p_dst;
     void *w_dst;
-} l2l_step;
+    const void *m_src, *v_src;
+    void *m_dst, *v_dst;
+    const float *m_scale_src, *v_scale_src;
+    float *m_scale_dst, *v_scale_dst;
+    l2l_code m_code, v_code;
+} l2l_job;
 
 static inline uint32_t f2u(float x) { uint32_t u; memcpy(&u, &x, 4); return u; }
 static inline float u2f(uint32_t u) { float x; memcpy(&x, &u, 4); return x; }
+
+#define INLINE static inline __attribute__((always_inline))
 
 /* ---------------------------------------------------------------- scalar path */
 
@@ -105,7 +124,7 @@ static inline uint16_t f32_to_bf16(float x) { /* x canonical: no NaN payload to 
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-static inline float load_grad(const l2l_step *j, int64_t i) {
+static inline float load_grad(const l2l_job *j, int64_t i) {
     switch (j->g_dtype) {
     case L2L_DT_BF16: return u2f((uint32_t)((const uint16_t *)j->g)[i] << 16);
     case L2L_DT_F16: return f16_to_f32(((const uint16_t *)j->g)[i]);
@@ -113,203 +132,65 @@ static inline float load_grad(const l2l_step *j, int64_t i) {
     }
 }
 
-/* One element, statement by statement as golden.apply_rule. Returns 1 when the
- * unscaled gradient is not finite. */
-static inline int step_one(const l2l_step *j, int64_t i) {
-    const l2l_scalars *s = &j->s;
-    float g = load_grad(j, i) * s->inv_scale;
-    int bad = (f2u(g) & 0x7F800000u) == 0x7F800000u;
-    float p = j->p_src[i];
+static inline void store_working(const l2l_job *j, int64_t i, float p) {
+    if (j->w_dtype == L2L_DT_BF16) ((uint16_t *)j->w_dst)[i] = f32_to_bf16(p);
+    else if (j->w_dtype == L2L_DT_F16) ((uint16_t *)j->w_dst)[i] = f32_to_f16(p);
+}
+
+/* golden.apply_rule on one element, statement by statement; g is already unscaled.
+ * Returns the new p; *m and *v are updated where the optimizer has them. */
+static inline float rule1(const l2l_scalars *s, float g, float p, float *m, float *v) {
     if (s->optimizer == L2L_SGD) {
         if (s->weight_decay != 0) g = g + p * s->weight_decay;
         if (s->momentum != 0) {
-            float m = j->m_src[i] * s->momentum + g * s->dampening_complement;
-            g = s->nesterov ? g + m * s->momentum : m;
-            j->m_dst[i] = canon_nan(m);
+            *m = *m * s->momentum + g * s->dampening_complement;
+            g = s->nesterov ? g + *m * s->momentum : *m;
         }
-        p = p - g * s->lr;
-    } else {
-        if (s->optimizer == L2L_ADAM && s->weight_decay != 0) g = g + p * s->weight_decay;
-        if (s->optimizer == L2L_ADAMW && s->weight_decay != 0) p = p * s->decay;
-        float m = j->m_src[i], v = j->v_src[i];
-        m = m + (g - m) * s->one_minus_beta1;
-        v = v * s->beta2 + (g * s->one_minus_beta2) * g;
-        float denom = __builtin_sqrtf(v) / s->bias_correction2_sqrt + s->eps;
-        p = p - (m * s->step_size) / denom;
-        j->m_dst[i] = canon_nan(m);
-        j->v_dst[i] = canon_nan(v);
+        return p - g * s->lr;
     }
-    p = canon_nan(p);
+    if (s->optimizer == L2L_ADAM && s->weight_decay != 0) g = g + p * s->weight_decay;
+    if (s->optimizer == L2L_ADAMW && s->weight_decay != 0) p = p * s->decay;
+    *m = *m + (g - *m) * s->one_minus_beta1;
+    *v = *v * s->beta2 + (g * s->one_minus_beta2) * g;
+    float denom = __builtin_sqrtf(*v) / s->bias_correction2_sqrt + s->eps;
+    return p - (*m * s->step_size) / denom;
+}
+
+static inline int is_nonfinite(float x) { return (f2u(x) & 0x7F800000u) == 0x7F800000u; }
+
+/* One element with fp32 state. Returns 1 when the unscaled gradient is not finite. */
+static inline int step_one(const l2l_job *j, int64_t i) {
+    float g = load_grad(j, i) * j->s.inv_scale, m = 0, v = 0;
+    if (j->uses_m) m = ((const float *)j->m_src)[i];
+    if (j->uses_v) v = ((const float *)j->v_src)[i];
+    float p = canon_nan(rule1(&j->s, g, j->p_src[i], &m, &v));
+    if (j->uses_m) ((float *)j->m_dst)[i] = canon_nan(m);
+    if (j->uses_v) ((float *)j->v_dst)[i] = canon_nan(v);
     j->p_dst[i] = p;
-    if (j->w_dtype == L2L_DT_BF16) ((uint16_t *)j->w_dst)[i] = f32_to_bf16(p);
-    else if (j->w_dtype == L2L_DT_F16) ((uint16_t *)j->w_dst)[i] = f32_to_f16(p);
-    return bad;
+    store_working(j, i, p);
+    return is_nonfinite(g);
 }
 
 static int step_range_scalar(const void *ctx, int64_t begin, int64_t end) {
     int bad = 0;
-    for (int64_t i = begin; i < end; i++) bad |= step_one((const l2l_step *)ctx, i);
+    for (int64_t i = begin; i < end; i++) bad |= step_one((const l2l_job *)ctx, i);
     return bad;
 }
 
-/* ---------------------------------------------------------------- AVX2 + F16C path */
-
-#define AVX2 __attribute__((target("avx2,f16c")))
-
-AVX2 static inline __m256 canon_nan8(__m256 x) {
-    return _mm256_blendv_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-}
-
-AVX2 static int step_range_avx2(const void *ctx, int64_t begin, int64_t end) {
-    const l2l_step *j = ctx;
-    const l2l_scalars *s = &j->s;
-    const __m256i exp_mask = _mm256_set1_epi32(0x7F800000);
-    const __m256 inv_scale = _mm256_set1_ps(s->inv_scale), lr = _mm256_set1_ps(s->lr),
-                 wd = _mm256_set1_ps(s->weight_decay), decay = _mm256_set1_ps(s->decay),
-                 b1c = _mm256_set1_ps(s->one_minus_beta1), b2 = _mm256_set1_ps(s->beta2),
-                 b2c = _mm256_set1_ps(s->one_minus_beta2), step_size = _mm256_set1_ps(s->step_size),
-                 bc2 = _mm256_set1_ps(s->bias_correction2_sqrt), eps = _mm256_set1_ps(s->eps),
-                 mom = _mm256_set1_ps(s->momentum), damp_c = _mm256_set1_ps(s->dampening_complement);
-    const int has_wd = s->weight_decay != 0, has_mom = s->momentum != 0;
-    __m256i bad = _mm256_setzero_si256();
-    int64_t i = begin;
-    for (; i + 8 <= end; i += 8) {
-        __m256 g;
-        if (j->g_dtype == L2L_DT_BF16)
-            g = _mm256_castsi256_ps(_mm256_slli_epi32(
-                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)j->g + i))), 16));
-        else if (j->g_dtype == L2L_DT_F16)
-            g = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)j->g + i)));
-        else
-            g = _mm256_loadu_ps((const float *)j->g + i);
-        g = _mm256_mul_ps(g, inv_scale);
-        bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(g), exp_mask), exp_mask));
-        __m256 p = _mm256_loadu_ps(j->p_src + i);
-        if (s->optimizer == L2L_SGD) {
-            if (has_wd) g = _mm256_add_ps(g, _mm256_mul_ps(p, wd));
-            if (has_mom) {
-                __m256 m = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(j->m_src + i), mom), _mm256_mul_ps(g, damp_c));
-                g = s->nesterov ? _mm256_add_ps(g, _mm256_mul_ps(m, mom)) : m;
-                _mm256_storeu_ps(j->m_dst + i, canon_nan8(m));
-            }
-            p = _mm256_sub_ps(p, _mm256_mul_ps(g, lr));
-        } else {
-            if (s->optimizer == L2L_ADAM && has_wd) g = _mm256_add_ps(g, _mm256_mul_ps(p, wd));
-            if (s->optimizer == L2L_ADAMW && has_wd) p = _mm256_mul_ps(p, decay);
-            __m256 m = _mm256_loadu_ps(j->m_src + i), v = _mm256_loadu_ps(j->v_src + i);
-            m = _mm256_add_ps(m, _mm256_mul_ps(_mm256_sub_ps(g, m), b1c));
-            v = _mm256_add_ps(_mm256_mul_ps(v, b2), _mm256_mul_ps(_mm256_mul_ps(g, b2c), g));
-            __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2), eps);
-            p = _mm256_sub_ps(p, _mm256_div_ps(_mm256_mul_ps(m, step_size), denom));
-            _mm256_storeu_ps(j->m_dst + i, canon_nan8(m));
-            _mm256_storeu_ps(j->v_dst + i, canon_nan8(v));
-        }
-        p = canon_nan8(p);
-        _mm256_storeu_ps(j->p_dst + i, p);
-        if (j->w_dtype == L2L_DT_BF16) {
-            __m256i u = _mm256_castps_si256(p);
-            __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)),
-                                                           _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))), 16);
-            _mm_storeu_si128((__m128i *)((uint16_t *)j->w_dst + i),
-                             _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
-        } else if (j->w_dtype == L2L_DT_F16) {
-            _mm_storeu_si128((__m128i *)((uint16_t *)j->w_dst + i), _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT));
-        }
-    }
-    int flag = !_mm256_testz_si256(bad, bad);
-    return flag | step_range_scalar(ctx, i, end);
-}
-
-/* ---------------------------------------------------------------- AVX-512F path */
-
-#define AVX512 __attribute__((target("avx512f")))
-
-AVX512 static inline __m512 canon_nan16(__m512 x) {
-    return _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000)));
-}
-
-AVX512 static int step_range_avx512(const void *ctx, int64_t begin, int64_t end) {
-    const l2l_step *j = ctx;
-    const l2l_scalars *s = &j->s;
-    const __m512i exp_mask = _mm512_set1_epi32(0x7F800000);
-    const __m512 inv_scale = _mm512_set1_ps(s->inv_scale), lr = _mm512_set1_ps(s->lr),
-                 wd = _mm512_set1_ps(s->weight_decay), decay = _mm512_set1_ps(s->decay),
-                 b1c = _mm512_set1_ps(s->one_minus_beta1), b2 = _mm512_set1_ps(s->beta2),
-                 b2c = _mm512_set1_ps(s->one_minus_beta2), step_size = _mm512_set1_ps(s->step_size),
-                 bc2 = _mm512_set1_ps(s->bias_correction2_sqrt), eps = _mm512_set1_ps(s->eps),
-                 mom = _mm512_set1_ps(s->momentum), damp_c = _mm512_set1_ps(s->dampening_complement);
-    const int has_wd = s->weight_decay != 0, has_mom = s->momentum != 0;
-    __mmask16 bad = 0;
-    int64_t i = begin;
-    for (; i + 16 <= end; i += 16) {
-        __m512 g;
-        if (j->g_dtype == L2L_DT_BF16)
-            g = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)j->g + i))), 16));
-        else if (j->g_dtype == L2L_DT_F16)
-            g = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)j->g + i)));
-        else
-            g = _mm512_loadu_ps((const float *)j->g + i);
-        g = _mm512_mul_ps(g, inv_scale);
-        bad |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(g), exp_mask), exp_mask);
-        __m512 p = _mm512_loadu_ps(j->p_src + i);
-        if (s->optimizer == L2L_SGD) {
-            if (has_wd) g = _mm512_add_ps(g, _mm512_mul_ps(p, wd));
-            if (has_mom) {
-                __m512 m = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(j->m_src + i), mom), _mm512_mul_ps(g, damp_c));
-                g = s->nesterov ? _mm512_add_ps(g, _mm512_mul_ps(m, mom)) : m;
-                _mm512_storeu_ps(j->m_dst + i, canon_nan16(m));
-            }
-            p = _mm512_sub_ps(p, _mm512_mul_ps(g, lr));
-        } else {
-            if (s->optimizer == L2L_ADAM && has_wd) g = _mm512_add_ps(g, _mm512_mul_ps(p, wd));
-            if (s->optimizer == L2L_ADAMW && has_wd) p = _mm512_mul_ps(p, decay);
-            __m512 m = _mm512_loadu_ps(j->m_src + i), v = _mm512_loadu_ps(j->v_src + i);
-            m = _mm512_add_ps(m, _mm512_mul_ps(_mm512_sub_ps(g, m), b1c));
-            v = _mm512_add_ps(_mm512_mul_ps(v, b2), _mm512_mul_ps(_mm512_mul_ps(g, b2c), g));
-            __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bc2), eps);
-            p = _mm512_sub_ps(p, _mm512_div_ps(_mm512_mul_ps(m, step_size), denom));
-            _mm512_storeu_ps(j->m_dst + i, canon_nan16(m));
-            _mm512_storeu_ps(j->v_dst + i, canon_nan16(v));
-        }
-        p = canon_nan16(p);
-        _mm512_storeu_ps(j->p_dst + i, p);
-        if (j->w_dtype == L2L_DT_BF16) {
-            __m512i u = _mm512_castps_si512(p);
-            __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
-                                                           _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
-            _mm256_storeu_si256((__m256i *)((uint16_t *)j->w_dst + i), _mm512_cvtepi32_epi16(r));
-        } else if (j->w_dtype == L2L_DT_F16) {
-            _mm256_storeu_si256((__m256i *)((uint16_t *)j->w_dst + i), _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT));
-        }
-    }
-    return (bad != 0) | step_range_scalar(ctx, i, end);
-}
-
-/* ---------------------------------------------------------------- compressed optimizer state
+/* ---------------------------------------------------------------- compressed state, scalar
  * m and v kept as bf16 or as block-wise 8-bit codes (golden.py, "state formats"). Per block
- * of L2L_BLOCK elements: decode the block's m and v into fp32 buffers on the stack (L1),
- * run this ISA's fp32 update above on the block with m/v pointing at those buffers, encode
- * the new m and v. One pass over memory; the update itself is the fp32 code, so the rule
- * is unchanged. Decoding is exact (8-bit: then one multiply by the block's power-of-two
- * scale); encoding is integer rounding of the bits plus one exact multiply. */
+ * of L2L_BLOCK elements, in one pass: decode m and v (exact; 8-bit: then one multiply by the
+ * block's power-of-two scale), apply the rule, write p and the working copy; bf16 state is
+ * encoded on the spot, 8-bit state goes to fp32 buffers on the stack (L1) and is encoded
+ * once the block's largest magnitude is known: integer rounding of the bits after one
+ * exact multiply by 2^-k. */
 
 #define L2L_BLOCK 256 /* golden.QUANT_BLOCK; L2L_TILE is a multiple, so tiles hold whole blocks */
 #define SCALE_EXP_LIMIT 126
 
-/* An 8-bit code book as golden.Code8 defines it (the binding passes golden's). */
-typedef struct { int32_t exp_bits, man_bits, is_signed; } l2l_codebook;
-typedef struct { l2l_codebook m, v; } l2l_codebooks;
-
 static int codebook_valid(l2l_codebook b) {
-    return b.exp_bits >= 1 && b.man_bits >= 1 && b.exp_bits + b.man_bits + (b.is_signed != 0) == 8 && b.exp_bits <= 6;
+    return b.exp_bits >= 1 && b.exp_bits <= 6 && b.man_bits >= 1 && b.exp_bits + b.man_bits + (b.is_signed != 0) == 8;
 }
-
-/* A code book with the constants of its encode and decode derived once. */
-typedef struct {
-    uint32_t man_bits, drop, rebase, smallest_normal, max_magnitude, mag_mask, sign_mask;
-    float sub_scale, sub_unit; /* 2^subnormal_shift and its inverse */
-} l2l_code;
 
 static l2l_code make_code(l2l_codebook b) {
     uint32_t bias = (1u << b.exp_bits) - 1, man_bits = (uint32_t)b.man_bits, shift = bias - 1 + man_bits;
@@ -343,8 +224,16 @@ static inline float decode_one(uint8_t code, const l2l_code *c) {
     return u2f(f2u(x) | ((uint32_t)(code & c->sign_mask) << 24));
 }
 
-/* The whole-block steps that are not per element: a non-finite block gets scale NaN and
- * codes 0. Returns 0 when the block was written that way, else the inverse scale 2^-k. */
+static inline uint32_t magnitude_max(const float *x, int64_t begin, int64_t end, uint32_t absmax) {
+    for (int64_t i = begin; i < end; i++) {
+        uint32_t mag = f2u(x[i]) & 0x7FFFFFFFu;
+        absmax = mag > absmax ? mag : absmax;
+    }
+    return absmax;
+}
+
+/* The block-wide part of encoding: scale 2^k, or for a block holding Inf/NaN scale NaN and
+ * codes 0. Returns the inverse scale 2^-k, or 0 when the block is written already. */
 static inline float block_scale(uint32_t absmax, uint8_t *codes, float *scale, int64_t len, const l2l_code *c) {
     if (absmax >= 0x7F800000u) {
         memset(codes, 0, (size_t)len);
@@ -356,231 +245,476 @@ static inline float block_scale(uint32_t absmax, uint8_t *codes, float *scale, i
     return exp2_bits(-k);
 }
 
-static void quantize_scalar(const float *x, uint8_t *codes, float *scale, int64_t len, const l2l_code *c) {
-    uint32_t absmax = 0;
-    for (int64_t i = 0; i < len; i++) {
-        uint32_t mag = f2u(x[i]) & 0x7FFFFFFFu;
-        absmax = mag > absmax ? mag : absmax;
+/* Element b of a block starting at b0 (compressed state): decode, rule, write p, the
+ * working copy and (bf16) the state; 8-bit state goes to mbuf/vbuf[b]. */
+static inline int state_one(const l2l_job *j, int64_t b0, int64_t b, float m_scale, float v_scale, float *mbuf,
+                            float *vbuf) {
+    int64_t i = b0 + b;
+    float g = load_grad(j, i) * j->s.inv_scale, m = 0, v = 0;
+    int bf16 = j->format == L2L_STATE_BF16;
+    if (j->uses_m) m = bf16 ? u2f((uint32_t)((const uint16_t *)j->m_src)[i] << 16)
+                            : decode_one(((const uint8_t *)j->m_src)[i], &j->m_code) * m_scale;
+    if (j->uses_v) v = bf16 ? u2f((uint32_t)((const uint16_t *)j->v_src)[i] << 16)
+                            : decode_one(((const uint8_t *)j->v_src)[i], &j->v_code) * v_scale;
+    float p = canon_nan(rule1(&j->s, g, j->p_src[i], &m, &v));
+    j->p_dst[i] = p;
+    store_working(j, i, p);
+    m = canon_nan(m);
+    v = canon_nan(v);
+    if (bf16) {
+        if (j->uses_m) ((uint16_t *)j->m_dst)[i] = f32_to_bf16(m);
+        if (j->uses_v) ((uint16_t *)j->v_dst)[i] = f32_to_bf16(v);
+    } else {
+        mbuf[b] = m;
+        vbuf[b] = v;
     }
-    float inv = block_scale(absmax, codes, scale, len, c);
+    return is_nonfinite(g);
+}
+
+/* Encode buf[done..len) after the vector part [0, done) (already in absmax and codes). */
+typedef float (*encode_fn)(const float *buf, int64_t len, uint32_t absmax, uint8_t *codes, float *scale,
+                           const l2l_code *c);
+
+static float encode_block_scalar(const float *buf, int64_t len, uint32_t absmax, uint8_t *codes, float *scale,
+                                 const l2l_code *c) {
+    float inv = block_scale(magnitude_max(buf, 0, len, absmax), codes, scale, len, c);
     if (inv != 0)
-        for (int64_t i = 0; i < len; i++) codes[i] = encode_one(x[i] * inv, c);
+        for (int64_t i = 0; i < len; i++) codes[i] = encode_one(buf[i] * inv, c);
+    return inv;
 }
 
-static void dequantize_scalar(const uint8_t *codes, float scale, float *x, int64_t len, const l2l_code *c) {
-    for (int64_t i = 0; i < len; i++) x[i] = decode_one(codes[i], c) * scale;
-}
-
-static void bf16_decode_scalar(const uint16_t *h, float *x, int64_t len) {
-    for (int64_t i = 0; i < len; i++) x[i] = u2f((uint32_t)h[i] << 16);
-}
-
-static void bf16_encode_scalar(const float *x, uint16_t *h, int64_t len) { /* x canonical */
-    for (int64_t i = 0; i < len; i++) h[i] = f32_to_bf16(x[i]);
-}
-
-AVX2 static void quantize_avx2(const float *x, uint8_t *codes, float *scale, int64_t len, const l2l_code *c) {
-    const __m256i mag_mask = _mm256_set1_epi32(0x7FFFFFFF);
-    __m256i vmax = _mm256_setzero_si256();
-    int64_t i = 0;
-    for (; i + 8 <= len; i += 8)
-        vmax = _mm256_max_epu32(vmax, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + i)), mag_mask));
-    uint32_t lanes[8], absmax = 0;
-    _mm256_storeu_si256((__m256i *)lanes, vmax);
-    for (int k = 0; k < 8; k++) absmax = lanes[k] > absmax ? lanes[k] : absmax;
-    for (int64_t t = i; t < len; t++) {
-        uint32_t mag = f2u(x[t]) & 0x7FFFFFFFu;
-        absmax = mag > absmax ? mag : absmax;
-    }
-    float inv_s = block_scale(absmax, codes, scale, len, c);
-    if (inv_s == 0) return;
-    const __m256 inv = _mm256_set1_ps(inv_s), sub_scale = _mm256_set1_ps(c->sub_scale);
-    const __m256i smallest_normal = _mm256_set1_epi32((int)c->smallest_normal), rebase = _mm256_set1_epi32((int)c->rebase),
-                  half_m1 = _mm256_set1_epi32((int)((1u << (c->drop - 1)) - 1)), one = _mm256_set1_epi32(1),
-                  max_mag = _mm256_set1_epi32((int)c->max_magnitude), sign_mask = _mm256_set1_epi32((int)c->sign_mask);
-    const __m128i drop = _mm_cvtsi32_si128((int)c->drop);
-    for (i = 0; i + 8 <= len; i += 8) {
-        __m256i bits = _mm256_castps_si256(_mm256_mul_ps(_mm256_loadu_ps(x + i), inv));
-        __m256i mag = _mm256_and_si256(bits, mag_mask);
-        __m256i sub = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_castsi256_ps(mag), sub_scale));
-        __m256i r = _mm256_sub_epi32(mag, rebase);
-        __m256i normal = _mm256_srl_epi32(_mm256_add_epi32(_mm256_add_epi32(r, half_m1),
-                                                           _mm256_and_si256(_mm256_srl_epi32(r, drop), one)), drop);
-        __m256i is_sub = _mm256_cmpgt_epi32(smallest_normal, mag); /* both below 2^31 */
-        __m256i q = _mm256_min_epu32(_mm256_blendv_epi8(normal, sub, is_sub), max_mag);
-        q = _mm256_or_si256(q, _mm256_and_si256(_mm256_srli_epi32(bits, 24), sign_mask));
-        __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
-        _mm_storel_epi64((__m128i *)(codes + i), _mm_packus_epi16(w, w));
-    }
-    for (; i < len; i++) codes[i] = encode_one(x[i] * inv_s, c);
-}
-
-AVX2 static void dequantize_avx2(const uint8_t *codes, float scale, float *x, int64_t len, const l2l_code *c) {
-    const __m256 s = _mm256_set1_ps(scale), sub_unit = _mm256_set1_ps(c->sub_unit);
-    const __m256i mag_mask = _mm256_set1_epi32((int)c->mag_mask), sign_mask = _mm256_set1_epi32((int)c->sign_mask),
-                  rebase = _mm256_set1_epi32((int)c->rebase), zero = _mm256_setzero_si256();
-    const __m128i drop = _mm_cvtsi32_si128((int)c->drop), man_bits = _mm_cvtsi32_si128((int)c->man_bits);
-    int64_t i = 0;
-    for (; i + 8 <= len; i += 8) {
-        __m256i code = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + i)));
-        __m256i mag = _mm256_and_si256(code, mag_mask);
-        __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), sub_unit);
-        __m256i normal = _mm256_add_epi32(_mm256_sll_epi32(mag, drop), rebase);
-        __m256i is_sub = _mm256_cmpeq_epi32(_mm256_srl_epi32(mag, man_bits), zero);
-        __m256i v = _mm256_blendv_epi8(normal, _mm256_castps_si256(sub), is_sub);
-        v = _mm256_or_si256(v, _mm256_slli_epi32(_mm256_and_si256(code, sign_mask), 24));
-        _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_castsi256_ps(v), s));
-    }
-    dequantize_scalar(codes + i, scale, x + i, len - i, c);
-}
-
-AVX2 static void bf16_decode_avx2(const uint16_t *h, float *x, int64_t len) {
-    int64_t i = 0;
-    for (; i + 8 <= len; i += 8)
-        _mm256_storeu_si256((__m256i *)(x + i), _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(h + i))), 16));
-    bf16_decode_scalar(h + i, x + i, len - i);
-}
-
-AVX2 static void bf16_encode_avx2(const float *x, uint16_t *h, int64_t len) {
-    int64_t i = 0;
-    for (; i + 8 <= len; i += 8) {
-        __m256i u = _mm256_loadu_si256((const __m256i *)(x + i));
-        __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)),
-                                                       _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))), 16);
-        _mm_storeu_si128((__m128i *)(h + i), _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
-    }
-    bf16_encode_scalar(x + i, h + i, len - i);
-}
-
-AVX512 static void quantize_avx512(const float *x, uint8_t *codes, float *scale, int64_t len, const l2l_code *c) {
-    const __m512i mag_mask = _mm512_set1_epi32(0x7FFFFFFF);
-    __m512i vmax = _mm512_setzero_si512();
-    int64_t i = 0;
-    for (; i + 16 <= len; i += 16)
-        vmax = _mm512_max_epu32(vmax, _mm512_and_si512(_mm512_loadu_si512(x + i), mag_mask));
-    uint32_t absmax = (uint32_t)_mm512_reduce_max_epu32(vmax);
-    for (int64_t t = i; t < len; t++) {
-        uint32_t mag = f2u(x[t]) & 0x7FFFFFFFu;
-        absmax = mag > absmax ? mag : absmax;
-    }
-    float inv_s = block_scale(absmax, codes, scale, len, c);
-    if (inv_s == 0) return;
-    const __m512 inv = _mm512_set1_ps(inv_s), sub_scale = _mm512_set1_ps(c->sub_scale);
-    const __m512i smallest_normal = _mm512_set1_epi32((int)c->smallest_normal), rebase = _mm512_set1_epi32((int)c->rebase),
-                  half_m1 = _mm512_set1_epi32((int)((1u << (c->drop - 1)) - 1)), one = _mm512_set1_epi32(1),
-                  max_mag = _mm512_set1_epi32((int)c->max_magnitude), sign_mask = _mm512_set1_epi32((int)c->sign_mask);
-    const __m128i drop = _mm_cvtsi32_si128((int)c->drop);
-    for (i = 0; i + 16 <= len; i += 16) {
-        __m512i bits = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(x + i), inv));
-        __m512i mag = _mm512_and_si512(bits, mag_mask);
-        __m512i sub = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_castsi512_ps(mag), sub_scale));
-        __m512i r = _mm512_sub_epi32(mag, rebase);
-        __m512i normal = _mm512_srl_epi32(_mm512_add_epi32(_mm512_add_epi32(r, half_m1),
-                                                           _mm512_and_si512(_mm512_srl_epi32(r, drop), one)), drop);
-        __m512i q = _mm512_mask_mov_epi32(normal, _mm512_cmplt_epu32_mask(mag, smallest_normal), sub);
-        q = _mm512_min_epu32(q, max_mag);
-        q = _mm512_or_si512(q, _mm512_and_si512(_mm512_srli_epi32(bits, 24), sign_mask));
-        _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(q));
-    }
-    for (; i < len; i++) codes[i] = encode_one(x[i] * inv_s, c);
-}
-
-AVX512 static void dequantize_avx512(const uint8_t *codes, float scale, float *x, int64_t len, const l2l_code *c) {
-    const __m512 s = _mm512_set1_ps(scale), sub_unit = _mm512_set1_ps(c->sub_unit);
-    const __m512i mag_mask = _mm512_set1_epi32((int)c->mag_mask), sign_mask = _mm512_set1_epi32((int)c->sign_mask),
-                  rebase = _mm512_set1_epi32((int)c->rebase), min_normal_code = _mm512_set1_epi32(1 << c->man_bits);
-    const __m128i drop = _mm_cvtsi32_si128((int)c->drop);
-    int64_t i = 0;
-    for (; i + 16 <= len; i += 16) {
-        __m512i code = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + i)));
-        __m512i mag = _mm512_and_si512(code, mag_mask);
-        __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), sub_unit);
-        __m512i v = _mm512_add_epi32(_mm512_sll_epi32(mag, drop), rebase);
-        v = _mm512_mask_mov_epi32(v, _mm512_cmplt_epu32_mask(mag, min_normal_code), _mm512_castps_si512(sub));
-        v = _mm512_or_si512(v, _mm512_slli_epi32(_mm512_and_si512(code, sign_mask), 24));
-        _mm512_storeu_ps(x + i, _mm512_mul_ps(_mm512_castsi512_ps(v), s));
-    }
-    dequantize_scalar(codes + i, scale, x + i, len - i, c);
-}
-
-AVX512 static void bf16_decode_avx512(const uint16_t *h, float *x, int64_t len) {
-    int64_t i = 0;
-    for (; i + 16 <= len; i += 16)
-        _mm512_storeu_si512(x + i, _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(h + i))), 16));
-    bf16_decode_scalar(h + i, x + i, len - i);
-}
-
-AVX512 static void bf16_encode_avx512(const float *x, uint16_t *h, int64_t len) {
-    int64_t i = 0;
-    for (; i + 16 <= len; i += 16) {
-        __m512i u = _mm512_loadu_si512(x + i);
-        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
-                                                       _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
-        _mm256_storeu_si256((__m256i *)(h + i), _mm512_cvtepi32_epi16(r));
-    }
-    bf16_encode_scalar(x + i, h + i, len - i);
-}
-
-/* One ISA's pieces of the compressed-state update. */
-typedef struct {
-    int (*update)(const void *step, int64_t begin, int64_t end); /* the fp32 update */
-    void (*quantize)(const float *, uint8_t *, float *, int64_t, const l2l_code *);
-    void (*dequantize)(const uint8_t *, float, float *, int64_t, const l2l_code *);
-    void (*bf16_decode)(const uint16_t *, float *, int64_t);
-    void (*bf16_encode)(const float *, uint16_t *, int64_t);
-} l2l_codec;
-
-static const l2l_codec CODECS[] = {
-    [L2L_ISA_SCALAR] = {step_range_scalar, quantize_scalar, dequantize_scalar, bf16_decode_scalar, bf16_encode_scalar},
-    [L2L_ISA_AVX2] = {step_range_avx2, quantize_avx2, dequantize_avx2, bf16_decode_avx2, bf16_encode_avx2},
-    [L2L_ISA_AVX512] = {step_range_avx512, quantize_avx512, dequantize_avx512, bf16_decode_avx512, bf16_encode_avx512},
-};
-
-/* A step with compressed m (and v): `step` holds scalars, g, p and w; m/v are set per block. */
-typedef struct {
-    l2l_step step;
-    int32_t format, uses_m, uses_v;
-    const l2l_codec *codec;
-    l2l_code m_code, v_code;
-    const void *m_src, *v_src;
-    void *m_dst, *v_dst;
-    const float *m_scale_src, *v_scale_src;
-    float *m_scale_dst, *v_scale_dst;
-} l2l_state_step;
-
-static void decode_block(const l2l_state_step *j, const void *src, const float *scale_src, const l2l_code *c,
-                         int64_t b0, int64_t len, float *out) {
-    if (j->format == L2L_STATE_BF16) j->codec->bf16_decode((const uint16_t *)src + b0, out, len);
-    else j->codec->dequantize((const uint8_t *)src + b0, scale_src[b0 / L2L_BLOCK], out, len, c);
-}
-
-static void encode_block(const l2l_state_step *j, void *dst, float *scale_dst, const l2l_code *c,
-                         int64_t b0, int64_t len, const float *in) {
-    if (j->format == L2L_STATE_BF16) j->codec->bf16_encode(in, (uint16_t *)dst + b0, len);
-    else j->codec->quantize(in, (uint8_t *)dst + b0, scale_dst + b0 / L2L_BLOCK, len, c);
-}
-
-static int state_step_range(const void *ctx, int64_t begin, int64_t end) {
-    const l2l_state_step *j = ctx;
-    float m[L2L_BLOCK] __attribute__((aligned(64))), v[L2L_BLOCK] __attribute__((aligned(64)));
-    size_t g_size = j->step.g_dtype == L2L_DT_F32 ? 4 : 2;
+static int state_range_scalar(const void *ctx, int64_t begin, int64_t end) {
+    const l2l_job *j = ctx;
+    float mbuf[L2L_BLOCK], vbuf[L2L_BLOCK];
     int bad = 0;
     for (int64_t b0 = begin; b0 < end; b0 += L2L_BLOCK) {
-        int64_t len = end - b0 < L2L_BLOCK ? end - b0 : L2L_BLOCK;
-        l2l_step block = j->step; /* the block's elements, from index 0 */
-        block.g = (const char *)j->step.g + b0 * g_size;
-        block.p_src = j->step.p_src + b0;
-        block.p_dst = j->step.p_dst + b0;
-        block.w_dst = j->step.w_dst ? (char *)j->step.w_dst + b0 * 2 : NULL;
-        block.m_src = block.m_dst = m;
-        block.v_src = block.v_dst = v;
-        if (j->uses_m) decode_block(j, j->m_src, j->m_scale_src, &j->m_code, b0, len, m);
-        if (j->uses_v) decode_block(j, j->v_src, j->v_scale_src, &j->v_code, b0, len, v);
-        bad |= j->codec->update(&block, 0, len);
-        if (j->uses_m) encode_block(j, j->m_dst, j->m_scale_dst, &j->m_code, b0, len, m);
-        if (j->uses_v) encode_block(j, j->v_dst, j->v_scale_dst, &j->v_code, b0, len, v);
+        int64_t len = end - b0 < L2L_BLOCK ? end - b0 : L2L_BLOCK, blk = b0 / L2L_BLOCK;
+        int q8 = j->format == L2L_STATE_8BIT;
+        float ms = q8 && j->uses_m ? j->m_scale_src[blk] : 0, vs = q8 && j->uses_v ? j->v_scale_src[blk] : 0;
+        for (int64_t b = 0; b < len; b++) bad |= state_one(j, b0, b, ms, vs, mbuf, vbuf);
+        if (q8 && j->uses_m) encode_block_scalar(mbuf, len, 0, (uint8_t *)j->m_dst + b0, j->m_scale_dst + blk, &j->m_code);
+        if (q8 && j->uses_v) encode_block_scalar(vbuf, len, 0, (uint8_t *)j->v_dst + b0, j->v_scale_dst + blk, &j->v_code);
     }
     return bad;
+}
+
+/* ---------------------------------------------------------------- AVX2 + F16C path */
+
+#define AVX2 __attribute__((target("avx2,f16c")))
+
+typedef struct {
+    __m256 inv_scale, lr, wd, decay, b1c, b2, b2c, step_size, bc2, eps, mom, damp_c;
+} rule8_k;
+
+AVX2 INLINE rule8_k rule8_k_of(const l2l_scalars *s) {
+    return (rule8_k){_mm256_set1_ps(s->inv_scale), _mm256_set1_ps(s->lr), _mm256_set1_ps(s->weight_decay),
+                     _mm256_set1_ps(s->decay), _mm256_set1_ps(s->one_minus_beta1), _mm256_set1_ps(s->beta2),
+                     _mm256_set1_ps(s->one_minus_beta2), _mm256_set1_ps(s->step_size),
+                     _mm256_set1_ps(s->bias_correction2_sqrt), _mm256_set1_ps(s->eps), _mm256_set1_ps(s->momentum),
+                     _mm256_set1_ps(s->dampening_complement)};
+}
+
+AVX2 INLINE __m256 canon_nan8(__m256 x) {
+    return _mm256_blendv_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+
+AVX2 INLINE __m256i nonfinite8(__m256 g) {
+    const __m256i exp_mask = _mm256_set1_epi32(0x7F800000);
+    return _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(g), exp_mask), exp_mask);
+}
+
+AVX2 INLINE __m256 load_g8(const void *g, int64_t i, int g_dtype) {
+    if (g_dtype == L2L_DT_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)g + i))), 16));
+    if (g_dtype == L2L_DT_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)g + i)));
+    return _mm256_loadu_ps((const float *)g + i);
+}
+
+AVX2 INLINE __m128i bf16_round8(__m256 x) { /* x canonical */
+    __m256i u = _mm256_castps_si256(x);
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)),
+                                                   _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))), 16);
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+AVX2 INLINE void store_w8(void *w, int64_t i, __m256 p, int w_dtype) {
+    if (w_dtype == L2L_DT_BF16) _mm_storeu_si128((__m128i *)((uint16_t *)w + i), bf16_round8(p));
+    else if (w_dtype == L2L_DT_F16) _mm_storeu_si128((__m128i *)((uint16_t *)w + i), _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT));
+}
+
+AVX2 INLINE __m256 bf16_load8(const void *h, int64_t i) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)h + i))), 16));
+}
+
+/* golden.apply_rule on 8 lanes, as rule1. */
+AVX2 INLINE __m256 rule8(const l2l_scalars *s, const rule8_k *k, __m256 g, __m256 p, __m256 *m, __m256 *v) {
+    if (s->optimizer == L2L_SGD) {
+        if (s->weight_decay != 0) g = _mm256_add_ps(g, _mm256_mul_ps(p, k->wd));
+        if (s->momentum != 0) {
+            *m = _mm256_add_ps(_mm256_mul_ps(*m, k->mom), _mm256_mul_ps(g, k->damp_c));
+            g = s->nesterov ? _mm256_add_ps(g, _mm256_mul_ps(*m, k->mom)) : *m;
+        }
+        return _mm256_sub_ps(p, _mm256_mul_ps(g, k->lr));
+    }
+    if (s->optimizer == L2L_ADAM && s->weight_decay != 0) g = _mm256_add_ps(g, _mm256_mul_ps(p, k->wd));
+    if (s->optimizer == L2L_ADAMW && s->weight_decay != 0) p = _mm256_mul_ps(p, k->decay);
+    *m = _mm256_add_ps(*m, _mm256_mul_ps(_mm256_sub_ps(g, *m), k->b1c));
+    *v = _mm256_add_ps(_mm256_mul_ps(*v, k->b2), _mm256_mul_ps(_mm256_mul_ps(g, k->b2c), g));
+    __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(*v), k->bc2), k->eps);
+    return _mm256_sub_ps(p, _mm256_div_ps(_mm256_mul_ps(*m, k->step_size), denom));
+}
+
+AVX2 INLINE int step_loop_avx2(const l2l_job *j, int64_t begin, int64_t end, int g_dtype, int w_dtype) {
+    const l2l_scalars s = j->s;
+    const rule8_k k = rule8_k_of(&s);
+    const void *g = j->g;
+    const float *p_src = j->p_src, *m_src = j->m_src, *v_src = j->v_src;
+    float *p_dst = j->p_dst, *m_dst = j->m_dst, *v_dst = j->v_dst;
+    void *w_dst = j->w_dst;
+    const int uses_m = j->uses_m, uses_v = j->uses_v;
+    __m256i bad = _mm256_setzero_si256();
+    int64_t i = begin;
+    for (; i + 8 <= end; i += 8) {
+        __m256 gv = _mm256_mul_ps(load_g8(g, i, g_dtype), k.inv_scale);
+        bad = _mm256_or_si256(bad, nonfinite8(gv));
+        __m256 m = uses_m ? _mm256_loadu_ps(m_src + i) : _mm256_setzero_ps();
+        __m256 v = uses_v ? _mm256_loadu_ps(v_src + i) : _mm256_setzero_ps();
+        __m256 p = canon_nan8(rule8(&s, &k, gv, _mm256_loadu_ps(p_src + i), &m, &v));
+        if (uses_m) _mm256_storeu_ps(m_dst + i, canon_nan8(m));
+        if (uses_v) _mm256_storeu_ps(v_dst + i, canon_nan8(v));
+        _mm256_storeu_ps(p_dst + i, p);
+        store_w8(w_dst, i, p, w_dtype);
+    }
+    return (!_mm256_testz_si256(bad, bad)) | step_range_scalar(j, i, end);
+}
+
+/* One 8-bit code book's constants on 8 lanes. */
+typedef struct {
+    __m256i mag_mask, sign_mask, rebase, smallest_normal, half_m1, max_mag, min_normal_code;
+    __m256 sub_scale, sub_unit;
+    __m128i drop, man_bits;
+} code8_k;
+
+AVX2 INLINE code8_k code8_k_of(const l2l_code *c) {
+    return (code8_k){_mm256_set1_epi32((int)c->mag_mask), _mm256_set1_epi32((int)c->sign_mask),
+                     _mm256_set1_epi32((int)c->rebase), _mm256_set1_epi32((int)c->smallest_normal),
+                     _mm256_set1_epi32((int)((1u << (c->drop - 1)) - 1)), _mm256_set1_epi32((int)c->max_magnitude),
+                     _mm256_set1_epi32(1 << c->man_bits), _mm256_set1_ps(c->sub_scale), _mm256_set1_ps(c->sub_unit),
+                     _mm_cvtsi32_si128((int)c->drop), _mm_cvtsi32_si128((int)c->man_bits)};
+}
+
+AVX2 INLINE __m256 decode8(const code8_k *c, const uint8_t *codes, __m256 scale) {
+    __m256i code = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)codes));
+    __m256i mag = _mm256_and_si256(code, c->mag_mask);
+    __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), c->sub_unit);
+    __m256i normal = _mm256_add_epi32(_mm256_sll_epi32(mag, c->drop), c->rebase);
+    __m256i x = _mm256_blendv_epi8(normal, _mm256_castps_si256(sub), _mm256_cmpgt_epi32(c->min_normal_code, mag));
+    x = _mm256_or_si256(x, _mm256_slli_epi32(_mm256_and_si256(code, c->sign_mask), 24));
+    return _mm256_mul_ps(_mm256_castsi256_ps(x), scale);
+}
+
+AVX2 INLINE void encode8(const code8_k *c, __m256 x, __m256 inv, uint8_t *codes) {
+    const __m256i mag_mask = _mm256_set1_epi32(0x7FFFFFFF), one = _mm256_set1_epi32(1);
+    __m256i bits = _mm256_castps_si256(_mm256_mul_ps(x, inv));
+    __m256i mag = _mm256_and_si256(bits, mag_mask);
+    __m256i sub = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_castsi256_ps(mag), c->sub_scale));
+    __m256i r = _mm256_sub_epi32(mag, c->rebase);
+    __m256i normal = _mm256_srl_epi32(_mm256_add_epi32(_mm256_add_epi32(r, c->half_m1),
+                                                       _mm256_and_si256(_mm256_srl_epi32(r, c->drop), one)), c->drop);
+    __m256i q = _mm256_blendv_epi8(normal, sub, _mm256_cmpgt_epi32(c->smallest_normal, mag)); /* both < 2^31 */
+    q = _mm256_min_epu32(q, c->max_mag);
+    q = _mm256_or_si256(q, _mm256_and_si256(_mm256_srli_epi32(bits, 24), c->sign_mask));
+    __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+    _mm_storel_epi64((__m128i *)codes, _mm_packus_epi16(w, w));
+}
+
+AVX2 INLINE uint32_t max8(__m256i x) {
+    uint32_t lanes[8], m = 0;
+    _mm256_storeu_si256((__m256i *)lanes, x);
+    for (int k = 0; k < 8; k++) m = lanes[k] > m ? lanes[k] : m;
+    return m;
+}
+
+AVX2 static float encode_block_avx2(const float *buf, int64_t len, uint32_t absmax, uint8_t *codes, float *scale,
+                                    const l2l_code *c) {
+    int64_t vec = len & ~(int64_t)7;
+    float inv = block_scale(magnitude_max(buf, vec, len, absmax), codes, scale, len, c);
+    if (inv == 0) return 0;
+    const code8_k k = code8_k_of(c);
+    const __m256 inv8 = _mm256_set1_ps(inv);
+    for (int64_t i = 0; i < vec; i += 8) encode8(&k, _mm256_load_ps(buf + i), inv8, codes + i);
+    for (int64_t i = vec; i < len; i++) codes[i] = encode_one(buf[i] * inv, c);
+    return inv;
+}
+
+AVX2 INLINE int state_loop_avx2(const l2l_job *j, int64_t begin, int64_t end, int g_dtype, int w_dtype, int format) {
+    const l2l_scalars s = j->s;
+    const rule8_k k = rule8_k_of(&s);
+    const code8_k mk = code8_k_of(&j->m_code), vk = code8_k_of(&j->v_code);
+    const __m256i mag_mask = _mm256_set1_epi32(0x7FFFFFFF);
+    const int uses_m = j->uses_m, uses_v = j->uses_v;
+    float mbuf[L2L_BLOCK] __attribute__((aligned(32))), vbuf[L2L_BLOCK] __attribute__((aligned(32)));
+    int bad = 0;
+    for (int64_t b0 = begin; b0 < end; b0 += L2L_BLOCK) {
+        int64_t len = end - b0 < L2L_BLOCK ? end - b0 : L2L_BLOCK, blk = b0 / L2L_BLOCK, b = 0;
+        const int q8 = format == L2L_STATE_8BIT;
+        float ms = q8 && uses_m ? j->m_scale_src[blk] : 0, vs = q8 && uses_v ? j->v_scale_src[blk] : 0;
+        const __m256 ms8 = _mm256_set1_ps(ms), vs8 = _mm256_set1_ps(vs);
+        __m256i bad8 = _mm256_setzero_si256(), mmax = _mm256_setzero_si256(), vmax = _mm256_setzero_si256();
+        for (; b + 8 <= len; b += 8) {
+            int64_t i = b0 + b;
+            __m256 gv = _mm256_mul_ps(load_g8(j->g, i, g_dtype), k.inv_scale);
+            bad8 = _mm256_or_si256(bad8, nonfinite8(gv));
+            __m256 m = _mm256_setzero_ps(), v = _mm256_setzero_ps();
+            if (uses_m) m = q8 ? decode8(&mk, (const uint8_t *)j->m_src + i, ms8) : bf16_load8(j->m_src, i);
+            if (uses_v) v = q8 ? decode8(&vk, (const uint8_t *)j->v_src + i, vs8) : bf16_load8(j->v_src, i);
+            __m256 p = canon_nan8(rule8(&s, &k, gv, _mm256_loadu_ps(j->p_src + i), &m, &v));
+            _mm256_storeu_ps(j->p_dst + i, p);
+            store_w8(j->w_dst, i, p, w_dtype);
+            m = canon_nan8(m);
+            v = canon_nan8(v);
+            if (q8) {
+                _mm256_store_ps(mbuf + b, m);
+                _mm256_store_ps(vbuf + b, v);
+                mmax = _mm256_max_epu32(mmax, _mm256_and_si256(_mm256_castps_si256(m), mag_mask));
+                vmax = _mm256_max_epu32(vmax, _mm256_and_si256(_mm256_castps_si256(v), mag_mask));
+            } else {
+                if (uses_m) _mm_storeu_si128((__m128i *)((uint16_t *)j->m_dst + i), bf16_round8(m));
+                if (uses_v) _mm_storeu_si128((__m128i *)((uint16_t *)j->v_dst + i), bf16_round8(v));
+            }
+        }
+        bad |= !_mm256_testz_si256(bad8, bad8);
+        for (; b < len; b++) bad |= state_one(j, b0, b, ms, vs, mbuf, vbuf);
+        if (q8 && uses_m) encode_block_avx2(mbuf, len, max8(mmax), (uint8_t *)j->m_dst + b0, j->m_scale_dst + blk, &j->m_code);
+        if (q8 && uses_v) encode_block_avx2(vbuf, len, max8(vmax), (uint8_t *)j->v_dst + b0, j->v_scale_dst + blk, &j->v_code);
+    }
+    return bad;
+}
+
+/* ---------------------------------------------------------------- AVX-512F path */
+
+#define AVX512 __attribute__((target("avx512f")))
+
+typedef struct {
+    __m512 inv_scale, lr, wd, decay, b1c, b2, b2c, step_size, bc2, eps, mom, damp_c;
+} rule16_k;
+
+AVX512 INLINE rule16_k rule16_k_of(const l2l_scalars *s) {
+    return (rule16_k){_mm512_set1_ps(s->inv_scale), _mm512_set1_ps(s->lr), _mm512_set1_ps(s->weight_decay),
+                      _mm512_set1_ps(s->decay), _mm512_set1_ps(s->one_minus_beta1), _mm512_set1_ps(s->beta2),
+                      _mm512_set1_ps(s->one_minus_beta2), _mm512_set1_ps(s->step_size),
+                      _mm512_set1_ps(s->bias_correction2_sqrt), _mm512_set1_ps(s->eps), _mm512_set1_ps(s->momentum),
+                      _mm512_set1_ps(s->dampening_complement)};
+}
+
+AVX512 INLINE __m512 canon_nan16(__m512 x) {
+    return _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000)));
+}
+
+AVX512 INLINE __mmask16 nonfinite16(__m512 g) {
+    const __m512i exp_mask = _mm512_set1_epi32(0x7F800000);
+    return _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(g), exp_mask), exp_mask);
+}
+
+AVX512 INLINE __m512 load_g16(const void *g, int64_t i, int g_dtype) {
+    if (g_dtype == L2L_DT_BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)g + i))), 16));
+    if (g_dtype == L2L_DT_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)g + i)));
+    return _mm512_loadu_ps((const float *)g + i);
+}
+
+AVX512 INLINE __m256i bf16_round16(__m512 x) { /* x canonical */
+    __m512i u = _mm512_castps_si512(x);
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
+                                                   _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
+    return _mm512_cvtepi32_epi16(r);
+}
+
+AVX512 INLINE void store_w16(void *w, int64_t i, __m512 p, int w_dtype) {
+    if (w_dtype == L2L_DT_BF16) _mm256_storeu_si256((__m256i *)((uint16_t *)w + i), bf16_round16(p));
+    else if (w_dtype == L2L_DT_F16) _mm256_storeu_si256((__m256i *)((uint16_t *)w + i), _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT));
+}
+
+AVX512 INLINE __m512 bf16_load16(const void *h, int64_t i) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)h + i))), 16));
+}
+
+/* golden.apply_rule on 16 lanes, as rule1. */
+AVX512 INLINE __m512 rule16(const l2l_scalars *s, const rule16_k *k, __m512 g, __m512 p, __m512 *m, __m512 *v) {
+    if (s->optimizer == L2L_SGD) {
+        if (s->weight_decay != 0) g = _mm512_add_ps(g, _mm512_mul_ps(p, k->wd));
+        if (s->momentum != 0) {
+            *m = _mm512_add_ps(_mm512_mul_ps(*m, k->mom), _mm512_mul_ps(g, k->damp_c));
+            g = s->nesterov ? _mm512_add_ps(g, _mm512_mul_ps(*m, k->mom)) : *m;
+        }
+        return _mm512_sub_ps(p, _mm512_mul_ps(g, k->lr));
+    }
+    if (s->optimizer == L2L_ADAM && s->weight_decay != 0) g = _mm512_add_ps(g, _mm512_mul_ps(p, k->wd));
+    if (s->optimizer == L2L_ADAMW && s->weight_decay != 0) p = _mm512_mul_ps(p, k->decay);
+    *m = _mm512_add_ps(*m, _mm512_mul_ps(_mm512_sub_ps(g, *m), k->b1c));
+    *v = _mm512_add_ps(_mm512_mul_ps(*v, k->b2), _mm512_mul_ps(_mm512_mul_ps(g, k->b2c), g));
+    __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(*v), k->bc2), k->eps);
+    return _mm512_sub_ps(p, _mm512_div_ps(_mm512_mul_ps(*m, k->step_size), denom));
+}
+
+AVX512 INLINE int step_loop_avx512(const l2l_job *j, int64_t begin, int64_t end, int g_dtype, int w_dtype) {
+    const l2l_scalars s = j->s;
+    const rule16_k k = rule16_k_of(&s);
+    const void *g = j->g;
+    const float *p_src = j->p_src, *m_src = j->m_src, *v_src = j->v_src;
+    float *p_dst = j->p_dst, *m_dst = j->m_dst, *v_dst = j->v_dst;
+    void *w_dst = j->w_dst;
+    const int uses_m = j->uses_m, uses_v = j->uses_v;
+    __mmask16 bad = 0;
+    int64_t i = begin;
+    for (; i + 16 <= end; i += 16) {
+        __m512 gv = _mm512_mul_ps(load_g16(g, i, g_dtype), k.inv_scale);
+        bad |= nonfinite16(gv);
+        __m512 m = uses_m ? _mm512_loadu_ps(m_src + i) : _mm512_setzero_ps();
+        __m512 v = uses_v ? _mm512_loadu_ps(v_src + i) : _mm512_setzero_ps();
+        __m512 p = canon_nan16(rule16(&s, &k, gv, _mm512_loadu_ps(p_src + i), &m, &v));
+        if (uses_m) _mm512_storeu_ps(m_dst + i, canon_nan16(m));
+        if (uses_v) _mm512_storeu_ps(v_dst + i, canon_nan16(v));
+        _mm512_storeu_ps(p_dst + i, p);
+        store_w16(w_dst, i, p, w_dtype);
+    }
+    return (bad != 0) | step_range_scalar(j, i, end);
+}
+
+typedef struct {
+    __m512i mag_mask, sign_mask, rebase, smallest_normal, half_m1, max_mag, min_normal_code;
+    __m512 sub_scale, sub_unit;
+    __m128i drop;
+} code16_k;
+
+AVX512 INLINE code16_k code16_k_of(const l2l_code *c) {
+    return (code16_k){_mm512_set1_epi32((int)c->mag_mask), _mm512_set1_epi32((int)c->sign_mask),
+                      _mm512_set1_epi32((int)c->rebase), _mm512_set1_epi32((int)c->smallest_normal),
+                      _mm512_set1_epi32((int)((1u << (c->drop - 1)) - 1)), _mm512_set1_epi32((int)c->max_magnitude),
+                      _mm512_set1_epi32(1 << c->man_bits), _mm512_set1_ps(c->sub_scale), _mm512_set1_ps(c->sub_unit),
+                      _mm_cvtsi32_si128((int)c->drop)};
+}
+
+AVX512 INLINE __m512 decode16(const code16_k *c, const uint8_t *codes, __m512 scale) {
+    __m512i code = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes));
+    __m512i mag = _mm512_and_si512(code, c->mag_mask);
+    __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), c->sub_unit);
+    __m512i x = _mm512_add_epi32(_mm512_sll_epi32(mag, c->drop), c->rebase);
+    x = _mm512_mask_mov_epi32(x, _mm512_cmplt_epu32_mask(mag, c->min_normal_code), _mm512_castps_si512(sub));
+    x = _mm512_or_si512(x, _mm512_slli_epi32(_mm512_and_si512(code, c->sign_mask), 24));
+    return _mm512_mul_ps(_mm512_castsi512_ps(x), scale);
+}
+
+AVX512 INLINE void encode16(const code16_k *c, __m512 x, __m512 inv, uint8_t *codes) {
+    const __m512i mag_mask = _mm512_set1_epi32(0x7FFFFFFF), one = _mm512_set1_epi32(1);
+    __m512i bits = _mm512_castps_si512(_mm512_mul_ps(x, inv));
+    __m512i mag = _mm512_and_si512(bits, mag_mask);
+    __m512i sub = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_castsi512_ps(mag), c->sub_scale));
+    __m512i r = _mm512_sub_epi32(mag, c->rebase);
+    __m512i normal = _mm512_srl_epi32(_mm512_add_epi32(_mm512_add_epi32(r, c->half_m1),
+                                                       _mm512_and_si512(_mm512_srl_epi32(r, c->drop), one)), c->drop);
+    __m512i q = _mm512_mask_mov_epi32(normal, _mm512_cmplt_epu32_mask(mag, c->smallest_normal), sub);
+    q = _mm512_min_epu32(q, c->max_mag);
+    q = _mm512_or_si512(q, _mm512_and_si512(_mm512_srli_epi32(bits, 24), c->sign_mask));
+    _mm_storeu_si128((__m128i *)codes, _mm512_cvtepi32_epi8(q));
+}
+
+AVX512 static float encode_block_avx512(const float *buf, int64_t len, uint32_t absmax, uint8_t *codes, float *scale,
+                                        const l2l_code *c) {
+    int64_t vec = len & ~(int64_t)15;
+    float inv = block_scale(magnitude_max(buf, vec, len, absmax), codes, scale, len, c);
+    if (inv == 0) return 0;
+    const code16_k k = code16_k_of(c);
+    const __m512 inv16 = _mm512_set1_ps(inv);
+    for (int64_t i = 0; i < vec; i += 16) encode16(&k, _mm512_load_ps(buf + i), inv16, codes + i);
+    for (int64_t i = vec; i < len; i++) codes[i] = encode_one(buf[i] * inv, c);
+    return inv;
+}
+
+AVX512 INLINE int state_loop_avx512(const l2l_job *j, int64_t begin, int64_t end, int g_dtype, int w_dtype, int format) {
+    const l2l_scalars s = j->s;
+    const rule16_k k = rule16_k_of(&s);
+    const code16_k mk = code16_k_of(&j->m_code), vk = code16_k_of(&j->v_code);
+    const __m512i mag_mask = _mm512_set1_epi32(0x7FFFFFFF);
+    const int uses_m = j->uses_m, uses_v = j->uses_v;
+    float mbuf[L2L_BLOCK] __attribute__((aligned(64))), vbuf[L2L_BLOCK] __attribute__((aligned(64)));
+    int bad = 0;
+    for (int64_t b0 = begin; b0 < end; b0 += L2L_BLOCK) {
+        int64_t len = end - b0 < L2L_BLOCK ? end - b0 : L2L_BLOCK, blk = b0 / L2L_BLOCK, b = 0;
+        const int q8 = format == L2L_STATE_8BIT;
+        float ms = q8 && uses_m ? j->m_scale_src[blk] : 0, vs = q8 && uses_v ? j->v_scale_src[blk] : 0;
+        const __m512 ms16 = _mm512_set1_ps(ms), vs16 = _mm512_set1_ps(vs);
+        __m512i mmax = _mm512_setzero_si512(), vmax = _mm512_setzero_si512();
+        __mmask16 bad16 = 0;
+        for (; b + 16 <= len; b += 16) {
+            int64_t i = b0 + b;
+            __m512 gv = _mm512_mul_ps(load_g16(j->g, i, g_dtype), k.inv_scale);
+            bad16 |= nonfinite16(gv);
+            __m512 m = _mm512_setzero_ps(), v = _mm512_setzero_ps();
+            if (uses_m) m = q8 ? decode16(&mk, (const uint8_t *)j->m_src + i, ms16) : bf16_load16(j->m_src, i);
+            if (uses_v) v = q8 ? decode16(&vk, (const uint8_t *)j->v_src + i, vs16) : bf16_load16(j->v_src, i);
+            __m512 p = canon_nan16(rule16(&s, &k, gv, _mm512_loadu_ps(j->p_src + i), &m, &v));
+            _mm512_storeu_ps(j->p_dst + i, p);
+            store_w16(j->w_dst, i, p, w_dtype);
+            m = canon_nan16(m);
+            v = canon_nan16(v);
+            if (q8) {
+                _mm512_store_ps(mbuf + b, m);
+                _mm512_store_ps(vbuf + b, v);
+                mmax = _mm512_max_epu32(mmax, _mm512_and_si512(_mm512_castps_si512(m), mag_mask));
+                vmax = _mm512_max_epu32(vmax, _mm512_and_si512(_mm512_castps_si512(v), mag_mask));
+            } else {
+                if (uses_m) _mm256_storeu_si256((__m256i *)((uint16_t *)j->m_dst + i), bf16_round16(m));
+                if (uses_v) _mm256_storeu_si256((__m256i *)((uint16_t *)j->v_dst + i), bf16_round16(v));
+            }
+        }
+        bad |= bad16 != 0;
+        for (; b < len; b++) bad |= state_one(j, b0, b, ms, vs, mbuf, vbuf);
+        if (q8 && uses_m) encode_block_avx512(mbuf, len, (uint32_t)_mm512_reduce_max_epu32(mmax), (uint8_t *)j->m_dst + b0,
+                                              j->m_scale_dst + blk, &j->m_code);
+        if (q8 && uses_v) encode_block_avx512(vbuf, len, (uint32_t)_mm512_reduce_max_epu32(vmax), (uint8_t *)j->v_dst + b0,
+                                              j->v_scale_dst + blk, &j->v_code);
+    }
+    return bad;
+}
+
+/* ---------------------------------------------------------------- dispatch
+ * Each loop above is inlined once per (gradient dtype, working dtype[, state format]), so
+ * the loop body has no run-time dtype tests. */
+
+#define DTYPE_CASES(LOOP, ...)                                                          \
+    switch (j->g_dtype * 3 + (j->w_dtype == L2L_DT_NONE ? 0 : j->w_dtype)) {              \
+    case 0: return LOOP(j, begin, end, L2L_DT_F32, L2L_DT_NONE, ##__VA_ARGS__);         \
+    case 1: return LOOP(j, begin, end, L2L_DT_F32, L2L_DT_BF16, ##__VA_ARGS__);         \
+    case 2: return LOOP(j, begin, end, L2L_DT_F32, L2L_DT_F16, ##__VA_ARGS__);          \
+    case 3: return LOOP(j, begin, end, L2L_DT_BF16, L2L_DT_NONE, ##__VA_ARGS__);        \
+    case 4: return LOOP(j, begin, end, L2L_DT_BF16, L2L_DT_BF16, ##__VA_ARGS__);        \
+    case 5: return LOOP(j, begin, end, L2L_DT_BF16, L2L_DT_F16, ##__VA_ARGS__);         \
+    case 6: return LOOP(j, begin, end, L2L_DT_F16, L2L_DT_NONE, ##__VA_ARGS__);         \
+    case 7: return LOOP(j, begin, end, L2L_DT_F16, L2L_DT_BF16, ##__VA_ARGS__);         \
+    default: return LOOP(j, begin, end, L2L_DT_F16, L2L_DT_F16, ##__VA_ARGS__);         \
+    }
+
+AVX2 static int step_range_avx2(const void *ctx, int64_t begin, int64_t end) {
+    const l2l_job *j = ctx;
+    DTYPE_CASES(step_loop_avx2)
+}
+
+AVX2 static int state_range_avx2(const void *ctx, int64_t begin, int64_t end) {
+    const l2l_job *j = ctx;
+    if (j->format == L2L_STATE_BF16) { DTYPE_CASES(state_loop_avx2, L2L_STATE_BF16) }
+    DTYPE_CASES(state_loop_avx2, L2L_STATE_8BIT)
+}
+
+AVX512 static int step_range_avx512(const void *ctx, int64_t begin, int64_t end) {
+    const l2l_job *j = ctx;
+    DTYPE_CASES(step_loop_avx512)
+}
+
+AVX512 static int state_range_avx512(const void *ctx, int64_t begin, int64_t end) {
+    const l2l_job *j = ctx;
+    if (j->format == L2L_STATE_BF16) { DTYPE_CASES(state_loop_avx512, L2L_STATE_BF16) }
+    DTYPE_CASES(state_loop_avx512, L2L_STATE_8BIT)
 }
 
 /* ---------------------------------------------------------------- memory stream
@@ -814,16 +948,20 @@ EXPORT int l2l_host_step(const l2l_scalars *s, int64_t n, const l2l_buffers *b, 
         state_format < L2L_STATE_F32 || state_format > L2L_STATE_8BIT ||
         (state_format == L2L_STATE_8BIT && !(codebook_valid(codes->m) && codebook_valid(codes->v))))
         return L2L_E_ARG;
-    if (!l2l_host_isa_supported(isa)) return L2L_E_ISA;
-    if (n == 0) return 0;
-    threads = threads < L2L_MAX_THREADS ? threads : L2L_MAX_THREADS;
     int uses_v = s->optimizer != L2L_SGD, uses_m = uses_v || s->momentum != 0;
-    l2l_step step = {*s, b->g, g_dtype, w_dtype, b->p_src, b->m_src, b->v_src, b->p_dst, b->m_dst, b->v_dst, b->w_dst};
-    if (state_format == L2L_STATE_F32 || !uses_m) return parallel_tiles(CODECS[isa].update, &step, n, threads);
-    l2l_state_step job = {step, state_format, uses_m, uses_v, &CODECS[isa], make_code(codes->m), make_code(codes->v),
-                          b->m_src, b->v_src, b->m_dst, b->v_dst, b->m_scale_src, b->v_scale_src,
-                          b->m_scale_dst, b->v_scale_dst};
-    return parallel_tiles(state_step_range, &job, n, threads);
+    if (!uses_m) state_format = L2L_STATE_F32; /* no state to keep */
+    range_fn fn = state_format == L2L_STATE_F32 ? pick(isa, step_range_scalar, step_range_avx2, step_range_avx512)
+                                                : pick(isa, state_range_scalar, state_range_avx2, state_range_avx512);
+    if (fn == NULL) return L2L_E_ISA;
+    if (n == 0) return 0;
+    l2l_job job = {*s, g_dtype, w_dtype, state_format, uses_m, uses_v, b->g, b->p_src, b->p_dst, b->w_dst,
+                   b->m_src, b->v_src, b->m_dst, b->v_dst, b->m_scale_src, b->v_scale_src, b->m_scale_dst,
+                   b->v_scale_dst, {0}, {0}};
+    if (state_format == L2L_STATE_8BIT) {
+        job.m_code = make_code(codes->m);
+        job.v_code = make_code(codes->v);
+    }
+    return parallel_tiles(fn, &job, n, threads < L2L_MAX_THREADS ? threads : L2L_MAX_THREADS);
 }
 
 EXPORT int l2l_host_stream(int64_t n, const uint16_t *g, float *p, float *m, float *v, uint16_t *w,
