@@ -75,6 +75,7 @@ typedef struct {
 typedef struct {
     l2l_scalars s;
     int32_t g_dtype, w_dtype, format, uses_m, uses_v;
+    int32_t nontemporal; /* fp32 stores streaming (destinations 64-byte aligned) */
     const void *g;
     const float *p_src;
     float *p_dst;
@@ -530,9 +531,19 @@ AVX512 INLINE __m256i bf16_round16(__m512 x) { /* x canonical */
     return _mm512_cvtepi32_epi16(r);
 }
 
-AVX512 INLINE void store_w16(void *w, int64_t i, __m512 p, int w_dtype) {
-    if (w_dtype == L2L_DT_BF16) _mm256_storeu_si256((__m256i *)((uint16_t *)w + i), bf16_round16(p));
-    else if (w_dtype == L2L_DT_F16) _mm256_storeu_si256((__m256i *)((uint16_t *)w + i), _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT));
+AVX512 INLINE void store16(float *a, __m512 x, int nt) {
+    if (nt) _mm512_stream_ps(a, x);
+    else _mm512_storeu_ps(a, x);
+}
+
+AVX512 INLINE void store_half16(void *a, __m256i x, int nt) {
+    if (nt) _mm256_stream_si256((__m256i *)a, x);
+    else _mm256_storeu_si256((__m256i *)a, x);
+}
+
+AVX512 INLINE void store_w16(void *w, int64_t i, __m512 p, int w_dtype, int nt) {
+    if (w_dtype == L2L_DT_BF16) store_half16((uint16_t *)w + i, bf16_round16(p), nt);
+    else if (w_dtype == L2L_DT_F16) store_half16((uint16_t *)w + i, _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT), nt);
 }
 
 AVX512 INLINE __m512 bf16_load16(const void *h, int64_t i) {
@@ -564,7 +575,7 @@ AVX512 INLINE int step_loop_avx512(const l2l_job *j, int64_t begin, int64_t end,
     const float *p_src = j->p_src, *m_src = j->m_src, *v_src = j->v_src;
     float *p_dst = j->p_dst, *m_dst = j->m_dst, *v_dst = j->v_dst;
     void *w_dst = j->w_dst;
-    const int uses_m = j->uses_m, uses_v = j->uses_v;
+    const int uses_m = j->uses_m, uses_v = j->uses_v, nt = j->nontemporal;
     __mmask16 bad = 0;
     int64_t i = begin;
     for (; i + 16 <= end; i += 16) {
@@ -573,11 +584,12 @@ AVX512 INLINE int step_loop_avx512(const l2l_job *j, int64_t begin, int64_t end,
         __m512 m = uses_m ? _mm512_loadu_ps(m_src + i) : _mm512_setzero_ps();
         __m512 v = uses_v ? _mm512_loadu_ps(v_src + i) : _mm512_setzero_ps();
         __m512 p = canon_nan16(rule16(&s, &k, gv, _mm512_loadu_ps(p_src + i), &m, &v));
-        if (uses_m) _mm512_storeu_ps(m_dst + i, canon_nan16(m));
-        if (uses_v) _mm512_storeu_ps(v_dst + i, canon_nan16(v));
-        _mm512_storeu_ps(p_dst + i, p);
-        store_w16(w_dst, i, p, w_dtype);
+        if (uses_m) store16(m_dst + i, canon_nan16(m), nt);
+        if (uses_v) store16(v_dst + i, canon_nan16(v), nt);
+        store16(p_dst + i, p, nt);
+        store_w16(w_dst, i, p, w_dtype, nt);
     }
+    if (nt) _mm_sfence();
     return (bad != 0) | step_range_scalar(j, i, end);
 }
 
@@ -636,7 +648,7 @@ AVX512 INLINE int state_loop_avx512(const l2l_job *j, int64_t begin, int64_t end
     const rule16_k k = rule16_k_of(&s);
     const code16_k mk = code16_k_of(&j->m_code), vk = code16_k_of(&j->v_code);
     const __m512i mag_mask = _mm512_set1_epi32(0x7FFFFFFF);
-    const int uses_m = j->uses_m, uses_v = j->uses_v;
+    const int uses_m = j->uses_m, uses_v = j->uses_v, nt = j->nontemporal;
     float mbuf[L2L_BLOCK] __attribute__((aligned(64))), vbuf[L2L_BLOCK] __attribute__((aligned(64)));
     int bad = 0;
     for (int64_t b0 = begin; b0 < end; b0 += L2L_BLOCK) {
@@ -654,8 +666,8 @@ AVX512 INLINE int state_loop_avx512(const l2l_job *j, int64_t begin, int64_t end
             if (uses_m) m = q8 ? decode16(&mk, (const uint8_t *)j->m_src + i, ms16) : bf16_load16(j->m_src, i);
             if (uses_v) v = q8 ? decode16(&vk, (const uint8_t *)j->v_src + i, vs16) : bf16_load16(j->v_src, i);
             __m512 p = canon_nan16(rule16(&s, &k, gv, _mm512_loadu_ps(j->p_src + i), &m, &v));
-            _mm512_storeu_ps(j->p_dst + i, p);
-            store_w16(j->w_dst, i, p, w_dtype);
+            store16(j->p_dst + i, p, nt);
+            store_w16(j->w_dst, i, p, w_dtype, nt);
             m = canon_nan16(m);
             v = canon_nan16(v);
             if (q8) {
@@ -664,8 +676,8 @@ AVX512 INLINE int state_loop_avx512(const l2l_job *j, int64_t begin, int64_t end
                 mmax = _mm512_max_epu32(mmax, _mm512_and_si512(_mm512_castps_si512(m), mag_mask));
                 vmax = _mm512_max_epu32(vmax, _mm512_and_si512(_mm512_castps_si512(v), mag_mask));
             } else {
-                if (uses_m) _mm256_storeu_si256((__m256i *)((uint16_t *)j->m_dst + i), bf16_round16(m));
-                if (uses_v) _mm256_storeu_si256((__m256i *)((uint16_t *)j->v_dst + i), bf16_round16(v));
+                if (uses_m) store_half16((uint16_t *)j->m_dst + i, bf16_round16(m), nt);
+                if (uses_v) store_half16((uint16_t *)j->v_dst + i, bf16_round16(v), nt);
             }
         }
         bad |= bad16 != 0;
@@ -675,6 +687,7 @@ AVX512 INLINE int state_loop_avx512(const l2l_job *j, int64_t begin, int64_t end
         if (q8 && uses_v) encode_block_avx512(vbuf, len, (uint32_t)_mm512_reduce_max_epu32(vmax), (uint8_t *)j->v_dst + b0,
                                               j->v_scale_dst + blk, &j->v_code);
     }
+    if (nt) _mm_sfence();
     return bad;
 }
 
@@ -718,49 +731,94 @@ AVX512 static int state_range_avx512(const void *ctx, int64_t begin, int64_t end
 }
 
 /* ---------------------------------------------------------------- memory stream
- * The bandwidth reference of `l2l bench eps`: the same bytes as a bf16-gradient step
- * (read g16, p, m, v; write p, m, v in place and a 16-bit copy) with one add per
- * stream, so it is bound by memory and nothing else. */
+ * The bandwidth reference of `l2l bench eps`: the byte mix of a step (streams read,
+ * streams updated in place, streams written, each with its bytes per element), moved with
+ * no arithmetic but one integer add per updated vector, all streams in lock step as the
+ * step moves them. Stores are plain or non-temporal (streaming, no read for ownership);
+ * the bench takes the faster at the best thread count, so the figure bounds what any
+ * implementation of the same bytes reaches. */
 
-typedef struct { const uint16_t *g; float *p, *m, *v; uint16_t *w; } l2l_stream;
+#define L2L_STREAMS 8
+#define LINE 64
 
-static int stream_range_scalar(const void *ctx, int64_t begin, int64_t end) {
-    const l2l_stream *t = ctx;
-    for (int64_t i = begin; i < end; i++) {
-        float g = u2f((uint32_t)t->g[i] << 16);
-        t->p[i] += g; t->m[i] += g; t->v[i] += g;
-        t->w[i] = (uint16_t)(f2u(t->p[i]) >> 16);
+typedef struct {
+    int32_t reads, updates, writes, nontemporal;
+    int32_t size[L2L_STREAMS]; /* bytes per element of each stream: reads, then updates, then writes */
+    void *ptr[L2L_STREAMS];
+} l2l_stream;
+
+static volatile uint64_t stream_sink; /* keeps the loads of read-only streams alive */
+
+/* Bytes [lo, hi) of every stream, scalar, 8 bytes at a time where whole. */
+static int stream_bytes_scalar(const l2l_stream *t, int64_t begin, int64_t end) {
+    uint64_t acc = 0;
+    int k = 0;
+    for (; k < t->reads + t->updates + t->writes; k++) {
+        int64_t lo = begin * t->size[k], hi = end * t->size[k];
+        uint8_t *b = t->ptr[k];
+        for (int64_t x = lo; x < hi; x++) {
+            if (k < t->reads) acc += b[x];
+            else if (k < t->reads + t->updates) b[x] += 1;
+            else b[x] = (uint8_t)acc;
+        }
     }
+    stream_sink = acc;
     return 0;
 }
 
+static int stream_range_scalar(const void *ctx, int64_t begin, int64_t end) {
+    return stream_bytes_scalar(ctx, begin, end);
+}
+
+/* Whole groups of LINE elements with vectors: each stream moves size[k] lines per group. */
 AVX2 static int stream_range_avx2(const void *ctx, int64_t begin, int64_t end) {
     const l2l_stream *t = ctx;
+    const int r = t->reads, u = r + t->updates, w = u + t->writes, nt = t->nontemporal;
+    const __m256i one = _mm256_set1_epi32(1);
+    __m256i acc = _mm256_setzero_si256();
     int64_t i = begin;
-    for (; i + 8 <= end; i += 8) {
-        __m256 g = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(t->g + i))), 16));
-        __m256 p = _mm256_add_ps(_mm256_loadu_ps(t->p + i), g);
-        _mm256_storeu_ps(t->p + i, p);
-        _mm256_storeu_ps(t->m + i, _mm256_add_ps(_mm256_loadu_ps(t->m + i), g));
-        _mm256_storeu_ps(t->v + i, _mm256_add_ps(_mm256_loadu_ps(t->v + i), g));
-        __m256i r = _mm256_srli_epi32(_mm256_castps_si256(p), 16);
-        _mm_storeu_si128((__m128i *)(t->w + i), _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+    for (; i + LINE <= end; i += LINE) {
+        for (int k = 0; k < w; k++) {
+            char *b = (char *)t->ptr[k] + i * t->size[k];
+            for (int l = 0; l < t->size[k] * LINE; l += 32) {
+                __m256i *a = (__m256i *)(b + l);
+                if (k < r) acc = _mm256_add_epi32(acc, _mm256_loadu_si256(a));
+                else {
+                    __m256i x = k < u ? _mm256_add_epi32(_mm256_loadu_si256(a), one) : acc;
+                    if (nt) _mm256_stream_si256(a, x);
+                    else _mm256_storeu_si256(a, x);
+                }
+            }
+        }
     }
-    return stream_range_scalar(ctx, i, end);
+    if (nt) _mm_sfence();
+    stream_sink = (uint64_t)_mm256_extract_epi64(acc, 0);
+    return stream_bytes_scalar(t, i, end);
 }
 
 AVX512 static int stream_range_avx512(const void *ctx, int64_t begin, int64_t end) {
     const l2l_stream *t = ctx;
+    const int r = t->reads, u = r + t->updates, w = u + t->writes, nt = t->nontemporal;
+    const __m512i one = _mm512_set1_epi32(1);
+    __m512i acc = _mm512_setzero_si512();
     int64_t i = begin;
-    for (; i + 16 <= end; i += 16) {
-        __m512 g = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(t->g + i))), 16));
-        __m512 p = _mm512_add_ps(_mm512_loadu_ps(t->p + i), g);
-        _mm512_storeu_ps(t->p + i, p);
-        _mm512_storeu_ps(t->m + i, _mm512_add_ps(_mm512_loadu_ps(t->m + i), g));
-        _mm512_storeu_ps(t->v + i, _mm512_add_ps(_mm512_loadu_ps(t->v + i), g));
-        _mm256_storeu_si256((__m256i *)(t->w + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(p), 16)));
+    for (; i + LINE <= end; i += LINE) {
+        for (int k = 0; k < w; k++) {
+            char *b = (char *)t->ptr[k] + i * t->size[k];
+            for (int l = 0; l < t->size[k] * LINE; l += 64) {
+                void *a = b + l;
+                if (k < r) acc = _mm512_add_epi32(acc, _mm512_loadu_si512(a));
+                else {
+                    __m512i x = k < u ? _mm512_add_epi32(_mm512_loadu_si512(a), one) : acc;
+                    if (nt) _mm512_stream_si512(a, x);
+                    else _mm512_storeu_si512(a, x);
+                }
+            }
+        }
     }
-    return stream_range_scalar(ctx, i, end);
+    if (nt) _mm_sfence();
+    stream_sink = (uint64_t)_mm_cvtsi128_si64(_mm512_castsi512_si128(acc));
+    return stream_bytes_scalar(t, i, end);
 }
 
 /* ---------------------------------------------------------------- thread pool */
@@ -942,7 +1000,7 @@ typedef struct {
 /* One optimizer step over n elements. Returns 1 when a gradient value times inv_scale is
  * not finite, 0 when all are finite, or a negative error code. */
 EXPORT int l2l_host_step(const l2l_scalars *s, int64_t n, const l2l_buffers *b, int g_dtype, int state_format,
-                         const l2l_codebooks *codes, int w_dtype, int isa, int threads) {
+                         const l2l_codebooks *codes, int w_dtype, int nontemporal, int isa, int threads) {
     if (n < 0 || s->optimizer < L2L_ADAMW || s->optimizer > L2L_SGD || g_dtype < L2L_DT_F32 ||
         g_dtype > L2L_DT_F16 || w_dtype < L2L_DT_NONE || w_dtype == L2L_DT_F32 || w_dtype > L2L_DT_F16 ||
         state_format < L2L_STATE_F32 || state_format > L2L_STATE_8BIT ||
@@ -954,7 +1012,7 @@ EXPORT int l2l_host_step(const l2l_scalars *s, int64_t n, const l2l_buffers *b, 
                                                 : pick(isa, state_range_scalar, state_range_avx2, state_range_avx512);
     if (fn == NULL) return L2L_E_ISA;
     if (n == 0) return 0;
-    l2l_job job = {*s, g_dtype, w_dtype, state_format, uses_m, uses_v, b->g, b->p_src, b->p_dst, b->w_dst,
+    l2l_job job = {*s, g_dtype, w_dtype, state_format, uses_m, uses_v, nontemporal != 0, b->g, b->p_src, b->p_dst, b->w_dst,
                    b->m_src, b->v_src, b->m_dst, b->v_dst, b->m_scale_src, b->v_scale_src, b->m_scale_dst,
                    b->v_scale_dst, {0}, {0}};
     if (state_format == L2L_STATE_8BIT) {
@@ -964,11 +1022,14 @@ EXPORT int l2l_host_step(const l2l_scalars *s, int64_t n, const l2l_buffers *b, 
     return parallel_tiles(fn, &job, n, threads < L2L_MAX_THREADS ? threads : L2L_MAX_THREADS);
 }
 
-EXPORT int l2l_host_stream(int64_t n, const uint16_t *g, float *p, float *m, float *v, uint16_t *w,
-                           int isa, int threads) {
+/* The memory reference (see "memory stream"): n elements of each stream. Non-temporal
+ * stores need 64-byte aligned streams (the binding checks). */
+EXPORT int l2l_host_stream(int64_t n, const l2l_stream *streams, int isa, int threads) {
+    if (n < 0 || streams->reads < 0 || streams->updates < 0 || streams->writes < 0 ||
+        streams->reads + streams->updates + streams->writes > L2L_STREAMS)
+        return L2L_E_ARG;
     range_fn fn = pick(isa, stream_range_scalar, stream_range_avx2, stream_range_avx512);
     if (fn == NULL) return L2L_E_ISA;
-    if (n <= 0) return 0;
-    l2l_stream job = {g, p, m, v, w};
-    return parallel_tiles(fn, &job, n, threads < L2L_MAX_THREADS ? threads : L2L_MAX_THREADS);
+    if (n == 0) return 0;
+    return parallel_tiles(fn, streams, n, threads < L2L_MAX_THREADS ? threads : L2L_MAX_THREADS);
 }

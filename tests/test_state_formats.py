@@ -134,12 +134,6 @@ def initial_state(n, seed, optimizer, state):
     return p, stored, g
 
 
-def as_tensor(a: np.ndarray) -> torch.Tensor:
-    if a.dtype == np.uint16:  # bf16 bits
-        return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
-    return torch.from_numpy(a.copy())
-
-
 def as_numpy_bits(t: torch.Tensor) -> np.ndarray:
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(np.uint16)
@@ -156,7 +150,7 @@ def check(config, state, isa, n, grad_dtype=torch.bfloat16, in_place=True, threa
     want_p, want = golden.apply_rule_stored(cfg.optimizer, s, p, stored, golden.grad_to_numpy(grad), state)
     want_found = not np.isfinite(golden.grad_to_numpy(grad) * np.float32(s.inv_scale)).all()
 
-    src = {k: as_tensor(a) for k, a in stored.items()}
+    src = {k: t.clone() for k, t in golden.state_tensors(stored).items()}
     dst = src if in_place else {k: torch.full_like(t, 0x55 if t.dtype == torch.uint8 else float("nan"))
                                 for k, t in src.items()}
     param = torch.from_numpy(p.copy())

@@ -274,6 +274,12 @@ def encode_state(x: np.ndarray, state: str, slot: str) -> dict[str, np.ndarray]:
     raise ValueError(f"unknown optimizer state format {state!r}; choose one of {', '.join(STATE_FORMATS)}")
 
 
+def state_tensors(stored: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    """The stored form as torch tensors (bf16 bits as torch.bfloat16), sharing memory."""
+    return {k: torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) if a.dtype == np.uint16
+            else torch.from_numpy(a) for k, a in stored.items()}
+
+
 def decode_state(stored: dict[str, np.ndarray], state: str, slot: str) -> np.ndarray:
     """The stored form of m or v -> float32, as the update reads it."""
     x = stored[slot]

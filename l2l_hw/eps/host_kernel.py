@@ -75,6 +75,17 @@ class _Codebooks(ctypes.Structure):
     _fields_ = [("m", _Codebook), ("v", _Codebook)]
 
 
+_STREAMS = 8  # L2L_STREAMS
+
+
+class _Stream(ctypes.Structure):
+    """Mirror of l2l_stream."""
+
+    _fields_ = [("reads", ctypes.c_int32), ("updates", ctypes.c_int32), ("writes", ctypes.c_int32),
+                ("nontemporal", ctypes.c_int32), ("size", ctypes.c_int32 * _STREAMS),
+                ("ptr", ctypes.c_void_p * _STREAMS)]
+
+
 _CODEBOOKS = _Codebooks(*(_Codebook(c.exp_bits, c.man_bits, int(c.signed)) for c in (golden.M_CODE, golden.V_CODE)))
 _lib = None
 
@@ -93,9 +104,9 @@ def library() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(found[0]))
     c_int, c_i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
     lib.l2l_host_step.argtypes = [ctypes.POINTER(_Scalars), c_i64, ctypes.POINTER(_Buffers), c_int, c_int,
-                                  ctypes.POINTER(_Codebooks), c_int, c_int, c_int]
+                                  ctypes.POINTER(_Codebooks), c_int, c_int, c_int, c_int]
     lib.l2l_host_step.restype = c_int
-    lib.l2l_host_stream.argtypes = [c_i64, ptr, ptr, ptr, ptr, ptr, c_int, c_int]
+    lib.l2l_host_stream.argtypes = [c_i64, ctypes.POINTER(_Stream), c_int, c_int]
     lib.l2l_host_stream.restype = c_int
     for name in ("l2l_host_tile", "l2l_host_block", "l2l_host_best_isa"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = [], c_int
@@ -196,7 +207,7 @@ def step(optimizer: str, scalars: StepScalars, grad: torch.Tensor, param: torch.
          v_out: torch.Tensor | None = None, working_out: torch.Tensor | None = None,
          state: str = "fp32", m_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
          m_scale_out: torch.Tensor | None = None, v_scale_out: torch.Tensor | None = None,
-         isa: str | None = None, threads: int | None = None) -> bool:
+         nontemporal: bool = False, isa: str | None = None, threads: int | None = None) -> bool:
     """One update of one tensor; returns whether any gradient value times inv_scale is not finite.
 
     Outputs default to the inputs (in place). `m` is needed by Adam/AdamW and by SGD with
@@ -257,22 +268,30 @@ def step(optimizer: str, scalars: StepScalars, grad: torch.Tensor, param: torch.
         "v_scale_out", "working_out")))
     rc = library().l2l_host_step(
         ctypes.byref(s), n, ctypes.byref(b), GRAD_CODES[grad.dtype], STATE_CODES[state], ctypes.byref(_CODEBOOKS),
-        -1 if working_out is None else WORKING_CODES[working_out.dtype], ISAS.index(resolve_isa(isa)), threads)
+        -1 if working_out is None else WORKING_CODES[working_out.dtype], int(nontemporal), ISAS.index(resolve_isa(isa)),
+        threads)
     if rc < 0:
         raise RuntimeError(f"host kernel failed with code {rc}")
     return bool(rc)
 
 
-def stream(grad16: torch.Tensor, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, copy16: torch.Tensor, *,
-           isa: str | None = None, threads: int | None = None) -> None:
-    """The memory reference of `l2l bench eps`: the bytes of a bf16-gradient step with one
-    add per stream (read grad16, p, m, v; write p, m, v in place and copy16)."""
-    n = p.numel()
-    _check_buffers({"grad16": grad16, "p": p, "m": m, "v": v, "copy16": copy16}, n)
-    if grad16.element_size() != 2 or copy16.element_size() != 2 or {p.dtype, m.dtype, v.dtype} != {torch.float32}:
-        raise TypeError("host stream: grad16 and copy16 are 16-bit, p, m, v float32")
-    rc = library().l2l_host_stream(n, grad16.data_ptr(), p.data_ptr(), m.data_ptr(), v.data_ptr(),
-                                   copy16.data_ptr(), ISAS.index(resolve_isa(isa)),
+def stream(reads: list[torch.Tensor], updates: list[torch.Tensor], writes: list[torch.Tensor], *,
+           nontemporal: bool = False, isa: str | None = None, threads: int | None = None) -> None:
+    """The memory reference of `l2l bench eps`: moves the bytes of a step with no arithmetic.
+    Every tensor has the same number of elements n; `reads` are only read, `updates` read and
+    written in place (one integer add), `writes` only written. `nontemporal` uses streaming
+    stores (the tensors must then be 64-byte aligned)."""
+    tensors = [*reads, *updates, *writes]
+    if not tensors or len(tensors) > _STREAMS:
+        raise ValueError(f"host stream: 1 to {_STREAMS} tensors, got {len(tensors)}")
+    n = tensors[0].numel()
+    _check_buffers({f"stream {k}": t for k, t in enumerate(tensors)}, n)
+    if nontemporal and any(t.data_ptr() % 64 for t in tensors):
+        raise ValueError("host stream: non-temporal stores need 64-byte aligned tensors")
+    job = _Stream(len(reads), len(updates), len(writes), int(nontemporal),
+                  (ctypes.c_int32 * _STREAMS)(*(t.element_size() for t in tensors)),
+                  (ctypes.c_void_p * _STREAMS)(*(t.data_ptr() for t in tensors)))
+    rc = library().l2l_host_stream(n, ctypes.byref(job), ISAS.index(resolve_isa(isa)),
                                    default_threads() if threads is None else threads)
     if rc < 0:
         raise RuntimeError(f"host stream failed with code {rc}")
