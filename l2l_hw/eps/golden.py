@@ -138,7 +138,8 @@ def working_copy(p: np.ndarray, working_dtype: str) -> torch.Tensor:
 STATE_FORMATS = ("fp32", "bf16", "8bit")
 # Elements per 8-bit block (one fp32 scale each for m and for v). A divisor of the host
 # kernel's tile, so no block straddles two threads; 2 x 4 B of scales per 256 elements
-# cost 0.03 B/parameter; Dettmers et al. (arXiv 2110.02861) show smaller blocks only help.
+# cost 0.03 B/parameter; Dettmers et al. (arXiv 2110.02861) use 2048: a smaller block
+# confines an outlier, which sets its block's scale, to fewer neighbours.
 QUANT_BLOCK = 256
 # Block scales are powers of two 2^k with k in [-SCALE_EXP_LIMIT, SCALE_EXP_LIMIT], so
 # that both 2^k and 2^-k are normal float32 numbers and scaling by them is exact.
