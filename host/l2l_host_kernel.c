@@ -68,6 +68,7 @@ typedef struct { l2l_codebook m, v; } l2l_codebooks;
 typedef struct {
     uint32_t man_bits, drop, rebase, smallest_normal, max_magnitude, mag_mask, sign_mask;
     float sub_scale, sub_unit; /* 2^subnormal_shift and its inverse */
+    float unbias;              /* 2^(127 - bias): (magnitude code << drop) as float32 bits, times this, is its value */
 } l2l_code;
 
 /* One call: what every tile needs. m/v are float32, bf16 bits or 8-bit codes by `format`;
@@ -189,15 +190,16 @@ static int step_range_scalar(const void *ctx, int64_t begin, int64_t end) {
 #define L2L_BLOCK 256 /* golden.QUANT_BLOCK; L2L_TILE is a multiple, so tiles hold whole blocks */
 #define SCALE_EXP_LIMIT 126
 
-static int codebook_valid(l2l_codebook b) {
-    return b.exp_bits >= 1 && b.exp_bits <= 6 && b.man_bits >= 1 && b.exp_bits + b.man_bits + (b.is_signed != 0) == 8;
+static int codebook_valid(l2l_codebook b, int is_signed) {
+    return b.exp_bits >= 1 && b.exp_bits <= 6 && b.man_bits >= 1 && b.is_signed == is_signed &&
+           b.exp_bits + b.man_bits + is_signed == 8;
 }
 
 static l2l_code make_code(l2l_codebook b) {
     uint32_t bias = (1u << b.exp_bits) - 1, man_bits = (uint32_t)b.man_bits, shift = bias - 1 + man_bits;
     return (l2l_code){man_bits, 23 - man_bits, (127 - bias) << 23, (128 - bias) << 23,
                       (1u << (b.exp_bits + man_bits)) - 1, b.is_signed ? 0x7Fu : 0xFFu, b.is_signed ? 0x80u : 0,
-                      u2f((127 + shift) << 23), u2f((127 - shift) << 23)};
+                      u2f((127 + shift) << 23), u2f((127 - shift) << 23), u2f((254 - bias) << 23)};
 }
 
 /* golden.block_exponent: k of the scale 2^k from the block's largest |x| bits. */
@@ -594,30 +596,34 @@ AVX512 INLINE int step_loop_avx512(const l2l_job *j, int64_t begin, int64_t end,
 }
 
 typedef struct {
-    __m512i mag_mask, sign_mask, rebase, smallest_normal, half_m1, max_mag, min_normal_code;
-    __m512 sub_scale, sub_unit;
+    __m512i mag_mask, rebase, smallest_normal, half_m1, max_mag;
+    __m512 sub_scale, unbias;
     __m128i drop;
 } code16_k;
 
 AVX512 INLINE code16_k code16_k_of(const l2l_code *c) {
-    return (code16_k){_mm512_set1_epi32((int)c->mag_mask), _mm512_set1_epi32((int)c->sign_mask),
-                      _mm512_set1_epi32((int)c->rebase), _mm512_set1_epi32((int)c->smallest_normal),
-                      _mm512_set1_epi32((int)((1u << (c->drop - 1)) - 1)), _mm512_set1_epi32((int)c->max_magnitude),
-                      _mm512_set1_epi32(1 << c->man_bits), _mm512_set1_ps(c->sub_scale), _mm512_set1_ps(c->sub_unit),
-                      _mm_cvtsi32_si128((int)c->drop)};
+    return (code16_k){_mm512_set1_epi32((int)c->mag_mask), _mm512_set1_epi32((int)c->rebase),
+                      _mm512_set1_epi32((int)c->smallest_normal), _mm512_set1_epi32((int)((1u << (c->drop - 1)) - 1)),
+                      _mm512_set1_epi32((int)c->max_magnitude), _mm512_set1_ps(c->sub_scale),
+                      _mm512_set1_ps(c->unbias), _mm_cvtsi32_si128((int)c->drop)};
 }
 
-AVX512 INLINE __m512 decode16(const code16_k *c, const uint8_t *codes, __m512 scale) {
+/* The sign of a signed code (bit 7) into bit 31 of x. */
+#define SIGN_FROM_CODE16(x, code) \
+    _mm512_ternarylogic_epi32(x, _mm512_slli_epi32(code, 24), _mm512_set1_epi32((int)0x80000000), 0xF8) /* x | (b & c) */
+
+/* codes -> values: the magnitude code shifted into place is a float32 whose exponent
+ * field is the code's e (a subnormal float32 for e = 0), so one multiply by 2^(127 - bias)
+ * gives the code's value exactly, subnormal codes included; then times the scale. */
+AVX512 INLINE __m512 decode16(const code16_k *c, const uint8_t *codes, __m512 scale, int is_signed) {
     __m512i code = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes));
-    __m512i mag = _mm512_and_si512(code, c->mag_mask);
-    __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), c->sub_unit);
-    __m512i x = _mm512_add_epi32(_mm512_sll_epi32(mag, c->drop), c->rebase);
-    x = _mm512_mask_mov_epi32(x, _mm512_cmplt_epu32_mask(mag, c->min_normal_code), _mm512_castps_si512(sub));
-    x = _mm512_or_si512(x, _mm512_slli_epi32(_mm512_and_si512(code, c->sign_mask), 24));
-    return _mm512_mul_ps(_mm512_castsi512_ps(x), scale);
+    __m512i mag = is_signed ? _mm512_and_si512(code, c->mag_mask) : code;
+    __m512 x = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_sll_epi32(mag, c->drop)), c->unbias);
+    if (is_signed) x = _mm512_castsi512_ps(SIGN_FROM_CODE16(_mm512_castps_si512(x), code));
+    return _mm512_mul_ps(x, scale);
 }
 
-AVX512 INLINE void encode16(const code16_k *c, __m512 x, __m512 inv, uint8_t *codes) {
+AVX512 INLINE void encode16(const code16_k *c, __m512 x, __m512 inv, uint8_t *codes, int is_signed) {
     const __m512i mag_mask = _mm512_set1_epi32(0x7FFFFFFF), one = _mm512_set1_epi32(1);
     __m512i bits = _mm512_castps_si512(_mm512_mul_ps(x, inv));
     __m512i mag = _mm512_and_si512(bits, mag_mask);
@@ -627,18 +633,18 @@ AVX512 INLINE void encode16(const code16_k *c, __m512 x, __m512 inv, uint8_t *co
                                                        _mm512_and_si512(_mm512_srl_epi32(r, c->drop), one)), c->drop);
     __m512i q = _mm512_mask_mov_epi32(normal, _mm512_cmplt_epu32_mask(mag, c->smallest_normal), sub);
     q = _mm512_min_epu32(q, c->max_mag);
-    q = _mm512_or_si512(q, _mm512_and_si512(_mm512_srli_epi32(bits, 24), c->sign_mask));
+    if (is_signed) q = _mm512_ternarylogic_epi32(q, _mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80), 0xF8);
     _mm_storeu_si128((__m128i *)codes, _mm512_cvtepi32_epi8(q));
 }
 
-AVX512 static float encode_block_avx512(const float *buf, int64_t len, uint32_t absmax, uint8_t *codes, float *scale,
-                                        const l2l_code *c) {
+AVX512 INLINE float encode_block_avx512(const float *buf, int64_t len, uint32_t absmax, uint8_t *codes, float *scale,
+                                        const l2l_code *c, int is_signed) {
     int64_t vec = len & ~(int64_t)15;
     float inv = block_scale(magnitude_max(buf, vec, len, absmax), codes, scale, len, c);
     if (inv == 0) return 0;
     const code16_k k = code16_k_of(c);
     const __m512 inv16 = _mm512_set1_ps(inv);
-    for (int64_t i = 0; i < vec; i += 16) encode16(&k, _mm512_load_ps(buf + i), inv16, codes + i);
+    for (int64_t i = 0; i < vec; i += 16) encode16(&k, _mm512_load_ps(buf + i), inv16, codes + i, is_signed);
     for (int64_t i = vec; i < len; i++) codes[i] = encode_one(buf[i] * inv, c);
     return inv;
 }
@@ -663,29 +669,27 @@ AVX512 INLINE int state_loop_avx512(const l2l_job *j, int64_t begin, int64_t end
             __m512 gv = _mm512_mul_ps(load_g16(j->g, i, g_dtype), k.inv_scale);
             bad16 |= nonfinite16(gv);
             __m512 m = _mm512_setzero_ps(), v = _mm512_setzero_ps();
-            if (uses_m) m = q8 ? decode16(&mk, (const uint8_t *)j->m_src + i, ms16) : bf16_load16(j->m_src, i);
-            if (uses_v) v = q8 ? decode16(&vk, (const uint8_t *)j->v_src + i, vs16) : bf16_load16(j->v_src, i);
+            if (uses_m) m = q8 ? decode16(&mk, (const uint8_t *)j->m_src + i, ms16, 1) : bf16_load16(j->m_src, i);
+            if (uses_v) v = q8 ? decode16(&vk, (const uint8_t *)j->v_src + i, vs16, 0) : bf16_load16(j->v_src, i);
             __m512 p = canon_nan16(rule16(&s, &k, gv, _mm512_loadu_ps(j->p_src + i), &m, &v));
             store16(j->p_dst + i, p, nt);
             store_w16(j->w_dst, i, p, w_dtype, nt);
-            m = canon_nan16(m);
-            v = canon_nan16(v);
-            if (q8) {
+            if (q8) { /* a NaN needs no canonical form here: it makes its block NaN */
                 _mm512_store_ps(mbuf + b, m);
                 _mm512_store_ps(vbuf + b, v);
                 mmax = _mm512_max_epu32(mmax, _mm512_and_si512(_mm512_castps_si512(m), mag_mask));
                 vmax = _mm512_max_epu32(vmax, _mm512_and_si512(_mm512_castps_si512(v), mag_mask));
             } else {
-                if (uses_m) store_half16((uint16_t *)j->m_dst + i, bf16_round16(m), nt);
-                if (uses_v) store_half16((uint16_t *)j->v_dst + i, bf16_round16(v), nt);
+                if (uses_m) store_half16((uint16_t *)j->m_dst + i, bf16_round16(canon_nan16(m)), nt);
+                if (uses_v) store_half16((uint16_t *)j->v_dst + i, bf16_round16(canon_nan16(v)), nt);
             }
         }
         bad |= bad16 != 0;
         for (; b < len; b++) bad |= state_one(j, b0, b, ms, vs, mbuf, vbuf);
         if (q8 && uses_m) encode_block_avx512(mbuf, len, (uint32_t)_mm512_reduce_max_epu32(mmax), (uint8_t *)j->m_dst + b0,
-                                              j->m_scale_dst + blk, &j->m_code);
+                                              j->m_scale_dst + blk, &j->m_code, 1);
         if (q8 && uses_v) encode_block_avx512(vbuf, len, (uint32_t)_mm512_reduce_max_epu32(vmax), (uint8_t *)j->v_dst + b0,
-                                              j->v_scale_dst + blk, &j->v_code);
+                                              j->v_scale_dst + blk, &j->v_code, 0);
     }
     if (nt) _mm_sfence();
     return bad;
@@ -1004,7 +1008,7 @@ EXPORT int l2l_host_step(const l2l_scalars *s, int64_t n, const l2l_buffers *b, 
     if (n < 0 || s->optimizer < L2L_ADAMW || s->optimizer > L2L_SGD || g_dtype < L2L_DT_F32 ||
         g_dtype > L2L_DT_F16 || w_dtype < L2L_DT_NONE || w_dtype == L2L_DT_F32 || w_dtype > L2L_DT_F16 ||
         state_format < L2L_STATE_F32 || state_format > L2L_STATE_8BIT ||
-        (state_format == L2L_STATE_8BIT && !(codebook_valid(codes->m) && codebook_valid(codes->v))))
+        (state_format == L2L_STATE_8BIT && !(codebook_valid(codes->m, 1) && codebook_valid(codes->v, 0))))
         return L2L_E_ARG;
     int uses_v = s->optimizer != L2L_SGD, uses_m = uses_v || s->momentum != 0;
     if (!uses_m) state_format = L2L_STATE_F32; /* no state to keep */
