@@ -110,7 +110,8 @@ def test_unknown_state_format_is_refused():
     with pytest.raises(ValueError, match="unknown optimizer state format 'int4'.*fp32, bf16, 8bit"):
         golden.encode_state(np.zeros(3, np.float32), "int4", "m")
     with pytest.raises(ValueError, match="unknown optimizer state format 'int4'"):
-        host_kernel.state_shapes(3, "int4")
+        host_kernel.step("adamw", golden.step_scalars(OptimConfig(), 1), torch.ones(3), torch.zeros(3),
+                         torch.zeros(3), torch.zeros(3), state="int4")
 
 
 # ---------------------------------------------------------------------------- kernel == golden

@@ -254,10 +254,10 @@ def quantize(x: np.ndarray, code: Code8) -> tuple[np.ndarray, np.ndarray]:
 
 
 def dequantize(codes: np.ndarray, scales: np.ndarray, code: Code8) -> np.ndarray:
-    """(codes, block scales) -> float32: decode (exact) times the block's scale (one
+    """(codes, block scales) -> flat float32: decode (exact) times the block's scale (one
     rounding, exact unless the product is below 2^-126)."""
-    n = codes.size
-    scale = np.repeat(scales.astype(np.float32), QUANT_BLOCK)[:n]
+    codes = codes.reshape(-1)
+    scale = np.repeat(scales.astype(np.float32), QUANT_BLOCK)[: codes.size]
     with np.errstate(all="ignore"):
         return decode_codes(codes, code) * scale
 
@@ -273,6 +273,26 @@ def encode_state(x: np.ndarray, state: str, slot: str) -> dict[str, np.ndarray]:
         codes, scales = quantize(x, STATE_CODES[slot])
         return {slot: codes, f"{slot}_scale": scales}
     raise ValueError(f"unknown optimizer state format {state!r}; choose one of {', '.join(STATE_FORMATS)}")
+
+
+STORED_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "8bit": torch.uint8}
+
+
+def stored_pieces(state: str, slot: str, numel: int) -> dict[str, tuple[torch.dtype, int]]:
+    """What m or v of `numel` elements is stored as: {slot: (dtype, count)}, plus for 8bit
+    {slot_scale: (float32, one per QUANT_BLOCK elements)}."""
+    if state not in STORED_DTYPES:
+        raise ValueError(f"unknown optimizer state format {state!r}; choose one of {', '.join(STATE_FORMATS)}")
+    pieces = {slot: (STORED_DTYPES[state], numel)}
+    if state == "8bit":
+        pieces[f"{slot}_scale"] = (torch.float32, -(-numel // QUANT_BLOCK))
+    return pieces
+
+
+def state_arrays(stored: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """Stored state tensors as the numpy arrays of encode_state (bf16 as uint16 bits), sharing memory."""
+    return {k: t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
+            for k, t in stored.items()}
 
 
 def state_tensors(stored: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:

@@ -9,7 +9,7 @@ updates fp32 param, m and v by `golden.apply_rule` bit for bit, and writes the b
 working copy. m and v may be kept compressed (`state=`, golden.STATE_FORMATS): "bf16"
 (torch.bfloat16 tensors) or "8bit" (torch.uint8 codes, golden.M_CODE / V_CODE, plus one
 float32 scale per golden.QUANT_BLOCK elements in m_scale / v_scale, the last block
-possibly short: `state_shapes` gives the shapes); the update is then
+possibly short: `golden.stored_pieces` gives the shapes); the update is then
 `golden.apply_rule_stored`, bit for bit, still one pass. Tensors go to C by pointer (`data_ptr()`), so building the library needs
 neither torch nor Python headers; ctypes releases the GIL for the call.
 
@@ -39,7 +39,6 @@ OPTIMIZER_CODES = {"adamw": 0, "adam": 1, "sgd": 2}
 GRAD_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 WORKING_CODES = {torch.bfloat16: 1, torch.float16: 2}
 STATE_CODES = {"fp32": 0, "bf16": 1, "8bit": 2}  # golden.STATE_FORMATS, in C's order
-STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "8bit": torch.uint8}
 BUILD_HINT = ("build it with `pip install -e .` in the repository (or `make test`, which does that); "
               "it needs a C compiler (gcc)")
 
@@ -170,18 +169,6 @@ def _check_buffers(buffers: dict[str, torch.Tensor | None], n: int, counts: dict
                              f"{t.element_size()}-byte elements; the kernel needs element alignment")
 
 
-def state_shapes(n: int, state: str) -> dict[str, tuple[torch.dtype, int]]:
-    """dtype and element count of each buffer of one state tensor (m or v) of n elements:
-    {"codes": ...} for fp32/bf16 (the tensor itself), plus {"scale": ...} for 8bit."""
-    if state not in STATE_CODES:
-        raise ValueError(f"host kernel: unknown optimizer state format {state!r}; "
-                         f"choose one of {', '.join(golden.STATE_FORMATS)}")
-    shapes = {"codes": (STATE_DTYPES[state], n)}
-    if state == "8bit":
-        shapes["scale"] = (torch.float32, -(-n // golden.QUANT_BLOCK))
-    return shapes
-
-
 def _check_overlap(sources: dict[str, torch.Tensor], destinations: dict[str, tuple[torch.Tensor, str | None]]):
     """A destination may be exactly its own source; any other overlap is refused."""
     def span(t):
@@ -216,7 +203,8 @@ def step(optimizer: str, scalars: StepScalars, grad: torch.Tensor, param: torch.
     v_scale (and their outputs) hold the block scales."""
     if optimizer not in OPTIMIZER_CODES:
         raise ValueError(f"host kernel: unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZER_CODES)}")
-    shapes = state_shapes(param.numel() if isinstance(param, torch.Tensor) else 0, state)
+    n = param.numel() if isinstance(param, torch.Tensor) else 0
+    pieces = golden.stored_pieces(state, "m", n)
     adam = optimizer != "sgd"
     uses_m, uses_v = adam or scalars.momentum != 0, adam
     quantized = state == "8bit"
@@ -237,13 +225,13 @@ def step(optimizer: str, scalars: StepScalars, grad: torch.Tensor, param: torch.
     buffers = {"grad": grad, "param": param, "m": m, "v": v, "m_scale": m_scale, "v_scale": v_scale,
                "param_out": param_out, "m_out": m_out, "v_out": v_out, "m_scale_out": m_scale_out,
                "v_scale_out": v_scale_out, "working_out": working_out}
-    blocks = shapes.get("scale", (None, n))[1]
+    blocks = pieces.get("m_scale", (None, n))[1]
     _check_buffers(buffers, n, {name: blocks for name in ("m_scale", "v_scale", "m_scale_out", "v_scale_out")})
     if grad.dtype not in GRAD_CODES:
         raise TypeError(f"host kernel: grad has dtype {grad.dtype}; it takes float32, bfloat16 or float16")
     want = {"param": torch.float32, "param_out": torch.float32}
     for name in ("m", "v", "m_out", "v_out"):
-        want[name] = STATE_DTYPES[state]
+        want[name] = golden.STORED_DTYPES[state]
     for name in ("m_scale", "v_scale", "m_scale_out", "v_scale_out"):
         want[name] = torch.float32
     for name, dtype in want.items():
