@@ -737,7 +737,7 @@ AVX512 static int state_range_avx512(const void *ctx, int64_t begin, int64_t end
 /* ---------------------------------------------------------------- memory stream
  * The bandwidth reference of `l2l bench eps`: the byte mix of a step (streams read,
  * streams updated in place, streams written, each with its bytes per element), moved with
- * no arithmetic but one integer add per updated vector, all streams in lock step as the
+ * no arithmetic (updated vectors get one integer add, written ones a constant), all streams in lock step as the
  * step moves them. Stores are plain or non-temporal (streaming, no read for ownership);
  * the bench takes the faster at the best thread count, so the figure bounds what any
  * implementation of the same bytes reaches. */
@@ -763,7 +763,7 @@ static int stream_bytes_scalar(const l2l_stream *t, int64_t begin, int64_t end) 
         for (int64_t x = lo; x < hi; x++) {
             if (k < t->reads) acc += b[x];
             else if (k < t->reads + t->updates) b[x] += 1;
-            else b[x] = (uint8_t)acc;
+            else b[x] = 1;
         }
     }
     stream_sink = acc;
@@ -778,7 +778,7 @@ static int stream_range_scalar(const void *ctx, int64_t begin, int64_t end) {
 AVX2 static int stream_range_avx2(const void *ctx, int64_t begin, int64_t end) {
     const l2l_stream *t = ctx;
     const int r = t->reads, u = r + t->updates, w = u + t->writes, nt = t->nontemporal;
-    const __m256i one = _mm256_set1_epi32(1);
+    const __m256i one = _mm256_set1_epi8(1);
     __m256i acc = _mm256_setzero_si256();
     int64_t i = begin;
     for (; i + LINE <= end; i += LINE) {
@@ -788,7 +788,7 @@ AVX2 static int stream_range_avx2(const void *ctx, int64_t begin, int64_t end) {
                 __m256i *a = (__m256i *)(b + l);
                 if (k < r) acc = _mm256_add_epi32(acc, _mm256_loadu_si256(a));
                 else {
-                    __m256i x = k < u ? _mm256_add_epi32(_mm256_loadu_si256(a), one) : acc;
+                    __m256i x = k < u ? _mm256_add_epi8(_mm256_loadu_si256(a), one) : one;
                     if (nt) _mm256_stream_si256(a, x);
                     else _mm256_storeu_si256(a, x);
                 }
@@ -803,7 +803,7 @@ AVX2 static int stream_range_avx2(const void *ctx, int64_t begin, int64_t end) {
 AVX512 static int stream_range_avx512(const void *ctx, int64_t begin, int64_t end) {
     const l2l_stream *t = ctx;
     const int r = t->reads, u = r + t->updates, w = u + t->writes, nt = t->nontemporal;
-    const __m512i one = _mm512_set1_epi32(1);
+    const __m512i one = _mm512_set1_epi8(1);
     __m512i acc = _mm512_setzero_si512();
     int64_t i = begin;
     for (; i + LINE <= end; i += LINE) {
@@ -813,7 +813,7 @@ AVX512 static int stream_range_avx512(const void *ctx, int64_t begin, int64_t en
                 void *a = b + l;
                 if (k < r) acc = _mm512_add_epi32(acc, _mm512_loadu_si512(a));
                 else {
-                    __m512i x = k < u ? _mm512_add_epi32(_mm512_loadu_si512(a), one) : acc;
+                    __m512i x = k < u ? _mm512_add_epi32(_mm512_loadu_si512(a), one) : one;
                     if (nt) _mm512_stream_si512(a, x);
                     else _mm512_storeu_si512(a, x);
                 }
