@@ -76,7 +76,6 @@ typedef struct {
 typedef struct {
     l2l_scalars s;
     int32_t g_dtype, w_dtype, format, uses_m, uses_v;
-    int32_t nontemporal; /* fp32 stores streaming (destinations 64-byte aligned) */
     const void *g;
     const float *p_src;
     float *p_dst;
@@ -92,6 +91,9 @@ static inline uint32_t f2u(float x) { uint32_t u; memcpy(&u, &x, 4); return u; }
 static inline float u2f(uint32_t u) { float x; memcpy(&x, &u, 4); return x; }
 
 #define INLINE static inline __attribute__((always_inline))
+/* g * 1 is g, bits and flag alike (a signalling NaN stays a NaN, canonical once written):
+ * the vector loops skip the multiply without loss scaling. */
+#define UNSCALE(s) ((s).inv_scale != 1.0f)
 
 /* ---------------------------------------------------------------- scalar path */
 
@@ -374,11 +376,12 @@ AVX2 INLINE int step_loop_avx2(const l2l_job *j, int64_t begin, int64_t end, int
     const float *p_src = j->p_src, *m_src = j->m_src, *v_src = j->v_src;
     float *p_dst = j->p_dst, *m_dst = j->m_dst, *v_dst = j->v_dst;
     void *w_dst = j->w_dst;
-    const int uses_m = j->uses_m, uses_v = j->uses_v;
+    const int uses_m = j->uses_m, uses_v = j->uses_v, unscale = UNSCALE(s);
     __m256i bad = _mm256_setzero_si256();
     int64_t i = begin;
     for (; i + 8 <= end; i += 8) {
-        __m256 gv = _mm256_mul_ps(load_g8(g, i, g_dtype), k.inv_scale);
+        __m256 gv = load_g8(g, i, g_dtype);
+        if (unscale) gv = _mm256_mul_ps(gv, k.inv_scale);
         bad = _mm256_or_si256(bad, nonfinite8(gv));
         __m256 m = uses_m ? _mm256_loadu_ps(m_src + i) : _mm256_setzero_ps();
         __m256 v = uses_v ? _mm256_loadu_ps(v_src + i) : _mm256_setzero_ps();
@@ -455,7 +458,7 @@ AVX2 INLINE int state_loop_avx2(const l2l_job *j, int64_t begin, int64_t end, in
     const rule8_k k = rule8_k_of(&s);
     const code8_k mk = code8_k_of(&j->m_code), vk = code8_k_of(&j->v_code);
     const __m256i mag_mask = _mm256_set1_epi32(0x7FFFFFFF);
-    const int uses_m = j->uses_m, uses_v = j->uses_v;
+    const int uses_m = j->uses_m, uses_v = j->uses_v, unscale = UNSCALE(s);
     float mbuf[L2L_BLOCK] __attribute__((aligned(32))), vbuf[L2L_BLOCK] __attribute__((aligned(32)));
     int bad = 0;
     for (int64_t b0 = begin; b0 < end; b0 += L2L_BLOCK) {
@@ -466,7 +469,8 @@ AVX2 INLINE int state_loop_avx2(const l2l_job *j, int64_t begin, int64_t end, in
         __m256i bad8 = _mm256_setzero_si256(), mmax = _mm256_setzero_si256(), vmax = _mm256_setzero_si256();
         for (; b + 8 <= len; b += 8) {
             int64_t i = b0 + b;
-            __m256 gv = _mm256_mul_ps(load_g8(j->g, i, g_dtype), k.inv_scale);
+            __m256 gv = load_g8(j->g, i, g_dtype);
+            if (unscale) gv = _mm256_mul_ps(gv, k.inv_scale);
             bad8 = _mm256_or_si256(bad8, nonfinite8(gv));
             __m256 m = _mm256_setzero_ps(), v = _mm256_setzero_ps();
             if (uses_m) m = q8 ? decode8(&mk, (const uint8_t *)j->m_src + i, ms8) : bf16_load8(j->m_src, i);
@@ -533,19 +537,9 @@ AVX512 INLINE __m256i bf16_round16(__m512 x) { /* x canonical */
     return _mm512_cvtepi32_epi16(r);
 }
 
-AVX512 INLINE void store16(float *a, __m512 x, int nt) {
-    if (nt) _mm512_stream_ps(a, x);
-    else _mm512_storeu_ps(a, x);
-}
-
-AVX512 INLINE void store_half16(void *a, __m256i x, int nt) {
-    if (nt) _mm256_stream_si256((__m256i *)a, x);
-    else _mm256_storeu_si256((__m256i *)a, x);
-}
-
-AVX512 INLINE void store_w16(void *w, int64_t i, __m512 p, int w_dtype, int nt) {
-    if (w_dtype == L2L_DT_BF16) store_half16((uint16_t *)w + i, bf16_round16(p), nt);
-    else if (w_dtype == L2L_DT_F16) store_half16((uint16_t *)w + i, _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT), nt);
+AVX512 INLINE void store_w16(void *w, int64_t i, __m512 p, int w_dtype) {
+    if (w_dtype == L2L_DT_BF16) _mm256_storeu_si256((__m256i *)((uint16_t *)w + i), bf16_round16(p));
+    else if (w_dtype == L2L_DT_F16) _mm256_storeu_si256((__m256i *)((uint16_t *)w + i), _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT));
 }
 
 AVX512 INLINE __m512 bf16_load16(const void *h, int64_t i) {
@@ -577,21 +571,21 @@ AVX512 INLINE int step_loop_avx512(const l2l_job *j, int64_t begin, int64_t end,
     const float *p_src = j->p_src, *m_src = j->m_src, *v_src = j->v_src;
     float *p_dst = j->p_dst, *m_dst = j->m_dst, *v_dst = j->v_dst;
     void *w_dst = j->w_dst;
-    const int uses_m = j->uses_m, uses_v = j->uses_v, nt = j->nontemporal;
+    const int uses_m = j->uses_m, uses_v = j->uses_v, unscale = UNSCALE(s);
     __mmask16 bad = 0;
     int64_t i = begin;
     for (; i + 16 <= end; i += 16) {
-        __m512 gv = _mm512_mul_ps(load_g16(g, i, g_dtype), k.inv_scale);
+        __m512 gv = load_g16(g, i, g_dtype);
+        if (unscale) gv = _mm512_mul_ps(gv, k.inv_scale);
         bad |= nonfinite16(gv);
         __m512 m = uses_m ? _mm512_loadu_ps(m_src + i) : _mm512_setzero_ps();
         __m512 v = uses_v ? _mm512_loadu_ps(v_src + i) : _mm512_setzero_ps();
         __m512 p = canon_nan16(rule16(&s, &k, gv, _mm512_loadu_ps(p_src + i), &m, &v));
-        if (uses_m) store16(m_dst + i, canon_nan16(m), nt);
-        if (uses_v) store16(v_dst + i, canon_nan16(v), nt);
-        store16(p_dst + i, p, nt);
-        store_w16(w_dst, i, p, w_dtype, nt);
+        if (uses_m) _mm512_storeu_ps(m_dst + i, canon_nan16(m));
+        if (uses_v) _mm512_storeu_ps(v_dst + i, canon_nan16(v));
+        _mm512_storeu_ps(p_dst + i, p);
+        store_w16(w_dst, i, p, w_dtype);
     }
-    if (nt) _mm_sfence();
     return (bad != 0) | step_range_scalar(j, i, end);
 }
 
@@ -654,7 +648,7 @@ AVX512 INLINE int state_loop_avx512(const l2l_job *j, int64_t begin, int64_t end
     const rule16_k k = rule16_k_of(&s);
     const code16_k mk = code16_k_of(&j->m_code), vk = code16_k_of(&j->v_code);
     const __m512i mag_mask = _mm512_set1_epi32(0x7FFFFFFF);
-    const int uses_m = j->uses_m, uses_v = j->uses_v, nt = j->nontemporal;
+    const int uses_m = j->uses_m, uses_v = j->uses_v, unscale = UNSCALE(s);
     float mbuf[L2L_BLOCK] __attribute__((aligned(64))), vbuf[L2L_BLOCK] __attribute__((aligned(64)));
     int bad = 0;
     for (int64_t b0 = begin; b0 < end; b0 += L2L_BLOCK) {
@@ -666,22 +660,23 @@ AVX512 INLINE int state_loop_avx512(const l2l_job *j, int64_t begin, int64_t end
         __mmask16 bad16 = 0;
         for (; b + 16 <= len; b += 16) {
             int64_t i = b0 + b;
-            __m512 gv = _mm512_mul_ps(load_g16(j->g, i, g_dtype), k.inv_scale);
+            __m512 gv = load_g16(j->g, i, g_dtype);
+            if (unscale) gv = _mm512_mul_ps(gv, k.inv_scale);
             bad16 |= nonfinite16(gv);
             __m512 m = _mm512_setzero_ps(), v = _mm512_setzero_ps();
             if (uses_m) m = q8 ? decode16(&mk, (const uint8_t *)j->m_src + i, ms16, 1) : bf16_load16(j->m_src, i);
             if (uses_v) v = q8 ? decode16(&vk, (const uint8_t *)j->v_src + i, vs16, 0) : bf16_load16(j->v_src, i);
             __m512 p = canon_nan16(rule16(&s, &k, gv, _mm512_loadu_ps(j->p_src + i), &m, &v));
-            store16(j->p_dst + i, p, nt);
-            store_w16(j->w_dst, i, p, w_dtype, nt);
+            _mm512_storeu_ps(j->p_dst + i, p);
+            store_w16(j->w_dst, i, p, w_dtype);
             if (q8) { /* a NaN needs no canonical form here: it makes its block NaN */
                 _mm512_store_ps(mbuf + b, m);
                 _mm512_store_ps(vbuf + b, v);
                 mmax = _mm512_max_epu32(mmax, _mm512_and_si512(_mm512_castps_si512(m), mag_mask));
                 vmax = _mm512_max_epu32(vmax, _mm512_and_si512(_mm512_castps_si512(v), mag_mask));
             } else {
-                if (uses_m) store_half16((uint16_t *)j->m_dst + i, bf16_round16(canon_nan16(m)), nt);
-                if (uses_v) store_half16((uint16_t *)j->v_dst + i, bf16_round16(canon_nan16(v)), nt);
+                if (uses_m) _mm256_storeu_si256((__m256i *)((uint16_t *)j->m_dst + i), bf16_round16(canon_nan16(m)));
+                if (uses_v) _mm256_storeu_si256((__m256i *)((uint16_t *)j->v_dst + i), bf16_round16(canon_nan16(v)));
             }
         }
         bad |= bad16 != 0;
@@ -691,7 +686,6 @@ AVX512 INLINE int state_loop_avx512(const l2l_job *j, int64_t begin, int64_t end
         if (q8 && uses_v) encode_block_avx512(vbuf, len, (uint32_t)_mm512_reduce_max_epu32(vmax), (uint8_t *)j->v_dst + b0,
                                               j->v_scale_dst + blk, &j->v_code, 0);
     }
-    if (nt) _mm_sfence();
     return bad;
 }
 
@@ -1004,7 +998,7 @@ typedef struct {
 /* One optimizer step over n elements. Returns 1 when a gradient value times inv_scale is
  * not finite, 0 when all are finite, or a negative error code. */
 EXPORT int l2l_host_step(const l2l_scalars *s, int64_t n, const l2l_buffers *b, int g_dtype, int state_format,
-                         const l2l_codebooks *codes, int w_dtype, int nontemporal, int isa, int threads) {
+                         const l2l_codebooks *codes, int w_dtype, int isa, int threads) {
     if (n < 0 || s->optimizer < L2L_ADAMW || s->optimizer > L2L_SGD || g_dtype < L2L_DT_F32 ||
         g_dtype > L2L_DT_F16 || w_dtype < L2L_DT_NONE || w_dtype == L2L_DT_F32 || w_dtype > L2L_DT_F16 ||
         state_format < L2L_STATE_F32 || state_format > L2L_STATE_8BIT ||
@@ -1016,7 +1010,7 @@ EXPORT int l2l_host_step(const l2l_scalars *s, int64_t n, const l2l_buffers *b, 
                                                 : pick(isa, state_range_scalar, state_range_avx2, state_range_avx512);
     if (fn == NULL) return L2L_E_ISA;
     if (n == 0) return 0;
-    l2l_job job = {*s, g_dtype, w_dtype, state_format, uses_m, uses_v, nontemporal != 0, b->g, b->p_src, b->p_dst, b->w_dst,
+    l2l_job job = {*s, g_dtype, w_dtype, state_format, uses_m, uses_v, b->g, b->p_src, b->p_dst, b->w_dst,
                    b->m_src, b->v_src, b->m_dst, b->v_dst, b->m_scale_src, b->v_scale_src, b->m_scale_dst,
                    b->v_scale_dst, {0}, {0}};
     if (state_format == L2L_STATE_8BIT) {

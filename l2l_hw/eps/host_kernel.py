@@ -103,7 +103,7 @@ def library() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(found[0]))
     c_int, c_i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
     lib.l2l_host_step.argtypes = [ctypes.POINTER(_Scalars), c_i64, ctypes.POINTER(_Buffers), c_int, c_int,
-                                  ctypes.POINTER(_Codebooks), c_int, c_int, c_int, c_int]
+                                  ctypes.POINTER(_Codebooks), c_int, c_int, c_int]
     lib.l2l_host_step.restype = c_int
     lib.l2l_host_stream.argtypes = [c_i64, ctypes.POINTER(_Stream), c_int, c_int]
     lib.l2l_host_stream.restype = c_int
@@ -194,7 +194,7 @@ def step(optimizer: str, scalars: StepScalars, grad: torch.Tensor, param: torch.
          v_out: torch.Tensor | None = None, working_out: torch.Tensor | None = None,
          state: str = "fp32", m_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
          m_scale_out: torch.Tensor | None = None, v_scale_out: torch.Tensor | None = None,
-         nontemporal: bool = False, isa: str | None = None, threads: int | None = None) -> bool:
+         isa: str | None = None, threads: int | None = None) -> bool:
     """One update of one tensor; returns whether any gradient value times inv_scale is not finite.
 
     Outputs default to the inputs (in place). `m` is needed by Adam/AdamW and by SGD with
@@ -256,8 +256,7 @@ def step(optimizer: str, scalars: StepScalars, grad: torch.Tensor, param: torch.
         "v_scale_out", "working_out")))
     rc = library().l2l_host_step(
         ctypes.byref(s), n, ctypes.byref(b), GRAD_CODES[grad.dtype], STATE_CODES[state], ctypes.byref(_CODEBOOKS),
-        -1 if working_out is None else WORKING_CODES[working_out.dtype], int(nontemporal), ISAS.index(resolve_isa(isa)),
-        threads)
+        -1 if working_out is None else WORKING_CODES[working_out.dtype], ISAS.index(resolve_isa(isa)), threads)
     if rc < 0:
         raise RuntimeError(f"host kernel failed with code {rc}")
     return bool(rc)
