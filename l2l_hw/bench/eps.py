@@ -59,8 +59,8 @@ class Mix:
 
     @property
     def bytes_per_element(self) -> int:
-        size = lambda dtypes: sum(torch.empty(0, dtype=d).element_size() for d in dtypes)  # noqa: E731
-        return size(self.reads) + 2 * size(self.updates) + size(self.writes)
+        return sum(d.itemsize for d in self.reads) + 2 * sum(d.itemsize for d in self.updates) + \
+            sum(d.itemsize for d in self.writes)
 
 
 F32, BF16, U8 = torch.float32, torch.bfloat16, torch.uint8

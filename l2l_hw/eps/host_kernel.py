@@ -10,8 +10,9 @@ working copy. m and v may be kept compressed (`state=`, golden.STATE_FORMATS): "
 (torch.bfloat16 tensors) or "8bit" (torch.uint8 codes, golden.M_CODE / V_CODE, plus one
 float32 scale per golden.QUANT_BLOCK elements in m_scale / v_scale, the last block
 possibly short: `golden.stored_pieces` gives the shapes); the update is then
-`golden.apply_rule_stored`, bit for bit, still one pass. Tensors go to C by pointer (`data_ptr()`), so building the library needs
-neither torch nor Python headers; ctypes releases the GIL for the call.
+`golden.apply_rule_stored`, bit for bit, still one pass. Tensors go to C by pointer
+(`data_ptr()`), so building the library needs neither torch nor Python headers; ctypes
+releases the GIL for the call.
 
 Buffers: CPU, contiguous, aligned to their element size (4 bytes for fp32, 2 for
 bf16/fp16; the SIMD paths use unaligned loads, so nothing more is needed). A destination
@@ -203,7 +204,9 @@ def step(optimizer: str, scalars: StepScalars, grad: torch.Tensor, param: torch.
     v_scale (and their outputs) hold the block scales."""
     if optimizer not in OPTIMIZER_CODES:
         raise ValueError(f"host kernel: unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZER_CODES)}")
-    n = param.numel() if isinstance(param, torch.Tensor) else 0
+    if not isinstance(param, torch.Tensor):
+        raise TypeError(f"host kernel: param must be a torch.Tensor, got {type(param).__name__}")
+    n = param.numel()
     pieces = golden.stored_pieces(state, "m", n)
     adam = optimizer != "sgd"
     uses_m, uses_v = adam or scalars.momentum != 0, adam
@@ -219,9 +222,6 @@ def step(optimizer: str, scalars: StepScalars, grad: torch.Tensor, param: torch.
     v_out = (v if v_out is None else v_out) if uses_v else None
     m_scale_out = (m_scale if m_scale_out is None else m_scale_out) if m_scale is not None else None
     v_scale_out = (v_scale if v_scale_out is None else v_scale_out) if v_scale is not None else None
-    if not isinstance(param, torch.Tensor):
-        raise TypeError(f"host kernel: param must be a torch.Tensor, got {type(param).__name__}")
-    n = param.numel()
     buffers = {"grad": grad, "param": param, "m": m, "v": v, "m_scale": m_scale, "v_scale": v_scale,
                "param_out": param_out, "m_out": m_out, "v_out": v_out, "m_scale_out": m_scale_out,
                "v_scale_out": v_scale_out, "working_out": working_out}
