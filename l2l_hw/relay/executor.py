@@ -368,7 +368,7 @@ class Relay:
                     self.stash.put(i, acts)
                 rng[i], buffer_snapshots[i], graphs[i] = [], [], []
                 outs = []
-                with torch.set_grad_enabled(not self.recompute), meter.saving():
+                with torch.set_grad_enabled(not self.recompute), meter.saving(i):
                     for j in range(u):
                         if self.recompute:
                             rng[i].append(_rng_state(self.device))
@@ -384,7 +384,7 @@ class Relay:
                         self._sample(live, acts, outs)
                 if self.recompute:
                     self._release(i, live, users, backward=False)
-                    meter.drop_saved()  # nothing was saved: no graph
+                    meter.drop_saved(i)  # nothing was saved: no graph
                 acts = outs
 
             # Last layer: forward, loss and backward together, micro-batch by micro-batch.
@@ -397,15 +397,15 @@ class Relay:
             for j in range(u):
                 x = self._grad_leaf(acts[j])
                 bufs = self._device_buffers(last)
-                with meter.saving():
+                with meter.saving(last):
                     loss = self._loss(_to_float(self._call(last, x, params, bufs)), ts[j])
                 self._store_buffers(last, bufs)
                 self._sample(live, acts, grads_in)
                 (loss * (weights[j] * self.loss_scale)).backward()
                 total += loss.detach().float() * weights[j]
                 grads_in.append(self._input_grads(x))
-                if self.recompute:
-                    meter.drop_saved()
+                meter.drop_saved(last)  # its graph is consumed
+            acts = None  # the last layer's inputs are done with
             self._release(last, live, users, backward=True)
 
             # Backward, reverse layer order, recomputing each layer per micro-batch.
@@ -422,7 +422,7 @@ class Relay:
                         saved = _rng_state(self.device)
                         _set_rng_state(self.device, rng[i][j])
                         try:
-                            with meter.saving():
+                            with meter.saving(i):
                                 out = self._call(i, x, params, self._device_buffers(i, buffer_snapshots[i][j]))
                         finally:
                             _set_rng_state(self.device, saved)
@@ -433,9 +433,12 @@ class Relay:
                     if pairs:
                         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
                     grads_in.append(self._input_grads(x))
+                    grads_out[j] = None  # micro-batch j of this layer is done with
                     if self.recompute:
-                        meter.drop_saved()
+                        inputs_i[j] = None
+                        meter.drop_saved(i)
                 graphs[i] = inputs_i = None  # this layer's inputs are done with
+                meter.drop_saved(i)  # without recompute: what its forward graph saved
                 self._release(i, live, users, backward=True)
             self._push_reduced()
         except BaseException as exc:
