@@ -3,9 +3,11 @@
  * One pass per tile: load the gradient (fp32, bf16 or fp16), multiply by the inverse
  * loss scale, record whether any value is non-finite, update fp32 p, m, v by the rule of
  * l2l_hw/eps/golden.py::apply_rule (docs/NUMERICS.md), canonicalize every NaN written,
- * and write the bf16/fp16 working copy (or none). Sources and destinations may differ
- * (double-buffered state) or be equal (in place); partial overlap is refused by the
- * Python binding (l2l_hw/eps/host_kernel.py), which is the only caller.
+ * and write the bf16/fp16 working copy (or none). m and v may be kept as fp32, bf16 or
+ * block-wise 8-bit codes (golden.apply_rule_stored: decoded, updated and encoded in the
+ * same pass). Sources and destinations may differ (double-buffered state) or be equal
+ * (in place); partial overlap is refused by the Python binding
+ * (l2l_hw/eps/host_kernel.py), which is the only caller.
  *
  * Bit-identity with the golden rule on every ISA path rests on:
  *   - each statement below is one IEEE binary32 operation: the build passes
@@ -27,7 +29,8 @@
  * on an OpenMP team; a second OpenMP runtime (or nested use of torch's) in this library
  * could clash with it (two runtimes in one process, nested teams oversubscribing the
  * cores). Our workers sleep on a condition variable between calls, so they take no CPU
- * while torch computes. One call uses the pool at a time; a concurrent second caller
+ * while torch computes. Each thread runs a contiguous share of the tiles, then helps the
+ * others (see run_tiles). One call uses the pool at a time; a concurrent second caller
  * runs its tiles on its own thread rather than waiting.
  */
 #include <immintrin.h>
@@ -44,10 +47,10 @@ enum { L2L_ISA_SCALAR = 0, L2L_ISA_AVX2 = 1, L2L_ISA_AVX512 = 2 };
 enum { L2L_STATE_F32 = 0, L2L_STATE_BF16 = 1, L2L_STATE_8BIT = 2 };
 enum { L2L_OK = 0, L2L_E_ARG = -1, L2L_E_ISA = -2, L2L_E_THREAD = -3 };
 
-/* Elements per tile, the unit of work a thread takes from the shared counter. 16 Ki
+/* Elements per tile, the unit of work a thread takes off a share's counter. 16 Ki
  * elements = 64 KiB per fp32 stream: big enough that taking a tile costs nothing, small
  * enough that two threads stay balanced on tensors of a few hundred thousand elements.
- * A multiple of 16 so only the last tile has a scalar tail. */
+ * A multiple of 16 (only the last tile has a scalar tail) and of the 8-bit block. */
 #define L2L_TILE 16384
 #define L2L_MAX_THREADS 256
 #define MXCSR_IEEE 0x1F80u /* all exceptions masked, round to nearest, FTZ = DAZ = 0 */
