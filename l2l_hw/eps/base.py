@@ -332,6 +332,11 @@ class EPS(ABC):
         """The fp32 tensors each parameter has in the state: param and the optimizer's slots."""
         return ("param",) + STATE_SLOTS[self.config.optimizer]
 
+    def stored_slots(self, shape: torch.Size) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        """Shape and dtype of what one tensor keeps, as a checkpoint stores it: fp32 param and
+        optimizer slots here; compressed optimizer state (engine.py) stores its own pieces."""
+        return {slot: (shape, torch.float32) for slot in self.slots()}
+
     def state_entries(self) -> dict[str, StateEntry]:
         """The state as `{key}/{name}/{slot}` entries read one at a time (plus `step`), so a
         checkpoint streams to its file without a second copy of the state in memory. With
@@ -340,8 +345,8 @@ class EPS(ABC):
         out = {"step": _ready(torch.tensor(self.step, dtype=torch.int64))}
         for key, names in self.shapes.items():
             for name, shape in names.items():
-                for slot in self.slots():
-                    out[f"{key}/{name}/{slot}"] = StateEntry(shape, torch.float32, self._reader(key, name, slot))
+                for slot, (stored_shape, dtype) in self.stored_slots(shape).items():
+                    out[f"{key}/{name}/{slot}"] = StateEntry(stored_shape, dtype, self._reader(key, name, slot))
                 if self.double_buffer:  # PipeDream-2BW's next step computes on it; bf16/fp16 widen exactly
                     out[f"{key}/{name}/previous"] = StateEntry(
                         shape, torch.float32, lambda k=key, n=name: self.fetch(k, previous=True)[n].float())
@@ -358,22 +363,23 @@ class EPS(ABC):
         """Load a state_dict (or a streamed checkpoint's mapping, read one tensor at a time).
         Every entry's presence, dtype and shape is checked before anything is written."""
         self.wait()
-        slots = self.slots()
-        wanted = {f"{k}/{n}/{s}": shape for k, names in self.shapes.items() for n, shape in names.items() for s in slots}
+        wanted = {f"{k}/{n}/{s}": layout for k, names in self.shapes.items() for n, shape in names.items()
+                  for s, layout in self.stored_slots(shape).items()}
         missing = sorted(set(wanted) - set(state))
         if missing:
-            raise KeyError(f"EPS state is missing {len(missing)} entries, e.g. {missing[:3]}; "
-                           f"was it saved with another model or optimizer ({self.config.optimizer})?")
-        for name, shape in wanted.items():
+            raise KeyError(f"EPS state is missing {len(missing)} entries, e.g. {missing[:3]}; was it saved with "
+                           f"another model, optimizer ({self.config.optimizer}) or state format?")
+        for name, (shape, dtype) in wanted.items():
             t = state[name]
-            if t.shape != shape or t.dtype != torch.float32:
-                raise ValueError(f"EPS state {name} is {t.dtype} {tuple(t.shape)}; expected float32 {tuple(shape)}")
+            if t.shape != shape or t.dtype != dtype:
+                raise ValueError(f"EPS state {name} is {t.dtype} {tuple(t.shape)}; expected {dtype} {tuple(shape)}")
         for key, names in self.shapes.items():
-            for name in names:
+            for name, shape in names.items():
                 previous = state.get(f"{key}/{name}/previous") if self.double_buffer else None
                 if previous is not None:
                     previous = tensor_of(previous).to(WORKING_DTYPES[self.working_dtype])
-                self.load_tensor(key, name, {s: tensor_of(state[f"{key}/{name}/{s}"]) for s in slots}, previous)
+                self.load_tensor(key, name, {s: tensor_of(state[f"{key}/{name}/{s}"])
+                                             for s in self.stored_slots(shape)}, previous)
         self.step = int(tensor_of(state["step"]))
 
     def master(self, key: str) -> dict[str, torch.Tensor]:
@@ -402,8 +408,9 @@ class EPS(ABC):
     @abstractmethod
     def load_tensor(self, key: str, name: str, slots: dict[str, torch.Tensor],
                     previous: torch.Tensor | None = None) -> None:
-        """Overwrite one tensor's param and state slots (a missing slot: zeros) and, with double
-        buffering, its version one commit back (working dtype; None: the loaded param)."""
+        """Overwrite one tensor's param and state slots (a missing slot: zeros; fp32 values, or
+        the stored pieces of `stored_slots`) and, with double buffering, its version one
+        commit back (working dtype; None: the loaded param)."""
 
     def _discard(self) -> None:
         """Forget what the updates of the step wrote (double buffering: spare buffers)."""

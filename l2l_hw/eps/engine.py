@@ -7,7 +7,10 @@ how one tensor is updated (`_run`: the host kernel, the RTL, or numpy).
 Buffers of one tensor (`TensorBuffers`), in the backend's memory:
     current    param, m, v (the optimizer's slots) and, for a bf16/fp16 working copy,
                `working`: the committed state. Always there: 12 B/parameter with Adam,
-               14 with a bf16 working copy.
+               14 with a bf16 working copy. m and v are kept in the EPS's state format
+               (`state=`, golden.STATE_FORMATS): fp32; bf16 (10 B/parameter with a bf16
+               copy); or 8bit, codes plus `m_scale`/`v_scale` buffers of one fp32 scale per
+               block (8.03 B/parameter). The master param is always fp32.
     spare      what updates write when they cannot run in place: with double buffering
                (a step discarded whole, fp16 overflow; PipeDream-2BW), and for backends
                whose update can fail halfway through a tensor (`in_place = False`: a bus
@@ -31,6 +34,7 @@ from typing import Any
 
 import torch
 
+from l2l_hw.eps import golden
 from l2l_hw.eps.base import EPS, GRAD_DTYPES, STATE_SLOTS, WORKING_DTYPES, OptimConfig
 from l2l_hw.eps.golden import step_scalars
 from l2l_hw.eps.worker import UpdateWorker
@@ -62,8 +66,12 @@ class AsyncEps(EPS):
     in_place = True
 
     def __init__(self, config: OptimConfig, working_dtype: str = "fp32", double_buffer: bool = False,
-                 worker_name: str = "l2l-eps-update"):
+                 worker_name: str = "l2l-eps-update", state: str = "fp32"):
+        if state not in golden.STATE_FORMATS:
+            raise ValueError(f"unknown optimizer state format state={state!r}; choose one of "
+                             f"{', '.join(golden.STATE_FORMATS)}")
         super().__init__(config, working_dtype, double_buffer)
+        self.state_format = state
         self.buffers: dict[str, dict[str, TensorBuffers]] = {}
         self._worker = UpdateWorker(worker_name)
         self._written: dict[str, set[str]] = {}  # double buffering: tensors updated in the step, per group
@@ -105,15 +113,29 @@ class AsyncEps(EPS):
     def out_of_place(self) -> bool:
         return self.double_buffer or not self.in_place
 
+    def _pieces(self, slot: str, shape: torch.Size) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        """The buffers one slot is kept in: param fp32, the working copy in its dtype, m and v
+        in the state format (8bit: codes shaped as the tensor, and a flat buffer of scales)."""
+        if slot == "working":
+            return {slot: (shape, WORKING_DTYPES[self.working_dtype])}
+        if slot == "param":
+            return {slot: (shape, torch.float32)}
+        pieces = golden.stored_pieces(self.state_format, slot, shape.numel())
+        return {piece: (shape if piece == slot else torch.Size([count]), dtype)
+                for piece, (dtype, count) in pieces.items()}
+
+    def stored_slots(self, shape):
+        return {piece: layout for slot in self.slots() for piece, layout in self._pieces(slot, shape).items()}
+
     def _new_tensor(self, shape: torch.Size) -> TensorBuffers:
         low = WORKING_DTYPES[self.working_dtype]
-        current = {slot: self._allocate(shape, torch.float32, slot == self.working_slot) for slot in self.slots()}
-        if self.working_dtype != "fp32":
-            current["working"] = self._allocate(shape, low, True)
+        slots = self.slots() + (("working",) if self.working_dtype != "fp32" else ())
+        current = {piece: self._allocate(s, dtype, slot == self.working_slot)
+                   for slot in slots for piece, (s, dtype) in self._pieces(slot, shape).items()}
         b = TensorBuffers(current)
         if self.out_of_place:
-            b.spare = {slot: self._allocate(shape, low if slot == "working" else torch.float32,
-                                            slot == self.working_slot) for slot in self._slots_written()}
+            b.spare = {piece: self._allocate(s, dtype, slot == self.working_slot)
+                       for slot in self._slots_written() for piece, (s, dtype) in self._pieces(slot, shape).items()}
         if self.double_buffer:
             b.previous = self._allocate(shape, low, True)
         return b
@@ -130,14 +152,28 @@ class AsyncEps(EPS):
             group[name] = self._new_tensor(shape)
         b = group[name]
         for slot in self.slots():
-            values = slots.get(slot)
-            self._write(b.current[slot], values if values is not None else torch.zeros(shape))
+            for piece, values in self._stored_values(slot, slots, shape).items():
+                self._write(b.current[piece], values)
         if self.working_dtype != "fp32":
             self._convert(key, name, b)
         if b.previous is not None:  # before the first commit the previous version is the loaded one
             if previous is None:
                 previous = self._read(b.current[self.working_slot], shape, WORKING_DTYPES[self.working_dtype])
             self._write(b.previous, previous)
+
+    def _stored_values(self, slot: str, given: dict[str, torch.Tensor], shape: torch.Size) -> dict[str, torch.Tensor]:
+        """What to write into one slot's buffers: the stored pieces as given (a checkpoint of
+        the same format: resumed bit for bit), else fp32 values (missing: zeros) encoded by
+        the golden rule of the state format."""
+        pieces = self._pieces(slot, shape)
+        if all(p in given and given[p].dtype == dtype for p, (_, dtype) in pieces.items()):
+            return {p: given[p] for p in pieces}
+        values = given.get(slot)
+        values = torch.zeros(shape) if values is None else values.float()
+        if slot == "param" or self.state_format == "fp32":
+            return {slot: values}
+        stored = golden.state_tensors(golden.encode_state(values.numpy(), self.state_format, slot))
+        return {p: t.reshape(pieces[p][0]) for p, t in stored.items()}
 
     def _convert(self, key: str, name: str, b: TensorBuffers) -> None:
         """The working copy of loaded weights by the backend's own rounding: a zero-step SGD
@@ -173,7 +209,8 @@ class AsyncEps(EPS):
         found = False
         for name, g in host.items():
             b = self.buffers[key][name]
-            dst = b.spare if self.out_of_place else {slot: b.current[slot] for slot in self._slots_written()}
+            written = [piece for slot in self._slots_written() for piece in self._pieces(slot, g.shape)]
+            dst = b.spare if self.out_of_place else {piece: b.current[piece] for piece in written}
             found |= self._run(key, name, self.config.optimizer, s, g, b.current, dst)
         if self.double_buffer:
             self._written.setdefault(key, set()).update(host)
@@ -209,11 +246,22 @@ class AsyncEps(EPS):
                                  dtype) for name, b in self.buffers[key].items()}
 
     def read_state(self, key, name):
+        """fp32 param and optimizer slots (compressed state decoded by the golden rule)."""
         b, shape = self.buffers[key][name], self.shapes[key][name]
-        return {slot: self._read(b.current[slot], shape, torch.float32) for slot in self.slots()}
+        out = {}
+        for slot in self.slots():
+            pieces = {p: self._read(b.current[p], s, dtype) for p, (s, dtype) in self._pieces(slot, shape).items()}
+            if slot == "param" or self.state_format == "fp32":
+                out[slot] = pieces[slot]
+            else:
+                decoded = golden.decode_state(golden.state_arrays(pieces), self.state_format, slot)
+                out[slot] = torch.from_numpy(decoded.reshape(shape))
+        return out
 
     def _reader(self, key, name, slot):
-        return lambda: self._read(self.buffers[key][name].current[slot], self.shapes[key][name], torch.float32)
+        """One stored piece as it is (compressed state too: a checkpoint keeps it unchanged)."""
+        shape, dtype = self.stored_slots(self.shapes[key][name])[slot]
+        return lambda: self._read(self.buffers[key][name].current[slot], shape, dtype)
 
     def close(self) -> None:
         """Wait for the update thread and give every buffer back."""

@@ -35,8 +35,19 @@ class FpgaEps(AsyncEps):
 
     in_place = False
 
+    STATE_FORMATS = ("fp32",)  # the RTL reads and writes fp32 m and v
+
+    @classmethod
+    def check_state(cls, state: str) -> None:
+        """Refuse an optimizer state format the RTL lacks (before any transport is built)."""
+        if state not in cls.STATE_FORMATS:
+            raise ValueError(f"the {cls.name} EPS supports optimizer state {', '.join(cls.STATE_FORMATS)} only "
+                             f"(the RTL kernel keeps fp32 m and v), not state={state!r}; use the cpu or golden "
+                             f"EPS for bf16 or 8-bit state")
+
     def __init__(self, config: OptimConfig, working_dtype: str = "fp32", double_buffer: bool = False,
-                 transport=None, timeout_s: float | None = None, max_cycles: int | None = None):
+                 transport=None, timeout_s: float | None = None, max_cycles: int | None = None, state: str = "fp32"):
+        self.check_state(state)
         super().__init__(config, working_dtype, double_buffer, "l2l-fpga-update")
         from l2l_hw.hw.driver import DEFAULT_TIMEOUT_S, L2lOptimDriver
 
@@ -103,6 +114,7 @@ class FpgaSimEps(FpgaEps):
     def __init__(self, config: OptimConfig, working_dtype: str = "fp32", double_buffer: bool = False,
                  data_width: int | None = None, dram_bytes: int | None = None, read_latency: int = 0,
                  transport=None, lanes: int | None = None, compute_units: int | None = None, **driver_options):
+        self.check_state(driver_options.get("state", "fp32"))
         if transport is None:
             from l2l_hw.hw import verilator
 
@@ -118,6 +130,7 @@ class FpgaPynqEps(FpgaEps):
 
     def __init__(self, config: OptimConfig, working_dtype: str = "fp32", double_buffer: bool = False,
                  overlay=None, kernel: str | None = None, transport=None, **driver_options):
+        self.check_state(driver_options.get("state", "fp32"))
         if transport is None:
             if overlay is None:
                 raise ValueError("fpga-pynq needs overlay='path/to/l2l_optim.bit' (or an .xclbin); see docs/BOARD.md")

@@ -6,14 +6,14 @@ import numpy as np
 import torch
 
 from l2l_hw.eps.engine import AsyncEps
-from l2l_hw.eps.golden import apply_rule, canonicalize_nan, grad_to_numpy, working_copy
+from l2l_hw.eps.golden import apply_rule_stored, grad_to_numpy, state_arrays, state_tensors, working_copy
 from l2l_hw.eps.registry import register_backend
 
 
 @register_backend("golden")
 class GoldenEps(AsyncEps):
-    def __init__(self, config, working_dtype: str = "fp32", double_buffer: bool = False):
-        super().__init__(config, working_dtype, double_buffer, "l2l-golden-update")
+    def __init__(self, config, working_dtype: str = "fp32", double_buffer: bool = False, state: str = "fp32"):
+        super().__init__(config, working_dtype, double_buffer, "l2l-golden-update", state=state)
 
     def _allocate(self, shape, dtype, fetched):
         return torch.empty(shape, dtype=dtype)
@@ -28,16 +28,13 @@ class GoldenEps(AsyncEps):
         g = grad_to_numpy(grad)
         with np.errstate(all="ignore"):
             found = not np.isfinite(g * np.float32(s.inv_scale)).all()
-            p, m, v = apply_rule(optimizer, s, src["param"].numpy(), _array(src.get("m")), _array(src.get("v")),
-                                 g, np.sqrt)
-        new = {"param": p, "m": m, "v": v}
+        stored = state_arrays({k: t.reshape(-1) for k, t in src.items() if k not in ("param", "working")})
+        p, new = apply_rule_stored(optimizer, s, src["param"].numpy().reshape(-1), stored, g.reshape(-1),
+                                   self.state_format)
+        new = state_tensors({"param": p, **new})
         for slot, t in dst.items():  # every result is computed before the first write (in place)
             if slot == "working":
-                t.copy_(working_copy(canonicalize_nan(np.array(p, dtype=np.float32)), self.working_dtype))
+                t.copy_(working_copy(p, self.working_dtype).reshape(t.shape))
             else:
-                t.numpy()[...] = canonicalize_nan(np.array(new[slot], dtype=np.float32))
+                t.copy_(new[slot].reshape(t.shape))
         return found
-
-
-def _array(t: torch.Tensor | None):
-    return None if t is None else t.numpy()

@@ -30,7 +30,8 @@ def known_backends() -> list[str]:
 
 def make_eps(name: str, working_dtype: str = "fp32", shard_state: bool = False, process_group=None,
              **options) -> EPS:
-    """Build an EPS by backend name; the other options are those of OptimConfig or the backend's.
+    """Build an EPS by backend name; the other options are those of OptimConfig or the backend's
+    (cpu and golden: `state="fp32" | "bf16" | "8bit"`, the format of m and v).
 
     shard_state=True (data parallel, torch.distributed initialized): this rank keeps 1/N of
     every tensor's master weights and state, ZeRO-style (l2l_hw/eps/sharded.py)."""
@@ -38,6 +39,9 @@ def make_eps(name: str, working_dtype: str = "fp32", shard_state: bool = False, 
         raise ValueError(f"unknown EPS backend {name!r}; known backends: {', '.join(known_backends())}")
     backend = _BACKENDS[name]
     backend_options = {k: options.pop(k) for k in list(options) if k not in OptimConfig.__dataclass_fields__}
+    if shard_state and backend_options.get("state", "fp32") != "fp32":
+        raise ValueError(f"shard_state=True keeps fp32 optimizer state only, not state={backend_options['state']!r} "
+                         f"(its checkpoints gather fp32 tensors); use an unsharded EPS for bf16 or 8-bit state")
     accepted = inspect.signature(backend).parameters
     if not any(p.kind is p.VAR_KEYWORD for p in accepted.values()):
         unknown = sorted(set(backend_options) - set(accepted))
