@@ -413,7 +413,7 @@ def save_pretrained(relay, path, max_shard_size: int | str = "2GB", tokenizer=No
     tensor is stored once, under the name transformers saves it by. `tokenizer` (optional)
     is saved alongside."""
     from safetensors.torch import save_file
-    from transformers.utils import convert_file_size_to_int
+    from transformers.utils.hub import convert_file_size_to_int
 
     limit = convert_file_size_to_int(max_shard_size)
     folder = Path(path)
