@@ -31,6 +31,7 @@ import inspect
 import json
 import os
 from pathlib import Path
+from typing import Iterable, Iterator
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -257,6 +258,15 @@ def _model_folder(path) -> Path:
     return folder
 
 
+def _weights(folder: Path) -> Path:
+    """The folder's shard index, or its one weights file."""
+    for name in (INDEX_FILE, WEIGHTS_FILE):
+        if (folder / name).is_file():
+            return folder / name
+    raise FileNotFoundError(f"{folder} has no weights: expected {WEIGHTS_FILE} or {INDEX_FILE} "
+                            "(safetensors, as transformers' save_pretrained writes them)")
+
+
 def _model_class(config):
     transformers = _transformers()
     architectures = getattr(config, "architectures", None) or []
@@ -294,15 +304,13 @@ class Checkpoint:
         from safetensors import safe_open
 
         self._open = safe_open
-        if (folder / INDEX_FILE).is_file():
-            weight_map = json.loads((folder / INDEX_FILE).read_text())["weight_map"]
+        weights = _weights(folder)
+        if weights.name == INDEX_FILE:
+            weight_map = json.loads(weights.read_text())["weight_map"]
             self.shard_of = {key: folder / file for key, file in weight_map.items()}
-        elif (folder / WEIGHTS_FILE).is_file():
-            with safe_open(folder / WEIGHTS_FILE, framework="pt") as f:
-                self.shard_of = {key: folder / WEIGHTS_FILE for key in f.keys()}
         else:
-            raise FileNotFoundError(f"{folder} has no weights: expected {WEIGHTS_FILE} or {INDEX_FILE} "
-                                    "(safetensors, as transformers' save_pretrained writes them)")
+            with safe_open(weights, framework="pt") as f:
+                self.shard_of = {key: weights for key in f.keys()}
         self.left: dict[Path, set[str]] = {}
         for key in wanted & set(self.shard_of):
             self.left.setdefault(self.shard_of[key], set()).add(key)
@@ -393,25 +401,10 @@ def from_pretrained(path, eps, **relay_options):
 
 
 # ---------------------------------------------------------------------------- saving
-def _layer_tensors(relay, i: int, masters: dict) -> dict[str, torch.Tensor]:
-    """Layer i's fp32 master parameters and host buffers by the layer's names."""
-    plan = relay.plans[i]
-    out = {}
-    for name, (key, gname) in plan.bindings.items():
-        if key not in masters:
-            masters.clear()  # one group at a time
-            masters[key] = relay.eps.master(key)
-        out[name] = masters[key][gname]
-    out.update({n: t.detach().to("cpu") for n, t in plan.frozen.items()})
-    out.update({n: b.detach().to("cpu") for n, b in plan.buffers.items()})
-    return out
-
-
-def save_pretrained(relay, path, max_shard_size: int | str = "2GB", tokenizer=None) -> Path:
-    """Write the relay's model as a transformers folder: config.json and fp32 safetensors
-    shards of at most `max_shard_size`, streamed layer by layer from the EPS masters; a tied
-    tensor is stored once, under the name transformers saves it by. `tokenizer` (optional)
-    is saved alongside."""
+def write_weights(tensors: Iterable[tuple[str, torch.Tensor]], path, max_shard_size: int | str = "2GB") -> list[Path]:
+    """Write `(name, tensor)` pairs, in order, as transformers' safetensors: one
+    model.safetensors, or shards of at most `max_shard_size` (bytes or "200MB") named
+    model-0000k-of-0000n.safetensors plus model.safetensors.index.json. Holds one shard."""
     from safetensors.torch import save_file
     from transformers.utils.hub import convert_file_size_to_int
 
@@ -420,40 +413,63 @@ def save_pretrained(relay, path, max_shard_size: int | str = "2GB", tokenizer=No
     folder.mkdir(parents=True, exist_ok=True)
     for old in [*folder.glob("model*.safetensors"), folder / INDEX_FILE]:
         old.unlink(missing_ok=True)
-    shards: list[tuple[str, list[str]]] = []
+    shards: list[tuple[Path, list[str]]] = []
     shard: dict[str, torch.Tensor] = {}
     size = total = 0
 
     def flush():
-        nonlocal shard, size
         if shard:
-            name = f"part-{len(shards):05d}.safetensors"
-            save_file(shard, folder / name, metadata={"format": "pt"})
+            name = folder / f"part-{len(shards):05d}.safetensors"  # renamed once the count is known
+            save_file(shard, name, metadata={"format": "pt"})
             shards.append((name, list(shard)))
-        shard, size = {}, 0
+            shard.clear()
 
-    written, masters = set(), {}
+    for key, t in tensors:
+        t = t.detach().to("cpu").contiguous()
+        if shard and size + t.nbytes > limit:
+            flush()
+            size = 0
+        shard[key] = t
+        size += t.nbytes
+        total += t.nbytes
+    flush()
+    files, weight_map = [], {}
+    for k, (name, keys) in enumerate(shards):
+        final = folder / (WEIGHTS_FILE if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors")
+        os.replace(name, final)
+        files.append(final)
+        weight_map.update({key: final.name for key in keys})
+    if len(shards) > 1:
+        (folder / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                    indent=2, sort_keys=True))
+    return files
+
+
+def _relay_tensors(relay) -> Iterator[tuple[str, torch.Tensor]]:
+    """The relay's tensors by HF name, layer by layer: fp32 masters fetched from the EPS one
+    group at a time, host buffers; a tied tensor once, under the first name HF saves it by."""
+    written, group = set(), {}
     for i, layer in enumerate(relay.layers):
-        tensors = _layer_tensors(relay, i, masters)
+        plan = relay.plans[i]
         for name, keys in layer.hf_keys.items():
             if keys[0] in written:
                 continue
-            t = tensors[name].contiguous()
-            if shard and size + t.nbytes > limit:
-                flush()
-            shard[keys[0]] = t
             written.add(keys[0])
-            size += t.nbytes
-            total += t.nbytes
-    flush()
-    weight_map = {}
-    for k, (name, keys) in enumerate(shards):
-        final = WEIGHTS_FILE if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        os.replace(folder / name, folder / final)
-        weight_map.update({key: final for key in keys})
-    if len(shards) > 1:
-        (folder / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total},
-                                                     "weight_map": weight_map}, indent=2, sort_keys=True))
+            if name in plan.bindings:
+                key, gname = plan.bindings[name]
+                if key not in group:
+                    group = {key: relay.eps.master(key)}
+                yield keys[0], group[key][gname]
+            else:
+                yield keys[0], plan.frozen[name] if name in plan.frozen else plan.buffers[name]
+
+
+def save_pretrained(relay, path, max_shard_size: int | str = "2GB", tokenizer=None) -> Path:
+    """Write the relay's model as a transformers folder: config.json and fp32 safetensors
+    shards, streamed layer by layer from the EPS masters (write_weights). `tokenizer`
+    (optional) is saved alongside."""
+    folder = Path(path)
+    write_weights(_relay_tensors(relay), folder, max_shard_size)
     config = copy.deepcopy(relay.layers[0].config)
     config.dtype = torch.float32
     config.save_pretrained(folder)
@@ -485,8 +501,7 @@ def finetune_batches(path, data_file, batch_size: int, seq_len: int, seed: int =
     folder = _model_folder(path)
     config = _transformers().AutoConfig.from_pretrained(folder, local_files_only=True)
     masked = _model_class(config).__name__ == "BertForMaskedLM"
-    if not (folder / WEIGHTS_FILE).is_file() and not (folder / INDEX_FILE).is_file():
-        raise FileNotFoundError(f"{folder} has no weights: expected {WEIGHTS_FILE} or {INDEX_FILE}")
+    _weights(folder)
     tokenizer = load_tokenizer(folder)
     data = Path(data_file)
     if not data.is_file():
