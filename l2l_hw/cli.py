@@ -275,7 +275,7 @@ def _version(dist: str) -> str:
 
 def cmd_info(args) -> int:
     import numpy
-    from l2l_hw.eps.base import known_backends
+    from l2l_hw.eps.registry import known_backends
 
     print(f"l2l_hw      {l2l_hw.__version__}")
     print(f"python      {platform.python_version()} ({sys.executable})")
@@ -441,6 +441,11 @@ def build_parser() -> argparse.ArgumentParser:
                          description=bench_rtl.__doc__.split("\n\n")[0])
     bench_rtl.add_arguments(bt)
     bt.set_defaults(func=bench_rtl.run_from_args)
+    from l2l_hw.bench import capacity as bench_capacity
+    bc = bsub.add_parser("capacity", help="host bytes per parameter of each EPS configuration; the largest GPT",
+                         description=bench_capacity.__doc__.split("\n\n")[0])
+    bench_capacity.add_arguments(bc)
+    bc.set_defaults(func=bench_capacity.run_from_args)
     return p
 
 

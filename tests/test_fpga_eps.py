@@ -108,11 +108,10 @@ def test_kernel_that_never_finishes_raises_timeout_naming_layer_and_keeps_commit
 def test_axi_slverr_raises_clear_error_and_keeps_committed_state(where):
     eps = one_group_eps()
     before = eps.state_dict()
-    t = eps.tensors["g"]["w"]
     if where == "grad read":
-        eps.transport.inject_error(t.grad, read_resp=2, write_resp=0)
+        eps.transport.inject_error(eps.grad_buffer, read_resp=2, write_resp=0)
     else:
-        eps.transport.inject_error(t.spare("param"), read_resp=0, write_resp=2)
+        eps.transport.inject_error(eps.buffers["g"]["w"].spare["param"], read_resp=0, write_resp=2)
     eps.push_grads("g", grads())
     with pytest.raises(KernelAxiError, match=r"EPS group 'g' tensor 'w'.*SLVERR.*AXI_ERROR.*committed state"):
         eps.commit_step()
@@ -161,7 +160,7 @@ def test_fault_in_a_compute_unit_raises_naming_it_and_keeps_committed_state(faul
     eps = two_unit_group("fpga-sim", max_cycles=20_000)
     before = eps.state_dict()
     if fault == "slverr in unit 1":  # the last bus words of the spare param: the second unit's share only
-        eps.transport.inject_error(eps.tensors["g"]["w"].spare("param"), read_resp=0, write_resp=2,
+        eps.transport.inject_error(eps.buffers["g"]["w"].spare["param"], read_resp=0, write_resp=2,
                                    offset=4 * SPLIT_N - 256, nbytes=256)
         error, match = KernelAxiError, r"tensor 'w' \(compute unit 1: elements .*SLVERR.*committed state"
     else:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from l2l_hw.eps.base import EPS, STATE_SLOTS, OptimConfig, register_backend
+from l2l_hw.eps.base import OptimConfig
 
 CANONICAL_NAN32 = 0x7FC00000
 CANONICAL_NAN_BF16 = 0x7FC0
@@ -135,64 +135,3 @@ def grad_to_numpy(g: torch.Tensor) -> np.ndarray:
     if g.dtype == torch.bfloat16:
         return (g.view(torch.int16).numpy().view(np.uint16).astype(np.uint32) << 16).view(np.float32)
     return g.numpy().astype(np.float32)
-
-
-@register_backend("golden")
-class GoldenEps(EPS):
-    """Reference EPS: numpy float32, synchronous, slow. The definition others must match."""
-
-    def __init__(self, config: OptimConfig, working_dtype: str = "fp32", double_buffer: bool = False):
-        super().__init__(config, working_dtype, double_buffer)
-        self.state: dict[str, dict[str, dict[str, np.ndarray]]] = {}
-        self.staged: dict[str, dict[str, dict[str, np.ndarray]]] = {}  # double buffering: the step's writes
-        self.previous: dict[str, dict[str, np.ndarray]] = {}  # double buffering: params one commit back
-
-    def _register(self, key, params):
-        self.state[key] = {}
-        for name, p in params.items():
-            self._load(key, name, {"param": p})
-
-    def _load(self, key, name, slots):
-        p = slots["param"].numpy().astype(np.float32, copy=True)
-        entry = {"param": p}
-        for slot in STATE_SLOTS[self.config.optimizer]:
-            entry[slot] = slots[slot].numpy().astype(np.float32, copy=True) if slot in slots else np.zeros_like(p)
-        self.state.setdefault(key, {})[name] = entry
-
-    def _load_previous(self, key, name, working):
-        self.previous.setdefault(key, {})[name] = working.float().numpy().copy()  # exact: fp32 holds bf16/fp16
-
-    def _tensors(self, key, name):
-        return {slot: torch.from_numpy(a) for slot, a in self.state[key][name].items()}
-
-    def _fetch(self, key, previous=False):
-        params = {name: e["param"] for name, e in self.state[key].items()}
-        if previous:
-            params.update(self.previous.get(key, {}))
-        return {name: working_copy(p, self.working_dtype) for name, p in params.items()}
-
-    def _push(self, key, grads, inv_scale):
-        s = step_scalars(self.config, self.step + 1, inv_scale)
-        opt = self.config.optimizer
-        for name, grad in grads.items():
-            e = self.state[key][name]
-            g = grad_to_numpy(grad)
-            self.found_nonfinite |= not np.isfinite(g * np.float32(s.inv_scale)).all()
-            with np.errstate(all="ignore"):
-                p, m, v = apply_rule(opt, s, e["param"], e.get("m"), e.get("v"), g, np.sqrt)
-            new = {slot: canonicalize_nan(np.array(t, dtype=np.float32)) for slot, t in
-                   (("param", p), ("m", m), ("v", v)) if slot in e}
-            target = self.staged.setdefault(key, {}) if self.double_buffer else self.state[key]
-            target[name] = new
-
-    def _swap(self):
-        for key, group in self.state.items():
-            self.previous[key] = {name: e["param"] for name, e in group.items()}
-            group.update(self.staged.pop(key, {}))
-
-    def discard_step(self):
-        self.staged.clear()
-        super().discard_step()
-
-    def wait(self):
-        pass

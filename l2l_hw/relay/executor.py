@@ -22,15 +22,15 @@ once, after its last use in the backward sweep.
 from __future__ import annotations
 
 import copy
+import numbers
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 from torch.func import functional_call
 
-from l2l_hw.eps.base import EPS
-from l2l_hw.eps.sharded import ShardedEps
+from l2l_hw.eps.base import EPS, StateEntry, tensor_of
 from l2l_hw.relay.data_parallel import GradReducer
 from l2l_hw.relay.memory import DeviceMemory
 from l2l_hw.relay.precision import LossScaler, compute_dtype
@@ -90,6 +90,53 @@ def _set_rng_state(device: torch.device, state) -> None:
         torch.cuda.set_rng_state(state[1], device)
 
 
+def _replace_tensors(module: nn.Module, make: Callable[[str, torch.Tensor], torch.Tensor],
+                     which: Callable[[torch.Tensor], bool]) -> list[torch.Tensor]:
+    """Swap every parameter and buffer of `module` that `which` selects for `make(name, old)`,
+    at every place it is registered (a tied tensor in two submodules); returns the old ones."""
+    old = []
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        for table in (sub._parameters, sub._buffers):
+            for name, t in list(table.items()):
+                if t is not None and which(t):
+                    table[name] = make(f"{prefix}.{name}" if prefix else name, t)
+                    old.append(t)
+    return old
+
+
+def _filled(i: int, name: str, meta: torch.Tensor, values: dict | None, filled: dict) -> torch.Tensor:
+    """The real tensor for meta tensor `name` of layer i: from init's `values`, or the one an
+    earlier layer's init already gave a tied tensor."""
+    if id(meta) in filled:
+        return filled[id(meta)]
+    if values is None or name not in values:
+        raise ValueError(f"init(i={i}, module) gave no tensor for {name!r}, which is on the meta device; "
+                         f"it gave {sorted(values or {})}")
+    t = torch.as_tensor(tensor_of(values[name]))
+    if t.shape != meta.shape:
+        raise ValueError(f"init(i={i}, module) gave {name!r} the shape {tuple(t.shape)}; "
+                         f"the module has {tuple(meta.shape)}")
+    t = t.to("cpu", meta.dtype)
+    if isinstance(meta, nn.Parameter):
+        t = nn.Parameter(t, requires_grad=meta.requires_grad)
+    filled[id(meta)] = t
+    return t
+
+
+def init_from_state(state) -> Callable[[int, nn.Module], dict[str, torch.Tensor]]:
+    """An `init` for Relay that fills meta-device layers from a relay state (`Relay.state_dict()`,
+    or a checkpoint opened lazily): EPS masters `eps/layer{i}/{name}/param` and buffers
+    `buffers/{i}/{name}`. A tied parameter is filled by the first layer that uses it."""
+    def init(i: int, module: nn.Module) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, _ in (*module.named_parameters(), *module.named_buffers()):
+            for key in (f"eps/layer{i}/{name}/param", f"buffers/{i}/{name}"):
+                if key in state:
+                    out[name] = state[key]
+        return out
+    return init
+
+
 class Relay:
     """Train `layers` with their weights in `eps`, one layer at a time on `device`."""
 
@@ -98,7 +145,8 @@ class Relay:
                  activations: str = "device", layer_drop: float | Callable[[int], float] = 0.0,
                  droppable: Sequence[int] | None = None, layer_drop_seed: int = 0,
                  clip_grad_norm: float | None = None, clip_mode: str = "layer", precision: str = "fp32",
-                 pipedream_2bw: bool = False, process_group=None):
+                 pipedream_2bw: bool = False, process_group=None, skip_nonfinite: bool = False,
+                 init: Callable[[int, nn.Module], dict[str, torch.Tensor]] | None = None):
         self.layers = list(layers)
         if not self.layers:
             raise ValueError("Relay needs at least one layer")
@@ -107,8 +155,8 @@ class Relay:
                 raise TypeError(f"layer {i} is a {type(layer).__name__}; layers must be torch.nn.Module instances")
         if not isinstance(eps, EPS):
             raise TypeError(f"eps must be an EPS from l2l_hw.make_eps(...), got {type(eps).__name__}")
-        if int(micro_batches) < 1:
-            raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
+        if isinstance(micro_batches, bool) or not isinstance(micro_batches, numbers.Integral) or micro_batches < 1:
+            raise ValueError(f"micro_batches must be >= 1 and an integer, got {micro_batches!r}")
         self.loss_fn = loss_fn
         self.eps = eps
         self.device = torch.device(device)
@@ -132,17 +180,20 @@ class Relay:
         if eps.shapes and eps.working_dtype != precision:
             raise ValueError(f"precision={precision!r} needs an EPS whose working copy is {precision}; this "
                              f"one already holds groups with working_dtype={eps.working_dtype!r}")
-        eps.working_dtype = precision  # the EPS rounds its fp32 masters to what the layers compute in
-        # fp16 overflows are discarded after eager updates already ran: the EPS must double-buffer.
         self.scaler = LossScaler() if precision == "fp16" else None
         # PipeDream-2BW: step t+1 computes on the weights without step t's update (the EPS's
         # previous buffer), so no layer waits for its update: W(t+1) = W(t) - lr * grad(W(t-1)).
         self.pipedream_2bw = bool(pipedream_2bw)
-        if self.scaler is not None or self.pipedream_2bw:
-            eps.enable_double_buffer()
+        # A step with a non-finite gradient is discarded whole: always for fp16 (the loss scale
+        # overflowed), on request otherwise (torch.optim lets non-finite values propagate).
+        self.skip_nonfinite = self.scaler is not None or bool(skip_nonfinite)
+        # The EPS rounds its fp32 masters to what the layers compute in; discarding a step after
+        # eager updates ran, or reading the version one step back, needs its double buffers.
+        eps.configure(working_dtype=precision, double_buffer=self.skip_nonfinite or self.pipedream_2bw,
+                      defer_updates=self.clip_mode == "global", device=self.device)
         self.dp = self._data_parallel(process_group)
         self._pending = []  # gradient reductions under way, oldest first
-        self.plans = self._plan()
+        self.plans = self._plan(init)
         self.weights = WeightStream(eps, self.device, previous=self.pipedream_2bw)
         self.groups = sorted({key for plan in self.plans for key in plan.groups})
 
@@ -151,23 +202,38 @@ class Relay:
         """The gradient reducer when running data parallel; every rank starts from rank 0's weights."""
         import torch.distributed as dist
 
-        if isinstance(self.eps, ShardedEps):
-            if group is not None and group is not self.eps.group:
+        if self.eps.sharded:
+            if group is not None and group is not self.eps.process_group:
                 raise ValueError("process_group differs from the sharded EPS's; pass the same group to both")
-            group = self.eps.group
+            group = self.eps.process_group
         elif group is None:
             if not (dist.is_available() and dist.is_initialized()):
                 return None
         dp = GradReducer(group, self.eps, self.device)
         if dp.world > 1:
-            dp.broadcast_([t for m in self.layers for t in (*m.parameters(), *m.buffers())],
+            dp.broadcast_([t for m in self.layers for t in (*m.parameters(), *m.buffers()) if not t.is_meta],
                           "broadcasting rank 0's initial weights")
         return dp
 
-    def _plan(self) -> list[LayerPlan]:
+    def _plan(self, init) -> list[LayerPlan]:
+        """Register each layer's own trainable parameters in the EPS, one layer at a time, then
+        keep only the modules' structure: their trainable parameters move to the meta device,
+        so the EPS holds the only copy of the weights. A layer built on the meta device is
+        filled by `init(i, module)` just before its registration."""
         owner: dict[int, tuple[str, str]] = {}  # id(parameter) -> (EPS group, name)
+        filled: dict[int, torch.Tensor] = {}  # id(meta tensor) -> its values (once for a tied one)
+        released: dict[int, nn.Parameter] = {}  # id(parameter) -> its meta stand-in (once for a tied one)
+        alive = []  # every original tensor stays referenced while ids are compared
         plans = []
         for i, module in enumerate(self.layers):
+            values = None
+            if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+                if init is None:
+                    raise ValueError(f"layer {i} ({type(module).__name__}) has tensors on the meta device; "
+                                     f"pass init=fn, fn(i, module) -> {{name: tensor}}, to fill them")
+                values = init(i, module)
+            alive += _replace_tensors(module, lambda name, t: _filled(i, name, t, values, filled),
+                                      lambda t: t.is_meta)
             plan = LayerPlan(module)
             own: dict[str, torch.Tensor] = {}
             for name, p in module.named_parameters():
@@ -181,6 +247,8 @@ class Relay:
             plan.buffers = {name: b for name, b in module.named_buffers()}
             if own:
                 self.eps.register(f"layer{i}", own)
+            alive += _replace_tensors(module, lambda name, p: released.setdefault(id(p), nn.Parameter(
+                torch.empty_like(p, device="meta"))), lambda t: isinstance(t, nn.Parameter) and t.requires_grad)
             plans.append(plan)
         return plans
 
@@ -295,7 +363,6 @@ class Relay:
         # recompute), or the forward graph (without recompute).
         rng, buffer_snapshots, graphs = {}, {}, {}
         self._sq_norm = torch.zeros((), dtype=torch.float32)  # for global-norm clipping
-        self.eps.defer_updates = self.clip_mode == "global"
         meter = self.memory
         acts = xs
         try:
@@ -391,8 +458,8 @@ class Relay:
         meter.drop_saved()
         # PipeDream-2BW: the next step computes on the version this one replaces, so it need
         # not wait for this step's last updates (unless fp16 must first learn of an overflow).
-        found = self.eps.commit_step(grad_scale=self._global_clip_factor(), skip_nonfinite=self.scaler is not None,
-                                     wait=not self.pipedream_2bw or self.scaler is not None)
+        found = self.eps.commit_step(grad_scale=self._global_clip_factor(), skip_nonfinite=self.skip_nonfinite,
+                                     wait=not self.pipedream_2bw or self.skip_nonfinite)
         if self.scaler is not None:
             self.scaler.update(found)
         if self.dp is not None:
@@ -502,28 +569,43 @@ class Relay:
         return self.dp.mean(total, n, "averaging the evaluation loss") if self.dp is not None else total
 
     def materialize(self) -> nn.Sequential:
-        """The trained model as an nn.Sequential on the CPU with the fp32 master weights."""
-        model = copy.deepcopy(nn.Sequential(*self.layers)).to("cpu")
-        masters = {key: self.eps.master(key) for key in self.groups}
+        """The trained model as an nn.Sequential on the CPU with the fp32 master weights (a new
+        model: the relay's own modules hold no weights, only the structure)."""
+        model = copy.deepcopy(nn.Sequential(*self.layers))  # trainable parameters are on meta: cheap
+        made: dict[int, nn.Parameter] = {}  # one Parameter per tied one
+        masters: dict[str, dict[str, torch.Tensor]] = {}
         for layer, plan in zip(model, self.plans):
-            for name, p in layer.named_parameters():
-                if name in plan.bindings:
+            def master(name, meta, plan=plan):
+                if id(meta) not in made:
                     key, gname = plan.bindings[name]
-                    p.data.copy_(masters[key][gname])
+                    if key not in masters:
+                        masters[key] = self.eps.master(key)
+                    made[id(meta)] = nn.Parameter(masters[key][gname])
+                return made[id(meta)]
+            _replace_tensors(layer, master, lambda t: t.is_meta)
         return model
 
     # -- checkpoints -----------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
-        state = {f"eps/{k}": v for k, v in self.eps.state_dict().items()}
+        """The relay's state (EPS masters and optimizer state, module buffers) as copies."""
+        return {name: tensor_of(e).clone() for name, e in self.state_entries().items()}
+
+    def state_entries(self) -> dict[str, StateEntry]:
+        """The same, read one tensor at a time: what a checkpoint streams to its file
+        (`save_checkpoint(path, relay.state_entries(), meta)`) without a copy of the state."""
+        state = {f"eps/{k}": v for k, v in self.eps.state_entries().items()}
         for i, plan in enumerate(self.plans):
-            state.update({f"buffers/{i}/{n}": b.detach().clone() for n, b in plan.buffers.items()})
+            state.update({f"buffers/{i}/{n}": StateEntry(b.shape, b.dtype, lambda b=b: b.detach())
+                          for n, b in plan.buffers.items()})
         return state
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    def load_state_dict(self, state: Mapping[str, torch.Tensor | StateEntry]) -> None:
+        """Load a state_dict, or a checkpoint's mapping (open_checkpoint(...).view(prefix)),
+        one tensor at a time."""
         self.eps.load_state_dict({k[4:]: v for k, v in state.items() if k.startswith("eps/")})
         for i, plan in enumerate(self.plans):
             for n, b in plan.buffers.items():
                 name = f"buffers/{i}/{n}"
                 if name not in state:
                     raise KeyError(f"checkpoint has no buffer {name}; was it saved from another model?")
-                b.copy_(state[name])
+                b.copy_(tensor_of(state[name]))

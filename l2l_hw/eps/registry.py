@@ -1,0 +1,40 @@
+"""The backend registry: `make_eps(name, ...)` builds an EPS by name.
+
+Backends register themselves with `@register_backend(name)` when their module is
+imported (l2l_hw/eps/__init__.py imports them all). `shard_state=True` wraps the
+backend in the ZeRO-style sharded EPS (l2l_hw/eps/sharded.py), by composition.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from l2l_hw.eps.base import EPS, OptimConfig
+from l2l_hw.eps.sharded import ShardedEps
+
+_BACKENDS: dict[str, Callable[..., EPS]] = {}
+
+
+def register_backend(name: str):
+    """Class decorator: make a backend buildable by `make_eps(name)`."""
+    def wrap(cls):
+        _BACKENDS[name] = cls
+        cls.name = name
+        return cls
+    return wrap
+
+
+def known_backends() -> list[str]:
+    return sorted(_BACKENDS)
+
+
+def make_eps(name: str, working_dtype: str = "fp32", shard_state: bool = False, process_group=None,
+             **options) -> EPS:
+    """Build an EPS by backend name; the other options are those of OptimConfig or the backend's.
+
+    shard_state=True (data parallel, torch.distributed initialized): this rank keeps 1/N of
+    every tensor's master weights and state, ZeRO-style (l2l_hw/eps/sharded.py)."""
+    if not isinstance(name, str) or name not in _BACKENDS:
+        raise ValueError(f"unknown EPS backend {name!r}; known backends: {', '.join(known_backends())}")
+    backend_options = {k: options.pop(k) for k in list(options) if k not in OptimConfig.__dataclass_fields__}
+    eps = _BACKENDS[name](OptimConfig(**options), working_dtype=working_dtype, **backend_options)
+    return ShardedEps(eps, process_group) if shard_state else eps
