@@ -389,15 +389,7 @@ def from_pretrained(path, eps, **relay_options):
     folder = _model_folder(path)
     model = skeleton(folder)
     layers, loss_fn = split(model)
-    init = LayerInit(folder, model, layers)
-    # Until the relay takes meta-device layers (init=...), fill the layers here.
-    for i, layer in enumerate(layers):
-        for name, tensor in init(i, layer).items():
-            target = layer.get_parameter(name) if name in dict(layer.named_parameters()) else layer.get_buffer(name)
-            value = nn.Parameter(tensor, requires_grad=target.requires_grad) if isinstance(target, nn.Parameter) \
-                else tensor
-            torch.utils.swap_tensors(target, value)
-    return Relay(layers, loss_fn, eps=eps, **relay_options)
+    return Relay(layers, loss_fn, eps=eps, init=LayerInit(folder, model, layers), **relay_options)
 
 
 # ---------------------------------------------------------------------------- saving

@@ -208,12 +208,12 @@ def test_plain_labels_give_the_micro_batch_token_mean_and_targets_give_hf_loss(o
     ids, mask, labels = make_batch(0)
     expected = model(ids, attention_mask=mask, labels=labels).loss.item()
     layers, loss_fn = hf.split(model)
-    relay = l2l_hw.Relay(layers, loss_fn, eps=l2l_hw.make_eps("cpu", **OPTIM), micro_batches=3)
     shifted = loss_fn.counted(labels)
     with torch.no_grad():
         out = (ids, mask)
         for layer in layers:
             out = layer(out)
+    relay = l2l_hw.Relay(layers, loss_fn, eps=l2l_hw.make_eps("cpu", **OPTIM), micro_batches=3)
     per_micro_batch = sum(float(loss_fn(o, t)) * len(t) / BATCH
                           for o, t in zip(out.split(2), labels.split(2)))
     assert abs(relay.evaluate((ids, mask), labels) - per_micro_batch) <= 1e-6 * per_micro_batch
@@ -222,12 +222,14 @@ def test_plain_labels_give_the_micro_batch_token_mean_and_targets_give_hf_loss(o
     assert (shifted != -100).sum() == loss_fn.targets(labels)[1].sum().round()
 
 
-def test_from_pretrained_reads_every_shard_and_closes_them(tmp_path, one_thread):
+def test_from_pretrained_fills_the_eps_from_every_shard_and_keeps_only_meta_layers(tmp_path, one_thread):
     model = tiny("llama-gqa-tied-bias")
     model.save_pretrained(tmp_path, max_shard_size="10KB")
     index = json.loads((tmp_path / hf.INDEX_FILE).read_text())
     assert len(set(index["weight_map"].values())) > 2
     relay = hf.from_pretrained(tmp_path, eps=l2l_hw.make_eps("cpu", **OPTIM))
+    assert all(p.is_meta for layer in relay.layers for p in layer.parameters())
+    assert relay.layers[0].parts.embed_tokens.weight is relay.layers[-1].parts.lm_head.weight
     materialized = dict(relay.materialize().named_parameters())
     state = model.state_dict()
     for i, layer in enumerate(relay.layers):
