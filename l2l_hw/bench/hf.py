@@ -6,7 +6,9 @@ safetensors in a temporary folder, tensor by tensor from a meta-device skeleton 
 writer holds one shard, never the model). Each way of loading it then runs in a fresh
 process, which reports its resident memory (/proc/self/status) before loading (the
 baseline, after imports) and its peak while loading (VmHWM, reset to the baseline
-through /proc/self/clear_refs), both after the baseline:
+through /proc/self/clear_refs), both after the baseline. As in `l2l bench capacity`,
+glibc's mmap threshold is fixed (MALLOC_MMAP_THRESHOLD_) so that freed tensors leave the
+resident set at once:
 
   l2l                  l2l_hw.hf.from_pretrained(dir, eps=cpu EPS): meta skeleton, shards
                        streamed into the EPS layer by layer
@@ -15,30 +17,29 @@ through /proc/self/clear_refs), both after the baseline:
                        model, l2l_hw.hf.split cuts it, a Relay registers it in the EPS
 
 The EPS's measured size is the l2l process's resident memory once loading is over (the
-EPS and a meta skeleton). Target: l2l's peak <= (EPS size + largest shard) * 1.15.
+EPS and a meta skeleton); the bytes of its state (param, m, v) are reported beside it.
+Target: l2l's peak <= (EPS size + largest shard) * 1.15.
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import json
-import multiprocessing
-import re
+import os
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
+
+from l2l_hw.bench.capacity import MMAP_THRESHOLD, rss_bytes
 
 MARGIN = 1.15  # the acceptance's allowance over the EPS plus one shard
 MODES = ("l2l", "transformers", "transformers+relay")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 LLAMA = dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=4,
              intermediate_size=2816, vocab_size=32000, tie_word_embeddings=False)
-
-
-def _status_bytes(field: str) -> int:
-    kb = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M).group(1)
-    return int(kb) * 1024
 
 
 def write_checkpoint(folder: Path, layers: int, max_shard_size: str, dtype: str = "fp32", seed: int = 0) -> int:
@@ -73,10 +74,13 @@ def load_peak(mode: str, folder: str, eps_options: dict) -> dict:
     from transformers import AutoModelForCausalLM
 
     gc.collect()
-    baseline = _status_bytes("VmRSS")
+    baseline = rss_bytes()
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    state_bytes = None
     if mode == "l2l":
         held = hf.from_pretrained(folder, eps=l2l_hw.make_eps("cpu", **eps_options))
+        state_bytes = sum(e.shape.numel() * e.dtype.itemsize for name, e in held.eps.state_entries().items()
+                          if name != "step")
     elif mode == "transformers":
         held = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     else:
@@ -84,10 +88,20 @@ def load_peak(mode: str, folder: str, eps_options: dict) -> dict:
         layers, loss_fn = hf.split(model)
         held = (model, l2l_hw.Relay(layers, loss_fn, eps=l2l_hw.make_eps("cpu", **eps_options)))
     gc.collect()
-    out = {"baseline_bytes": baseline, "peak_bytes": _status_bytes("VmHWM") - baseline,
-           "held_bytes": _status_bytes("VmRSS") - baseline}
-    del held
-    return out
+    return {"baseline_bytes": baseline, "peak_bytes": rss_bytes("VmHWM") - baseline,
+            "held_bytes": rss_bytes() - baseline, "eps_state_bytes": state_bytes}
+
+
+def _in_fresh_process(mode: str, folder: str, eps_options: dict) -> dict:
+    """load_peak in a new interpreter, so that its peak is its own."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD))
+    code = (f"import json; from l2l_hw.bench import hf; "
+            f"print(json.dumps(hf.load_peak({mode!r}, {folder!r}, {eps_options!r})))")
+    res = subprocess.run([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"loading with {mode} failed (exit {res.returncode}): {res.stderr.strip()[-2000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 def run(layers: int = LLAMA["num_hidden_layers"], max_shard_size: str = "200MB", optimizer: str = "adamw",
@@ -99,13 +113,12 @@ def run(layers: int = LLAMA["num_hidden_layers"], max_shard_size: str = "200MB",
         report = {"params": n_params, "model": {**LLAMA, "num_hidden_layers": layers}, "optimizer": optimizer,
                   "checkpoint_dtype": checkpoint_dtype, "shards": len(shards), "checkpoint_bytes": sum(f.stat().st_size for f in shards),
                   "largest_shard_bytes": max(f.stat().st_size for f in shards), "margin": MARGIN}
-        spawn = multiprocessing.get_context("spawn")
         for mode in modes:
-            with spawn.Pool(1) as pool:  # a fresh process per mode: its peak is its own
-                report[mode] = pool.apply(load_peak, (mode, tmp, eps_options))
+            report[mode] = _in_fresh_process(mode, tmp, eps_options)
     if "l2l" in report:
         eps = report["l2l"]["held_bytes"]
         report["eps_bytes"] = eps
+        report["eps_state_bytes"] = report["l2l"]["eps_state_bytes"]
         report["eps_bytes_per_param"] = round(eps / n_params, 2)
         report["limit_bytes"] = int((eps + report["largest_shard_bytes"]) * MARGIN)
         report["peak_over_eps_plus_shard"] = round(report["l2l"]["peak_bytes"] / (eps + report["largest_shard_bytes"]), 3)
@@ -126,7 +139,8 @@ def format_report(r: dict) -> str:
             lines.append(f"  {mode:19s} peak {r[mode]['peak_bytes'] / gb:6.2f} GB   "
                          f"held after loading {r[mode]['held_bytes'] / gb:6.2f} GB")
     if "eps_bytes" in r:
-        lines.append(f"  EPS measured {r['eps_bytes'] / gb:.2f} GB ({r['eps_bytes_per_param']} B/param); l2l peak / "
+        lines.append(f"  EPS measured {r['eps_bytes'] / gb:.2f} GB ({r['eps_bytes_per_param']} B/param; its state "
+                     f"{r['eps_state_bytes'] / gb:.2f} GB); l2l peak / "
                      f"(EPS + largest shard) = {r['peak_over_eps_plus_shard']} (limit {r['margin']}): "
                      f"{'within' if r['within_limit'] else 'OVER'}")
     if "transformers_relay_over_l2l" in r:
