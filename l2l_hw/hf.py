@@ -32,6 +32,7 @@ import json
 import os
 from pathlib import Path
 from typing import Iterable, Iterator
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -297,10 +298,10 @@ def skeleton(path) -> nn.Module:
 
 class Checkpoint:
     """The safetensors weights of a local folder, read tensor by tensor. A shard is opened
-    when a tensor in it is first read and closed once every tensor wanted from it is read,
-    so at most about one shard is mapped while the model streams in layer by layer."""
+    when a tensor in it is first read and closed once every tensor `expect`ed from it is
+    read, so about one shard is mapped while the model streams in layer by layer."""
 
-    def __init__(self, folder: Path, wanted: set[str]):
+    def __init__(self, folder: Path):
         from safetensors import safe_open
 
         self._open = safe_open
@@ -311,14 +312,12 @@ class Checkpoint:
         else:
             with safe_open(weights, framework="pt") as f:
                 self.shard_of = {key: weights for key in f.keys()}
-        self.left: dict[Path, set[str]] = {}
-        for key in wanted & set(self.shard_of):
-            self.left.setdefault(self.shard_of[key], set()).add(key)
+        self.left: dict[Path, set[str]] = {}  # per shard, the tensors still to read
         self.handles: dict[Path, object] = {}
 
-    @property
-    def shards(self) -> list[Path]:
-        return sorted(set(self.shard_of.values()))
+    def expect(self, keys: set[str]) -> None:
+        for key in keys:
+            self.left.setdefault(self.shard_of[key], set()).add(key)
 
     def find(self, names: list[str]) -> str | None:
         return next((n for n in names if n in self.shard_of), None)
@@ -353,37 +352,38 @@ class LayerInit:
     tied embedding and head) was given by that layer's call and is not read again."""
 
     def __init__(self, folder: Path, model: nn.Module, layers: list[nn.Module]):
-        self.model = model
-        self.wanted = {i: {n: [a for key in keys for a in _aliases(key, model)] for n, keys in layer.hf_keys.items()}
-                       for i, layer in enumerate(layers)}
-        self.checkpoint = Checkpoint(folder, {a for names in self.wanted.values() for v in names.values() for a in v})
-        self.given: set[int] = set()
         self.folder = folder
+        self.checkpoint = Checkpoint(folder)
+        # layer -> its tensor's name -> the checkpoint's name for it (None: not in the checkpoint)
+        self.keys = {i: {n: self.checkpoint.find([a for key in keys for a in _aliases(key, model)])
+                         for n, keys in layer.hf_keys.items()} for i, layer in enumerate(layers)}
+        self.checkpoint.expect({key for names in self.keys.values() for key in names.values() if key})
+        self.given: set[int] = set()
 
     def __call__(self, i: int, module: nn.Module) -> dict[str, torch.Tensor]:
         out = {}
         for name, t in (*module.named_parameters(), *module.named_buffers()):
             if not t.is_meta or id(t) in self.given:
                 continue
-            key = self.checkpoint.find(self.wanted[i].get(name, []))
+            key = self.keys[i].get(name)
             if key is None:
-                raise KeyError(f"{self.folder}: the weights have no tensor for "
-                               f"{(self.wanted[i].get(name) or [name])[0]} (layer {i}, {name})")
+                raise ValueError(f"{self.folder}: the weights have no tensor for layer {i}'s {name} "
+                               f"({module.hf_keys.get(name, ['a tensor transformers does not save'])[0]})")
             tensor = self.checkpoint.read(key)
             if tensor.shape != t.shape:
                 raise ValueError(f"{self.folder}: {key} has shape {tuple(tensor.shape)}; the config's model "
                                  f"needs {tuple(t.shape)}")
             out[name] = tensor.to(t.dtype)
             self.given.add(id(t))
-        if i == len(self.wanted) - 1:
+        if i == len(self.keys) - 1:
             self.checkpoint.close()
         return out
 
 
 def from_pretrained(path, eps, **relay_options):
     """A Relay holding the model of a local transformers folder: the skeleton on the meta device,
-    the safetensors streamed into `eps` layer by layer (host memory: the EPS plus about one
-    shard). The relay's loss_fn is the model's `TokenLoss` (use `batch()` for exact HF losses)."""
+    the safetensors streamed into `eps` layer by layer (this holds one layer and the shard it
+    reads). The relay's loss_fn is the model's `TokenLoss` (`batch()` gives exact HF losses)."""
     from l2l_hw.relay import Relay
 
     folder = _model_folder(path)

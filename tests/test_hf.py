@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("transformers")
 import transformers  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import (AutoModelForCausalLM, AutoModelForMaskedLM, BertConfig, BertForMaskedLM,  # noqa: E402
                           GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
@@ -338,6 +338,15 @@ def test_bad_folders_and_architectures_say_what_is_wrong_and_what_is_supported(l
     with pytest.raises(FileNotFoundError) as e:
         hf.finetune_batches(llama_folder, tmp_path / "data.txt", 2, 4)
     one_line_error(e, "no tokenizer", "tokenizer.json")
+
+    partial = tmp_path / "partial"  # a checkpoint that lacks one tensor the model needs
+    tiny("gpt2").save_pretrained(partial)
+    state = load_file(partial / hf.WEIGHTS_FILE)
+    del state["transformer.h.1.mlp.c_fc.weight"]
+    save_file(state, partial / hf.WEIGHTS_FILE, metadata={"format": "pt"})
+    with pytest.raises(ValueError) as e:
+        hf.from_pretrained(partial, eps=eps)
+    one_line_error(e, "transformer.h.1.mlp.c_fc.weight", "layer 2")
 
     t5 = tmp_path / "t5"
     transformers.T5Config(d_model=8, num_layers=1, num_heads=1, d_ff=8, vocab_size=VOCAB,
