@@ -1,11 +1,14 @@
 """Checkpoints: one safetensors file, streamed, written atomically, checked on load. Never pickle.
 
 Layout: a plain safetensors file (safetensors' own loaders read it) holding the tensors
-as given, plus three metadata strings:
+as given, plus four metadata strings:
   "l2l_hw"         json.dumps(meta), the caller's dict (config, step, ...)
   "l2l_hw_format"  FORMAT_VERSION
   "l2l_hw_crc32"   json {tensor name: crc32 of its bytes, 8 hex digits}; safetensors itself
                    has no checksum, so without it flipped bytes in the data would load.
+  "l2l_hw_header_crc32"  crc32 (8 hex digits) of the other three and of every tensor's
+                   name, dtype, shape and offsets: with the tensor checksums, every byte of
+                   the file is checked.
 
 Streaming: the state of a large model is never copied whole. `save_checkpoint` takes
 tensors or `StateEntry`s (read one at a time, as the EPS hands out its buffers) and
@@ -26,8 +29,8 @@ import torch
 
 from l2l_hw.eps.base import StateEntry
 
-FORMAT_VERSION = 2  # 2: checksums as fixed-width hex, written after the data
-META_KEY, FORMAT_KEY, CRC_KEY = "l2l_hw", "l2l_hw_format", "l2l_hw_crc32"
+FORMAT_VERSION = 2  # 2: checksums as fixed-width hex, written after the data; the header's own
+META_KEY, FORMAT_KEY, CRC_KEY, HEADER_CRC_KEY = "l2l_hw", "l2l_hw_format", "l2l_hw_crc32", "l2l_hw_header_crc32"
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on the JSON header
 CHUNK_BYTES = 64 << 20  # checksum pass: bytes read at a time
 DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -54,6 +57,14 @@ def _fsync_dir(folder: Path):
             os.close(fd)
 
 
+def header_crc32(layout: dict) -> str:
+    """The checksum of a header: every metadata string but this one, and every tensor's name,
+    dtype, shape and offsets."""
+    covered = {name: ({k: v for k, v in info.items() if k != HEADER_CRC_KEY} if name == "__metadata__" else info)
+               for name, info in layout.items()}
+    return f"{zlib.crc32(json.dumps(covered, sort_keys=True).encode()):08x}"
+
+
 def _header(entries: dict, meta: dict, crcs: dict[str, int]) -> bytes:
     """The safetensors header (length-prefixed JSON, space-padded to 8 bytes)."""
     layout, offset = {}, 0
@@ -63,9 +74,21 @@ def _header(entries: dict, meta: dict, crcs: dict[str, int]) -> bytes:
         offset += nbytes
     layout["__metadata__"] = {META_KEY: json.dumps(meta, sort_keys=True), FORMAT_KEY: str(FORMAT_VERSION),
                               CRC_KEY: json.dumps({n: f"{crcs.get(n, 0):08x}" for n in entries}, sort_keys=True)}
+    layout["__metadata__"][HEADER_CRC_KEY] = header_crc32(layout)
     text = json.dumps(layout, separators=(",", ":")).encode()
     text += b" " * (-(8 + len(text)) % 8)
     return len(text).to_bytes(8, "little") + text
+
+
+def remove_stale_temporaries(path) -> list[Path]:
+    """Remove what an interrupted save_checkpoint(path) left beside `path` (its temporary
+    file, `.{name}.*.tmp`); the removed paths."""
+    path = Path(path)
+    stale = list(path.parent.glob(f".{path.name}.*.tmp"))
+    for p in stale:
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+    return stale
 
 
 def _entry(name: str, t) -> StateEntry:
@@ -92,6 +115,9 @@ def save_checkpoint(path, tensors: Mapping[str, torch.Tensor | StateEntry], meta
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        umask = os.umask(0)  # mkstemp makes it 0600: give it the mode open() gives the run's other files
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         with os.fdopen(fd, "wb") as f:
             header = _header(entries, meta, {})
             f.write(header)
@@ -179,6 +205,8 @@ def open_checkpoint(path) -> Checkpoint:
     """Open a checkpoint written by save_checkpoint, checking the header and every tensor's
     checksum (one streaming pass); CheckpointError naming the file and the fault otherwise."""
     path = Path(path)
+    if path.is_dir():
+        raise CheckpointError(f"{path}: a folder, not a checkpoint file")
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
     size = path.stat().st_size
@@ -208,6 +236,9 @@ def open_checkpoint(path) -> Checkpoint:
             raise CheckpointError(
                 f"{path}: format version mismatch: file has {metadata.get(FORMAT_KEY)!r}, "
                 f"this l2l-hw reads version {FORMAT_VERSION}")
+        if metadata.get(HEADER_CRC_KEY) != header_crc32(header):
+            raise CheckpointError(f"{path}: corrupted bytes: the header (metadata, tensor names, dtypes, shapes or "
+                                  "offsets) fails its crc32 check")
         try:
             meta = json.loads(metadata[META_KEY])
             crcs = {name: int(crc, 16) for name, crc in json.loads(metadata[CRC_KEY]).items()}

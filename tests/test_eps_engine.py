@@ -160,3 +160,14 @@ def test_relay_asks_its_eps_and_never_inspects_or_writes_it(source):
         if isinstance(node, ast.ImportFrom):
             assert not any(alias.name.endswith(("Eps", "EPS")) and alias.name != "EPS" for alias in node.names), \
                 ast.unparse(node)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(layer_drop=1.5), r"layer_drop must be >= 0 and < 1 \(a finite number\), got 1.5"),
+    (dict(clip_grad_norm=float("inf")), "clip_grad_norm must be >= 0"),
+    (dict(clip_grad_norm=0.0), "clip_grad_norm must be > 0"),
+    (dict(micro_batches=2.5), "micro_batches must be >= 1 and an integer, got 2.5"),
+])
+def test_bad_relay_options_are_refused_naming_the_option(options, message):
+    with pytest.raises(ValueError, match=message):
+        l2l_hw.Relay(mlp_layers(), nn.functional.mse_loss, eps=l2l_hw.make_eps("cpu"), **options)

@@ -19,6 +19,7 @@ update thread; a backend supplies only how one tensor is updated and stored.
 from __future__ import annotations
 
 import math
+import numbers
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
 from typing import Callable, Mapping
@@ -32,6 +33,23 @@ WORKING_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.f
 # Optimizer state slots per optimizer: m is Adam's exp_avg or SGD's momentum buffer,
 # v is Adam's exp_avg_sq.
 STATE_SLOTS = {"adamw": ("m", "v"), "adam": ("m", "v"), "sgd": ("m",)}
+
+
+def check_number(name: str, value, low=None, high=None, integer: bool = False, high_open: bool = False):
+    """`value` as a finite float (or an int), within [low, high] (high excluded with high_open);
+    otherwise one ValueError naming the argument, the value and what is allowed."""
+    kind = "an integer" if integer else "a finite number"
+    bounds = ([f">= {low:g}"] if low is not None else []) + ([f"{'<' if high_open else '<='} {high:g}"]
+                                                            if high is not None else [])
+    allowed = f"{name} must be {' and '.join(bounds)} ({kind})" if bounds else f"{name} must be {kind}"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or \
+            (integer and not isinstance(value, numbers.Integral)):
+        raise ValueError(f"{allowed}, got {value!r} ({type(value).__name__})")
+    value = int(value) if integer else float(value)
+    if not math.isfinite(value) or (low is not None and value < low) or (high is not None and (
+            value >= high if high_open else value > high)):
+        raise ValueError(f"{allowed}, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -56,18 +74,23 @@ class OptimConfig:
             raise ValueError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
         if self.weight_decay is None:
             object.__setattr__(self, "weight_decay", 1e-2 if self.optimizer == "adamw" else 0.0)
-        object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
+        for name in ("lr", "eps", "weight_decay", "momentum", "min_lr"):  # finite: an infinite one trains to NaN
+            object.__setattr__(self, name, check_number(name, getattr(self, name), low=0.0))
+        object.__setattr__(self, "dampening", check_number("dampening", self.dampening, low=0.0, high=1.0))
+        betas = self.betas
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
+        object.__setattr__(self, "betas", tuple(check_number("betas", b, low=0.0, high=1.0, high_open=True)
+                                                for b in betas))
+        object.__setattr__(self, "warmup_steps", check_number("warmup_steps", self.warmup_steps, low=0, integer=True))
+        if self.total_steps is not None:
+            object.__setattr__(self, "total_steps", check_number("total_steps", self.total_steps, low=1, integer=True))
+        if not isinstance(self.nesterov, bool):
+            raise ValueError(f"nesterov must be True or False, got {self.nesterov!r}")
         checks = [
-            (self.lr >= 0, f"lr must be >= 0, got {self.lr}"),
-            (self.eps >= 0, f"eps must be >= 0, got {self.eps}"),
-            (len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
-             f"betas must be two numbers in [0, 1), got {self.betas}"),
-            (self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}"),
-            (self.momentum >= 0, f"momentum must be >= 0, got {self.momentum}"),
             (not self.nesterov or (self.momentum > 0 and self.dampening == 0),
              "nesterov needs momentum > 0 and dampening = 0 (as torch.optim.SGD)"),
             (self.schedule in SCHEDULES, f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}"),
-            (self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}"),
             (self.schedule != "cosine" or (self.total_steps or 0) > self.warmup_steps,
              "the cosine schedule needs total_steps greater than warmup_steps"),
         ]

@@ -6,6 +6,7 @@ backend in the ZeRO-style sharded EPS (l2l_hw/eps/sharded.py), by composition.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 from l2l_hw.eps.base import EPS, OptimConfig
@@ -35,6 +36,14 @@ def make_eps(name: str, working_dtype: str = "fp32", shard_state: bool = False, 
     every tensor's master weights and state, ZeRO-style (l2l_hw/eps/sharded.py)."""
     if not isinstance(name, str) or name not in _BACKENDS:
         raise ValueError(f"unknown EPS backend {name!r}; known backends: {', '.join(known_backends())}")
+    backend = _BACKENDS[name]
     backend_options = {k: options.pop(k) for k in list(options) if k not in OptimConfig.__dataclass_fields__}
-    eps = _BACKENDS[name](OptimConfig(**options), working_dtype=working_dtype, **backend_options)
+    accepted = inspect.signature(backend).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in accepted.values()):
+        unknown = sorted(set(backend_options) - set(accepted))
+        if unknown:
+            raise ValueError(f"unknown option(s) {', '.join(unknown)} for the {name} EPS; it takes the optimizer's "
+                             f"({', '.join(OptimConfig.__dataclass_fields__)}) and its own "
+                             f"({', '.join(p for p in accepted if p not in ('config', 'working_dtype'))})")
+    eps = backend(OptimConfig(**options), working_dtype=working_dtype, **backend_options)
     return ShardedEps(eps, process_group) if shard_state else eps

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from l2l_hw.eps.base import EPS, StateEntry, tensor_of
+from l2l_hw.eps.base import EPS, StateEntry, check_number, tensor_of
 from l2l_hw.relay.data_parallel import GradReducer
 from l2l_hw.relay.memory import DeviceMemory
 from l2l_hw.relay.precision import LossScaler, compute_dtype
@@ -91,24 +91,18 @@ def _set_rng_state(device: torch.device, state) -> None:
 
 
 def _replace_tensors(module: nn.Module, make: Callable[[str, torch.Tensor], torch.Tensor],
-                     which: Callable[[torch.Tensor], bool]) -> list[torch.Tensor]:
+                     which: Callable[[torch.Tensor], bool]) -> None:
     """Swap every parameter and buffer of `module` that `which` selects for `make(name, old)`,
-    at every place it is registered (a tied tensor in two submodules); returns the old ones."""
-    old = []
+    at every place it is registered (a tied tensor in two submodules)."""
     for prefix, sub in module.named_modules(remove_duplicate=False):
         for table in (sub._parameters, sub._buffers):
             for name, t in list(table.items()):
                 if t is not None and which(t):
                     table[name] = make(f"{prefix}.{name}" if prefix else name, t)
-                    old.append(t)
-    return old
 
 
-def _filled(i: int, name: str, meta: torch.Tensor, values: dict | None, filled: dict) -> torch.Tensor:
-    """The real tensor for meta tensor `name` of layer i: from init's `values`, or the one an
-    earlier layer's init already gave a tied tensor."""
-    if id(meta) in filled:
-        return filled[id(meta)]
+def _filled(i: int, name: str, meta: torch.Tensor, values: dict | None) -> torch.Tensor:
+    """The real tensor for meta tensor `name` of layer i, from init's `values`, checked."""
     if values is None or name not in values:
         raise ValueError(f"init(i={i}, module) gave no tensor for {name!r}, which is on the meta device; "
                          f"it gave {sorted(values or {})}")
@@ -117,16 +111,13 @@ def _filled(i: int, name: str, meta: torch.Tensor, values: dict | None, filled: 
         raise ValueError(f"init(i={i}, module) gave {name!r} the shape {tuple(t.shape)}; "
                          f"the module has {tuple(meta.shape)}")
     t = t.to("cpu", meta.dtype)
-    if isinstance(meta, nn.Parameter):
-        t = nn.Parameter(t, requires_grad=meta.requires_grad)
-    filled[id(meta)] = t
-    return t
+    return nn.Parameter(t, requires_grad=meta.requires_grad) if isinstance(meta, nn.Parameter) else t
 
 
 def init_from_state(state) -> Callable[[int, nn.Module], dict[str, torch.Tensor]]:
     """An `init` for Relay that fills meta-device layers from a relay state (`Relay.state_dict()`,
     or a checkpoint opened lazily): EPS masters `eps/layer{i}/{name}/param` and buffers
-    `buffers/{i}/{name}`. A tied parameter is filled by the first layer that uses it."""
+    `buffers/{i}/{name}`. A tied parameter takes its values from the first layer that uses it."""
     def init(i: int, module: nn.Module) -> dict[str, torch.Tensor]:
         out = {}
         for name, _ in (*module.named_parameters(), *module.named_buffers()):
@@ -167,12 +158,14 @@ class Relay:
                              "graphs keep every layer's intermediates on the device")
         self.stash = ActivationStash(activations, self.device)
         self.memory = DeviceMemory(self.device)
-        self.layer_drop, self.layer_drop_seed = layer_drop, layer_drop_seed
+        if not callable(layer_drop):
+            layer_drop = check_number("layer_drop", layer_drop, low=0.0, high=1.0, high_open=True)
+        self.layer_drop, self.layer_drop_seed = layer_drop, check_number("layer_drop_seed", layer_drop_seed, integer=True)
         self.droppable = set(range(1, len(self.layers) - 1) if droppable is None else droppable)
         if clip_mode not in ("layer", "global"):
             raise ValueError(f"clip_mode must be 'layer' or 'global', got {clip_mode!r}")
-        if clip_grad_norm is not None and not clip_grad_norm > 0:
-            raise ValueError(f"clip_grad_norm must be > 0, got {clip_grad_norm}")
+        if clip_grad_norm is not None and check_number("clip_grad_norm", clip_grad_norm, low=0.0) == 0:
+            raise ValueError(f"clip_grad_norm must be > 0 (a finite number), got {clip_grad_norm}")
         self.clip_norm = clip_grad_norm
         self.clip_mode = clip_mode if clip_grad_norm is not None else None
         self.precision = precision
@@ -218,12 +211,12 @@ class Relay:
     def _plan(self, init) -> list[LayerPlan]:
         """Register each layer's own trainable parameters in the EPS, one layer at a time, then
         keep only the modules' structure: their trainable parameters move to the meta device,
-        so the EPS holds the only copy of the weights. A layer built on the meta device is
-        filled by `init(i, module)` just before its registration."""
-        owner: dict[int, tuple[str, str]] = {}  # id(parameter) -> (EPS group, name)
-        filled: dict[int, torch.Tensor] = {}  # id(meta tensor) -> its values (once for a tied one)
-        released: dict[int, nn.Parameter] = {}  # id(parameter) -> its meta stand-in (once for a tied one)
-        alive = []  # every original tensor stays referenced while ids are compared
+        so the EPS holds the only copy of the weights. A layer built on the meta device gets
+        its values from `init(i, module)` just before its registration; its trainable
+        parameters stay on meta, and only frozen parameters and buffers are filled in."""
+        owner: dict[int, tuple[str, str]] = {}  # id(parameter) -> (EPS group, name); ids of the modules' own
+        released: dict[int, nn.Parameter] = {}  # id(parameter) -> its meta stand-in (one for a tied one)
+        trainable = (lambda t: isinstance(t, nn.Parameter) and t.requires_grad)
         plans = []
         for i, module in enumerate(self.layers):
             values = None
@@ -232,8 +225,8 @@ class Relay:
                     raise ValueError(f"layer {i} ({type(module).__name__}) has tensors on the meta device; "
                                      f"pass init=fn, fn(i, module) -> {{name: tensor}}, to fill them")
                 values = init(i, module)
-            alive += _replace_tensors(module, lambda name, t: _filled(i, name, t, values, filled),
-                                      lambda t: t.is_meta)
+            _replace_tensors(module, lambda name, t: _filled(i, name, t, values),
+                             lambda t: t.is_meta and not trainable(t))
             plan = LayerPlan(module)
             own: dict[str, torch.Tensor] = {}
             for name, p in module.named_parameters():
@@ -242,13 +235,14 @@ class Relay:
                     continue
                 if id(p) not in owner:
                     owner[id(p)] = (f"layer{i}", name)
-                    own[name] = p
+                    own[name] = _filled(i, name, p, values) if p.is_meta else p
                 plan.bindings[name] = owner[id(p)]
             plan.buffers = {name: b for name, b in module.named_buffers()}
             if own:
                 self.eps.register(f"layer{i}", own)
-            alive += _replace_tensors(module, lambda name, p: released.setdefault(id(p), nn.Parameter(
-                torch.empty_like(p, device="meta"))), lambda t: isinstance(t, nn.Parameter) and t.requires_grad)
+            del own
+            _replace_tensors(module, lambda name, p: released.setdefault(id(p), nn.Parameter(
+                torch.empty_like(p, device="meta"))), lambda t: trainable(t) and not t.is_meta)
             plans.append(plan)
         return plans
 
@@ -374,7 +368,7 @@ class Relay:
                     self.stash.put(i, acts)
                 rng[i], buffer_snapshots[i], graphs[i] = [], [], []
                 outs = []
-                with torch.set_grad_enabled(not self.recompute), meter.saving():
+                with torch.set_grad_enabled(not self.recompute), meter.saving(i):
                     for j in range(u):
                         if self.recompute:
                             rng[i].append(_rng_state(self.device))
@@ -390,7 +384,7 @@ class Relay:
                         self._sample(live, acts, outs)
                 if self.recompute:
                     self._release(i, live, users, backward=False)
-                    meter.drop_saved()  # nothing was saved: no graph
+                    meter.drop_saved(i)  # nothing was saved: no graph
                 acts = outs
 
             # Last layer: forward, loss and backward together, micro-batch by micro-batch.
@@ -403,15 +397,15 @@ class Relay:
             for j in range(u):
                 x = self._grad_leaf(acts[j])
                 bufs = self._device_buffers(last)
-                with meter.saving():
+                with meter.saving(last):
                     loss = self._loss(_to_float(self._call(last, x, params, bufs)), ts[j])
                 self._store_buffers(last, bufs)
                 self._sample(live, acts, grads_in)
                 (loss * (weights[j] * self.loss_scale)).backward()
                 total += loss.detach().float() * weights[j]
                 grads_in.append(self._input_grads(x))
-                if self.recompute:
-                    meter.drop_saved()
+                meter.drop_saved(last)  # its graph is consumed
+            acts = None  # the last layer's inputs are done with
             self._release(last, live, users, backward=True)
 
             # Backward, reverse layer order, recomputing each layer per micro-batch.
@@ -428,7 +422,7 @@ class Relay:
                         saved = _rng_state(self.device)
                         _set_rng_state(self.device, rng[i][j])
                         try:
-                            with meter.saving():
+                            with meter.saving(i):
                                 out = self._call(i, x, params, self._device_buffers(i, buffer_snapshots[i][j]))
                         finally:
                             _set_rng_state(self.device, saved)
@@ -439,9 +433,12 @@ class Relay:
                     if pairs:
                         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
                     grads_in.append(self._input_grads(x))
+                    grads_out[j] = None  # micro-batch j of this layer is done with
                     if self.recompute:
-                        meter.drop_saved()
+                        inputs_i[j] = None
+                        meter.drop_saved(i)
                 graphs[i] = inputs_i = None  # this layer's inputs are done with
+                meter.drop_saved(i)  # without recompute: what its forward graph saved
                 self._release(i, live, users, backward=True)
             self._push_reduced()
         except BaseException as exc:
@@ -556,12 +553,19 @@ class Relay:
         for m in self.layers:
             m.train(False)
         live: dict[str, dict[str, torch.Tensor]] = {}
+        last_use = {key: i for i, plan in enumerate(self.plans) for key in plan.groups}
         try:
             with self.weights.newest():
                 acts = xs
                 for i in range(len(self.layers)):
                     params = self._params(i, live)
+                    if i + 1 < len(self.layers):
+                        self._prefetch(i + 1, live)
                     acts = [self._call(i, a, params, self._device_buffers(i)) for a in acts]
+                    self._sample(live, acts)
+                    for key in self.plans[i].groups:  # as in training, a layer's weights leave after their last use
+                        if last_use[key] == i:
+                            live.pop(key)
             total = sum(float(self._loss(_to_float(a), t)) * w for a, t, w in zip(acts, ts, weights))
         finally:
             for m, mode in zip(self.layers, modes):
