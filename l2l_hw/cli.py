@@ -1,6 +1,7 @@
 """The `l2l` command: argparse only. `l2l train` builds a TrainConfig from its flags and
 calls l2l_hw.train (l2l_hw/train.py, where the loop and its outputs are described);
-`l2l info` prints what is usable here; `l2l bench NAME` runs one benchmark of l2l_hw.bench.
+`l2l finetune` does the same for a local Hugging Face model (l2l_hw/hf.py); `l2l info`
+prints what is usable here; `l2l bench NAME` runs one benchmark of l2l_hw.bench.
 """
 import argparse
 import importlib
@@ -8,12 +9,13 @@ import importlib.metadata
 import json
 import platform
 import sys
+from pathlib import Path
 
 import torch
 
 import l2l_hw
 from l2l_hw.checkpoint import CheckpointError
-from l2l_hw.train import CONTROL_FIELDS, ConfigError, TrainConfig, resume_config, train
+from l2l_hw.train import CONTROL_FIELDS, ConfigError, TrainConfig, build_eps, relay_options, resume_config, train
 
 # ---------------------------------------------------------------------------- train
 
@@ -23,7 +25,7 @@ RUN_FLAGS = [name for name in TrainConfig.__dataclass_fields__ if name not in CO
 def train_config(args) -> TrainConfig:
     """`l2l train`'s flags as a TrainConfig; with --resume, the checkpoint's run with the flags given."""
     # Run flags default to None, so --resume can tell what was given from what was not.
-    given = {k: getattr(args, k) for k in RUN_FLAGS if getattr(args, k) is not None}
+    given = {k: getattr(args, k, None) for k in RUN_FLAGS if getattr(args, k, None) is not None}
     control = dict(out=args.out, stop_after=args.stop_after, tensorboard=args.tensorboard, overlay=args.overlay,
                    kernel=args.kernel, dist_timeout=args.dist_timeout)
     return resume_config(**given, **control) if args.resume else TrainConfig(**given, **control)
@@ -50,6 +52,30 @@ def cmd_train(args) -> int:
         return 2
     except OSError as e:  # an output that cannot be written (read-only, full disk): one line
         print(f"l2l train: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_finetune(args) -> int:
+    """`l2l finetune`: the model folder's weights streamed into the EPS, the text file tokenized
+    by its tokenizer, trained by train() as `l2l train` is, saved back for transformers."""
+    from l2l_hw import hf
+
+    try:
+        cfg = train_config(args)
+        batches = hf.finetune_batches(args.model, args.data, cfg.batch_size, cfg.context, seed=cfg.seed)
+        held = len(batches) // 10  # a tenth of the minibatches for validation, none if too few
+        fit, val = batches[held:], batches[:held] or None
+        relay = hf.from_pretrained(args.model, eps=build_eps(cfg), **relay_options(cfg))
+        train(cfg, relay=relay, data=fit * -(-cfg.steps // len(fit)), val_data=val)  # epochs enough for --steps
+        if cfg.out is not None:
+            saved = hf.save_pretrained(relay, Path(cfg.out) / "model", tokenizer=hf.load_tokenizer(args.model))
+            print(f"saved the fine-tuned model for transformers in {saved}")
+    except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
+        print(f"l2l finetune: {flag_message(e) if isinstance(e, ConfigError) else e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"l2l finetune: {e}", file=sys.stderr)
         return 1
     return 0
 
@@ -140,6 +166,52 @@ def add_bench_parsers(sub) -> None:
 
 # ---------------------------------------------------------------------------- parser
 
+def add_run_flags(p: argparse.ArgumentParser) -> None:
+    """The flags `l2l train` and `l2l finetune` share: optimizer, schedule, relay, EPS, run control.
+    Every run flag defaults to None so --resume can tell what was given; TrainConfig fills the rest."""
+    d = TrainConfig()
+    p.add_argument("--batch-size", type=int, help=f"sequences per minibatch (default {d.batch_size})")
+    p.add_argument("--micro-batches", type=int, help=f"micro-batches per minibatch (default {d.micro_batches})")
+    p.add_argument("--steps", type=int, help=f"total optimizer steps; with --resume a new target (default {d.steps})")
+    p.add_argument("--lr", type=float, help=f"peak learning rate (default {d.lr})")
+    p.add_argument("--schedule", choices=["constant", "cosine"], help=f"lr schedule (default {d.schedule})")
+    p.add_argument("--warmup", type=int, help="linear warm-up steps (default: a tenth of --steps)")
+    p.add_argument("--optimizer", choices=["adamw", "adam", "sgd"], help=f"(default {d.optimizer})")
+    p.add_argument("--momentum", type=float, help=f"SGD momentum (default {d.momentum})")
+    p.add_argument("--weight-decay", type=float, help=f"(default {d.weight_decay})")
+    p.add_argument("--eps-backend", "--eps", dest="eps_backend", help=f"EPS backend (default {d.eps_backend})")
+    p.add_argument("--overlay", metavar="PATH", help="--eps fpga-pynq: the overlay to load (.bit with its .hwh, "
+                   "or .xclbin; docs/BOARD.md)")
+    p.add_argument("--kernel", metavar="NAME", help="--eps fpga-pynq: the kernel's IP name in the overlay "
+                   "(default: every IP named l2l_optim*, each a compute unit)")
+    p.add_argument("--device", help=f"where layers run: cpu, cuda, cuda:N (default {d.device}); under "
+                   "torchrun, cuda means each rank's own GPU (LOCAL_RANK)")
+    p.add_argument("--shard-state", action="store_true", default=None,
+                   help="under torchrun: each rank's EPS keeps 1/N of the optimizer state (ZeRO-style)")
+    p.add_argument("--dist-timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="under torchrun: how long a rank waits for the others before failing (default 300)")
+    p.add_argument("--seed", type=int, help=f"seeds the weights, dropout and batches (default {d.seed})")
+    p.add_argument("--eval-every", type=int, help=f"steps between validation and checkpoint (default {d.eval_every})")
+    p.add_argument("--no-recompute", dest="recompute", action="store_false", default=None,
+                   help="keep each layer's forward graph instead of recomputing it in the backward "
+                        "(faster by one forward per step, memory grows with depth)")
+    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"],
+                   help="compute dtype; fp16 uses dynamic loss scaling (default fp32)")
+    p.add_argument("--pipedream-2bw", action="store_true", default=None,
+                   help="PipeDream-2BW: compute on the weights one step back, never wait for an update")
+    p.add_argument("--activations", choices=["device", "host"],
+                   help="where stashed layer inputs live; host = constant device memory (default device)")
+    p.add_argument("--layer-drop", type=float, help="probability of skipping each block per step (default 0)")
+    p.add_argument("--clip-grad-norm", type=float, help="clip gradients to this norm (default: no clipping)")
+    p.add_argument("--clip-mode", choices=["layer", "global"],
+                   help="per-layer norms, or one global norm with updates deferred to the step's end (default layer)")
+    p.add_argument("--resume", action="store_true", help="continue exactly from --out's checkpoint and metrics")
+    p.add_argument("--stop-after", type=int, metavar="STEP",
+                   help="checkpoint and stop at this step, keeping --steps as the schedule's length")
+    p.add_argument("--tensorboard", action="store_true",
+                   help="also write the metrics as TensorBoard event files into --out/tensorboard")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="l2l", description="Layer-to-layer relay training with an Eager Param Server.")
     p.add_argument("--version", action="version", version=f"l2l-hw {l2l_hw.__version__}")
@@ -153,57 +225,30 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--layers", type=int, help=f"transformer blocks (default {d.layers})")
     t.add_argument("--width", type=int, help=f"embedding width (default {d.width})")
     t.add_argument("--heads", type=int, help=f"attention heads (default {d.heads})")
-    t.add_argument("--context", type=int, help=f"context length in bytes (default {d.context})")
-    t.add_argument("--batch-size", type=int, help=f"sequences per minibatch (default {d.batch_size})")
-    t.add_argument("--micro-batches", type=int, help=f"micro-batches per minibatch (default {d.micro_batches})")
-    t.add_argument("--steps", type=int, help=f"total optimizer steps; with --resume a new target (default {d.steps})")
-    t.add_argument("--lr", type=float, help=f"peak learning rate (default {d.lr})")
-    t.add_argument("--schedule", choices=["constant", "cosine"], help=f"lr schedule (default {d.schedule})")
-    t.add_argument("--warmup", type=int, help="linear warm-up steps (default: a tenth of --steps)")
-    t.add_argument("--optimizer", choices=["adamw", "adam", "sgd"], help=f"(default {d.optimizer})")
-    t.add_argument("--momentum", type=float, help=f"SGD momentum (default {d.momentum})")
-    t.add_argument("--weight-decay", type=float, help=f"(default {d.weight_decay})")
-    t.add_argument("--eps-backend", "--eps", dest="eps_backend", help=f"EPS backend (default {d.eps_backend})")
-    t.add_argument("--overlay", metavar="PATH", help="--eps fpga-pynq: the overlay to load (.bit with its .hwh, "
-                   "or .xclbin; docs/BOARD.md)")
-    t.add_argument("--kernel", metavar="NAME", help="--eps fpga-pynq: the kernel's IP name in the overlay "
-                   "(default: every IP named l2l_optim*, each a compute unit)")
-    t.add_argument("--device", help=f"where layers run: cpu, cuda, cuda:N (default {d.device}); under "
-                   "torchrun, cuda means each rank's own GPU (LOCAL_RANK)")
-    t.add_argument("--shard-state", action="store_true", default=None,
-                   help="under torchrun: each rank's EPS keeps 1/N of the optimizer state (ZeRO-style)")
-    t.add_argument("--dist-timeout", type=float, default=300.0, metavar="SECONDS",
-                   help="under torchrun: how long a rank waits for the others before failing (default 300)")
-    t.add_argument("--seed", type=int, help=f"seeds the weights, dropout and batches (default {d.seed})")
     t.add_argument("--dropout", type=float, help=f"(default {d.dropout})")
     t.add_argument("--tie-weights", action="store_true", default=None, help="share the token table with the LM head")
-    t.add_argument("--eval-every", type=int, help=f"steps between validation and checkpoint (default {d.eval_every})")
-    t.add_argument("--no-recompute", dest="recompute", action="store_false", default=None,
-                   help="keep each layer's forward graph instead of recomputing it in the backward "
-                        "(faster by one forward per step, memory grows with depth)")
     t.add_argument("--gelu", choices=["exact", "fewbit"],
                    help=f"GELU backward: exact, or fewbit (3 bits saved per element) (default {d.gelu})")
     t.add_argument("--linear-projection", type=float, metavar="RATIO",
                    help="> 0: the MLP Linears save a random projection of RATIO of the rows for the weight "
                         f"gradient instead of their input (default {d.linear_projection}: exact)")
-    t.add_argument("--precision", choices=["fp32", "bf16", "fp16"],
-                   help="compute dtype; fp16 uses dynamic loss scaling (default fp32)")
-    t.add_argument("--pipedream-2bw", action="store_true", default=None,
-                   help="PipeDream-2BW: compute on the weights one step back, never wait for an update")
-    t.add_argument("--activations", choices=["device", "host"],
-                   help="where stashed layer inputs live; host = constant device memory (default device)")
-    t.add_argument("--layer-drop", type=float, help="probability of skipping each block per step (default 0)")
-    t.add_argument("--clip-grad-norm", type=float, help="clip gradients to this norm (default: no clipping)")
-    t.add_argument("--clip-mode", choices=["layer", "global"],
-                   help="per-layer norms, or one global norm with updates deferred to the step's end (default layer)")
+    t.add_argument("--context", type=int, help=f"context length in bytes (default {d.context})")
     t.add_argument("--data", help="a text file or folder to train on (default: this Python's stdlib sources)")
     t.add_argument("--out", default="runs/latest", help="output folder (default runs/latest)")
-    t.add_argument("--resume", action="store_true", help="continue exactly from --out's checkpoint and metrics")
-    t.add_argument("--stop-after", type=int, metavar="STEP",
-                   help="checkpoint and stop at this step, keeping --steps as the schedule's length")
-    t.add_argument("--tensorboard", action="store_true",
-                   help="also write the metrics as TensorBoard event files into --out/tensorboard")
+    add_run_flags(t)
     t.set_defaults(func=cmd_train)
+
+    f = sub.add_parser("finetune", help="fine-tune a local Hugging Face model through the relay",
+                       description="Fine-tune a local Hugging Face Transformers model (GPT-2, the Llama family, "
+                                   "BERT masked LM) on a local text file through the relay; the same metrics, "
+                                   "checkpoints and --resume as l2l train; the model is saved in transformers' "
+                                   "format into --out/model.")
+    f.add_argument("--model", required=True, metavar="DIR", help="the model folder (config, safetensors, tokenizer)")
+    f.add_argument("--data", required=True, metavar="FILE", help="a UTF-8 text file, tokenized by the model's tokenizer")
+    f.add_argument("--context", type=int, help=f"tokens per sequence (default {d.context})")
+    f.add_argument("--out", default="runs/finetune", help="output folder (default runs/finetune)")
+    add_run_flags(f)
+    f.set_defaults(func=cmd_finetune)
 
     i = sub.add_parser("info", help="versions, EPS backends and devices usable here",
                        description="Print versions, EPS backends and devices usable on this machine.")

@@ -259,25 +259,32 @@ def _saved_config(meta: dict, path: Path) -> dict:
     return saved
 
 
+def build_eps(cfg: TrainConfig, shard_state: bool | None = None):
+    """The EPS of `cfg`: optimizer, schedule and backend."""
+    placement = {"overlay": cfg.overlay, "kernel": cfg.kernel} if cfg.overlay else {}
+    return make_eps(
+        cfg.eps_backend, optimizer=cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum,
+        schedule=cfg.schedule, warmup_steps=cfg.run_config()["warmup"], total_steps=cfg.steps,
+        min_lr=cfg.lr / 10,  # floor at lr/10, as nanoGPT
+        shard_state=cfg.shard_state if shard_state is None else shard_state, **placement)
+
+
+def relay_options(cfg: TrainConfig, device: str | None = None) -> dict:
+    """The Relay keyword options of `cfg`."""
+    return dict(device=device or cfg.device, micro_batches=cfg.micro_batches, recompute=cfg.recompute,
+                precision=cfg.precision, pipedream_2bw=cfg.pipedream_2bw, activations=cfg.activations,
+                layer_drop=cfg.layer_drop, clip_grad_norm=cfg.clip_grad_norm, clip_mode=cfg.clip_mode)
+
+
 def build_relay(cfg: TrainConfig, layers=None, loss_fn: Callable | None = None, *, device: str | None = None,
                 shard_state: bool | None = None, init: Callable | None = None) -> Relay:
-    """The relay of `cfg`: its EPS (optimizer, schedule, backend) around `layers` and `loss_fn`,
-    the reference GPT and its loss when not given. Seeds torch with cfg.seed first. `init`
-    fills layers on the meta device (Relay's init=)."""
-    run = cfg.run_config()
+    """The relay of `cfg`: its EPS around `layers` and `loss_fn`, the reference GPT and its
+    loss when not given. Seeds torch with cfg.seed first. `init` fills layers on the meta
+    device (Relay's init=)."""
     torch.manual_seed(cfg.seed)
     if layers is None:
         layers, loss_fn = build_gpt(cfg.model_config()), lm_loss
-    placement = {"overlay": cfg.overlay, "kernel": cfg.kernel} if cfg.overlay else {}
-    eps = make_eps(
-        cfg.eps_backend, optimizer=cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum,
-        schedule=cfg.schedule, warmup_steps=run["warmup"], total_steps=cfg.steps,
-        min_lr=cfg.lr / 10,  # floor at lr/10, as nanoGPT
-        shard_state=cfg.shard_state if shard_state is None else shard_state, **placement)
-    return Relay(layers, loss_fn, eps=eps, device=device or cfg.device, micro_batches=cfg.micro_batches,
-                        recompute=cfg.recompute, precision=cfg.precision, pipedream_2bw=cfg.pipedream_2bw,
-                        activations=cfg.activations, layer_drop=cfg.layer_drop, clip_grad_norm=cfg.clip_grad_norm,
-                        clip_mode=cfg.clip_mode, init=init)
+    return Relay(layers, loss_fn, eps=build_eps(cfg, shard_state), init=init, **relay_options(cfg, device))
 
 
 class OutputError(OSError):
@@ -545,7 +552,8 @@ class _Loop:
         loss = self.relay.train_step(inputs, targets)
         dt = time.perf_counter() - t0
         self.elapsed += dt
-        tokens = batch[1].numel()  # the global minibatch's targets: B x T for a language model
+        targets = batch[1][0] if isinstance(batch[1], (tuple, list)) else batch[1]  # HF: (labels, counts)
+        tokens = targets.numel()  # the global minibatch's targets: B x T for a language model
         return {"step": self.relay.step, "loss": loss, "lr": lr, "tokens_per_s": tokens / dt, "elapsed": self.elapsed}
 
     def report(self, result: TrainResult, sample: bool) -> None:
