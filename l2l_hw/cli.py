@@ -149,6 +149,7 @@ BENCHES = {
     "dp": ("data-parallel relay: 1 rank vs N ranks on CPU, communication hidden", "l2l_hw.bench.data_parallel"),
     "rtl": ("RTL optimizer kernel in Verilator: elements per clock vs the AXI bound", "l2l_hw.bench.rtl"),
     "capacity": ("host bytes per parameter of each EPS configuration; the largest GPT", "l2l_hw.bench.capacity"),
+    "hf-load": ("peak host memory loading a Hugging Face checkpoint into the EPS", "l2l_hw.bench.hf"),
 }
 
 

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from l2l_hw.bench import print_report
+
 # name -> (working copy, PipeDream-2BW): the relay options each configuration stands for.
 CONFIGS = {
     "exact-fp32": ("fp32", False),  # fp32 compute, fp32 working copy: param, m, v
@@ -220,5 +222,4 @@ def add_arguments(parser) -> None:
 
 def run_from_args(args) -> int:
     report = run(tuple(args.configs), args.width, args.measure_depth, tuple(args.train), train_depth=args.train_depth)
-    print(json.dumps(report, indent=2) if args.json else format_report(report))
-    return 0
+    return print_report(report, args.json, format_report)

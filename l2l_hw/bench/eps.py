@@ -29,7 +29,6 @@ all variants of a comparison take turns, so load from other jobs hits them alike
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -38,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from l2l_hw.bench import print_report
 from l2l_hw.eps import golden, host_kernel
 from l2l_hw.eps.base import OptimConfig
 
@@ -340,8 +340,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run_from_args(args) -> int:
     report = run(n=args.n, threads=args.threads, isa=args.isa, repeats=args.repeats,
                  deepspeed=not args.no_deepspeed)
-    print(json.dumps(report, indent=2) if args.json else format_report(report))
-    return 0
+    return print_report(report, args.json, format_report)
 
 
 def main(argv: list[str] | None = None) -> int:

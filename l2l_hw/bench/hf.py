@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from l2l_hw.bench import print_report
 from l2l_hw.bench.capacity import MMAP_THRESHOLD, rss_bytes
 
 MARGIN = 1.15  # the acceptance's allowance over the EPS plus one shard
@@ -166,8 +167,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run_from_args(args) -> int:
     report = run(layers=args.layers, max_shard_size=args.max_shard_size, optimizer=args.optimizer,
                  checkpoint_dtype=args.checkpoint_dtype, modes=tuple(args.modes), folder=args.dir)
-    print(json.dumps(report, indent=2) if args.json else format_report(report))
-    return 0
+    return print_report(report, args.json, format_report)
 
 
 def main(argv: list[str] | None = None) -> int:
