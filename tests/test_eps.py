@@ -170,6 +170,8 @@ def test_unknown_backend_lists_known_ones():
     (dict(dampening=2.0), "dampening must be >= 0 and <= 1"),
     (dict(threads=0), "threads must be an integer >= 1"),
     (dict(thread=2), r"unknown option\(s\) thread for the cpu EPS; .*threads"),
+    (dict(min_lr=0.1, lr=0.01), r"min_lr must be <= lr \(0.01\), got 0.1"),
+    (dict(shard_state="yes"), "shard_state must be True or False, got 'yes'"),
 ])
 def test_bad_optimizer_options_are_refused_with_a_message(options, message):
     with pytest.raises(ValueError, match=message):

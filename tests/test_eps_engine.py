@@ -167,7 +167,15 @@ def test_relay_asks_its_eps_and_never_inspects_or_writes_it(source):
     (dict(clip_grad_norm=float("inf")), "clip_grad_norm must be >= 0"),
     (dict(clip_grad_norm=0.0), "clip_grad_norm must be > 0"),
     (dict(micro_batches=2.5), "micro_batches must be >= 1 and an integer, got 2.5"),
+    (dict(micro_batches="4"), "micro_batches must be >= 1 and an integer, got '4'"),
+    (dict(clip_grad_norm="1"), r"clip_grad_norm must be >= 0 \(a finite number\), got '1' \(str\)"),
+    (dict(device="tpu"), "device 'tpu'"),
+    (dict(device="cuda:7"), "device 'cuda:7' is not available here"),
+    (dict(recompute="no"), "recompute must be True or False, got 'no'"),
+    (dict(droppable=[9]), r"droppable must be layer indices in \[0, 5\), got \[9\]"),
 ])
 def test_bad_relay_options_are_refused_naming_the_option(options, message):
     with pytest.raises(ValueError, match=message):
         l2l_hw.Relay(mlp_layers(), nn.functional.mse_loss, eps=l2l_hw.make_eps("cpu"), **options)
+    with pytest.raises(TypeError, match="loss_fn must be a callable"):
+        l2l_hw.Relay(mlp_layers(), None, eps=l2l_hw.make_eps("cpu"))

@@ -135,10 +135,6 @@ def test_no_module_imports_a_private_name_of_another_module():
     assert not offenders, offenders
 
 
-# eps/base.py's make_eps imports eps/sharded.py lazily while sharded.py imports base.py: the
-# EPS engine's rewrite (eps/registry.py) owns that one; every other cycle fails this test.
-KNOWN_CYCLES = [{"l2l_hw.eps.base", "l2l_hw.eps.sharded"}]
-
 
 def import_graph() -> dict[str, set[str]]:
     """module -> the l2l_hw modules it imports, at any depth of the file (a function's lazy
@@ -187,7 +183,7 @@ def test_strongly_connected_finds_the_cycle_pynq_and_pynq_sim_had():
 
 
 def test_no_import_cycle_inside_l2l_hw():
-    cycles = [c for c in strongly_connected(import_graph()) if c not in KNOWN_CYCLES]
+    cycles = strongly_connected(import_graph())
     assert not cycles, cycles
 
 

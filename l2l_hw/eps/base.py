@@ -93,6 +93,7 @@ class OptimConfig:
             (self.schedule in SCHEDULES, f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}"),
             (self.schedule != "cosine" or (self.total_steps or 0) > self.warmup_steps,
              "the cosine schedule needs total_steps greater than warmup_steps"),
+            (self.min_lr <= self.lr, f"min_lr must be <= lr ({self.lr}), got {self.min_lr}"),
         ]
         for ok, message in checks:
             if not ok:

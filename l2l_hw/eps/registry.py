@@ -37,6 +37,8 @@ def make_eps(name: str, working_dtype: str = "fp32", shard_state: bool = False, 
     every tensor's master weights and state, ZeRO-style (l2l_hw/eps/sharded.py)."""
     if not isinstance(name, str) or name not in _BACKENDS:
         raise ValueError(f"unknown EPS backend {name!r}; known backends: {', '.join(known_backends())}")
+    if not isinstance(shard_state, bool):
+        raise ValueError(f"shard_state must be True or False, got {shard_state!r}")
     backend = _BACKENDS[name]
     backend_options = {k: options.pop(k) for k in list(options) if k not in OptimConfig.__dataclass_fields__}
     if shard_state and backend_options.get("state", "fp32") != "fp32":

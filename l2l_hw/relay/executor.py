@@ -90,6 +90,20 @@ def _set_rng_state(device: torch.device, state) -> None:
         torch.cuda.set_rng_state(state[1], device)
 
 
+def _usable_device(device) -> torch.device:
+    """`device` as a torch.device this machine has; one clear error otherwise."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device {device!r} is not a device torch knows ({exc}); use cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()):
+        raise ValueError(f"device {str(device)!r} is not available here: torch sees "
+                         f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} CUDA device(s); use cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {str(device)!r}: the relay runs on cpu or cuda")
+    return device
+
+
 def _replace_tensors(module: nn.Module, make: Callable[[str, torch.Tensor], torch.Tensor],
                      which: Callable[[torch.Tensor], bool]) -> None:
     """Swap every parameter and buffer of `module` that `which` selects for `make(name, old)`,
@@ -148,9 +162,15 @@ class Relay:
             raise TypeError(f"eps must be an EPS from l2l_hw.make_eps(...), got {type(eps).__name__}")
         if isinstance(micro_batches, bool) or not isinstance(micro_batches, numbers.Integral) or micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1 and an integer, got {micro_batches!r}")
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be a callable loss_fn(output, targets), got {type(loss_fn).__name__}")
+        for name, flag in (("recompute", recompute), ("pipedream_2bw", pipedream_2bw),
+                           ("skip_nonfinite", skip_nonfinite)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be True or False, got {flag!r}")
         self.loss_fn = loss_fn
         self.eps = eps
-        self.device = torch.device(device)
+        self.device = _usable_device(device)
         self.micro_batches = int(micro_batches)
         self.recompute = bool(recompute)
         if activations == "host" and not self.recompute:
@@ -162,6 +182,8 @@ class Relay:
             layer_drop = check_number("layer_drop", layer_drop, low=0.0, high=1.0, high_open=True)
         self.layer_drop, self.layer_drop_seed = layer_drop, check_number("layer_drop_seed", layer_drop_seed, integer=True)
         self.droppable = set(range(1, len(self.layers) - 1) if droppable is None else droppable)
+        if not all(isinstance(i, numbers.Integral) and 0 <= i < len(self.layers) for i in self.droppable):
+            raise ValueError(f"droppable must be layer indices in [0, {len(self.layers)}), got {sorted(self.droppable)}")
         if clip_mode not in ("layer", "global"):
             raise ValueError(f"clip_mode must be 'layer' or 'global', got {clip_mode!r}")
         if clip_grad_norm is not None and check_number("clip_grad_norm", clip_grad_norm, low=0.0) == 0:
