@@ -1,10 +1,12 @@
-"""torch.distributed helpers shared by the data-parallel relay and the sharded EPS."""
+"""torch.distributed helpers shared by the data-parallel relay, the sharded EPS and the training loop."""
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -12,6 +14,50 @@ import torch.distributed as dist
 
 class DataParallelError(RuntimeError):
     """A collective failed: another rank died or stopped answering."""
+
+
+def rank_shard(batch, rank: int, world: int):
+    """This rank's part of a minibatch: every tensor in `batch` (a tensor, or tuples and lists of
+    them, e.g. (inputs, targets)) cut along dim 0 as torch.tensor_split does; the whole of it alone."""
+    if isinstance(batch, torch.Tensor):
+        return batch.tensor_split(world)[rank] if world > 1 else batch
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(rank_shard(t, rank, world) for t in batch)
+    raise TypeError(f"a batch holds tensors, or tuples and lists of them; got {type(batch).__name__}")
+
+
+@dataclass
+class Ranks:
+    """This process's place in a data-parallel run (torchrun); one rank when run alone."""
+
+    rank: int = 0
+    world: int = 1
+    device: str | None = None  # under torchrun on CUDA: this rank's GPU
+    joined: bool = False  # the process group was set up here (and is torn down by leave_torchrun)
+
+    @property
+    def lead(self) -> bool:
+        return self.rank == 0
+
+
+def join_torchrun(device: str, timeout_s: float) -> Ranks:
+    """Under torchrun (WORLD_SIZE > 1): join the process group, gloo on CPU, NCCL on CUDA
+    (each rank on its LOCAL_RANK's GPU). An initialized group is used as it is."""
+    if dist.is_initialized():
+        return Ranks(dist.get_rank(), dist.get_world_size())
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return Ranks()
+    cuda = device.startswith("cuda")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if cuda:
+        torch.cuda.set_device(local)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    return Ranks(dist.get_rank(), dist.get_world_size(), f"cuda:{local}" if cuda else None, joined=True)
+
+
+def leave_torchrun(ranks: Ranks) -> None:
+    if ranks.joined:
+        dist.destroy_process_group()
 
 
 def comm_device(group) -> torch.device:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import l2l_hw
+from l2l_hw.distributed import rank_shard
 from tests.test_relay_equivalence import MODELS, OPTIMIZERS
 
 
@@ -40,7 +41,7 @@ def main(cfg: dict) -> None:
     for step, (x, y) in enumerate(batches[cfg.get("start", 0):], start=cfg.get("start", 0)):
         if step == cfg.get("die_before_step") and rank == world - 1:
             os._exit(3)  # no clean-up, no goodbye: as a killed or crashed process
-        shard = lambda t: torch.tensor_split(t, world)[rank]  # noqa: E731
+        x, y = rank_shard((x, y), rank, world)
         if step == cfg.get("inf_at_step"):  # rank 0's own gradient of layer1 overflows
             before, scale = eps.state_dict(), relay.loss_scale
             launch = relay.dp.launch
@@ -52,13 +53,13 @@ def main(cfg: dict) -> None:
                 return launch(key, grads)
 
             relay.dp.launch = overflow
-            losses.append(relay.train_step(shard(x), shard(y)))
+            losses.append(relay.train_step(x, y))
             relay.dp.launch = launch
             after = eps.state_dict()  # gathered on rank 0
             report["unchanged"] = torch.tensor([all(torch.equal(v, after[k]) for k, v in before.items())])
             report["scale_halved"] = torch.tensor([relay.loss_scale == scale / 2])
             continue
-        losses.append(relay.train_step(shard(x), shard(y)))
+        losses.append(relay.train_step(x, y))
     state = relay.state_dict()  # a collective with a sharded EPS: every rank calls it
     params = {f"{i}.{n}": p for i, layer in enumerate(relay.materialize()) for n, p in layer.state_dict().items()}
     flags = torch.stack([report.get(k, torch.tensor([True])).int() for k in ("unchanged", "scale_halved")]).view(-1)

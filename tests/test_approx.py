@@ -10,7 +10,7 @@ from torch import nn
 import l2l_hw
 from l2l_hw import approx
 from l2l_hw.approx import FewBitGELU, RandomProjectionLinear, optimal_breakpoints, pack3, unpack3
-from l2l_hw.cli import _model_config, build_parser, TRAIN_DEFAULTS
+from l2l_hw.cli import build_parser, train_config
 from l2l_hw.models import GPTConfig, build_gpt, lm_loss
 
 from tests.helpers import rel_diff
@@ -186,11 +186,9 @@ def test_gpt_options_keep_parameters_and_init_and_the_default_is_exact():
 
 
 def test_train_flags_reach_the_model_config():
-    args = build_parser().parse_args(["train", "--gelu", "fewbit", "--linear-projection", "0.5"])
-    cfg = {**TRAIN_DEFAULTS, "gelu": args.gelu, "linear_projection": args.linear_projection}
-    model_cfg = _model_config(cfg)
-    assert (model_cfg.gelu, model_cfg.linear_projection) == ("fewbit", 0.5)
-    default = _model_config(dict(TRAIN_DEFAULTS))
+    model_cfg = train_config(build_parser().parse_args(["train", "--gelu", "fewbit", "--linear-projection", "0.5"]))
+    assert (model_cfg.model_config().gelu, model_cfg.model_config().linear_projection) == ("fewbit", 0.5)
+    default = train_config(build_parser().parse_args(["train"])).model_config()
     assert (default.gelu, default.linear_projection) == ("exact", 0.0)
 
 

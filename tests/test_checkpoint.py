@@ -1,13 +1,16 @@
 """Checkpoints: exact round trip, atomic writes, and clear errors for bad files."""
 import json
 import os
+import resource
+import signal
 
 import pytest
 import safetensors.torch
 import torch
 
 import l2l_hw.checkpoint as ckpt
-from l2l_hw.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from l2l_hw.checkpoint import CheckpointError, load_checkpoint, open_checkpoint, save_checkpoint
+from l2l_hw.eps.base import StateEntry
 
 
 def _tensors():
@@ -97,7 +100,7 @@ def test_other_format_version_raises_checkpoint_error_naming_both_versions(tmp_p
     path = tmp_path / "future.safetensors"
     safetensors.torch.save_file({"w": torch.zeros(2)}, str(path),
                                 metadata={"l2l_hw": "{}", "l2l_hw_format": "999", "l2l_hw_crc32": "{}"})
-    with pytest.raises(CheckpointError, match="format version mismatch.*'999'.*version 1"):
+    with pytest.raises(CheckpointError, match="format version mismatch.*'999'.*version 2"):
         load_checkpoint(path)
 
 
@@ -106,23 +109,39 @@ def test_failed_save_leaves_no_partial_file_and_keeps_previous_checkpoint(tmp_pa
     path = _saved(tmp_path)
     before = path.read_bytes()
 
-    def half_written(tensors, filename, metadata=None):
-        with open(filename, "wb") as f:
-            f.write(b"\x10\x00\x00")  # the disk fills up after 3 bytes
-        raise OSError(28, "No space left on device")
-
     def no_fsync(fd):
         raise OSError(5, "Input/output error")
 
-    if fail_in == "write":
-        monkeypatch.setattr(ckpt.safetensors.torch, "save_file", half_written)
-    else:
-        monkeypatch.setattr(ckpt.os, "fsync", no_fsync)
-    with pytest.raises(OSError):
-        save_checkpoint(path, {"w": torch.ones(3)}, {"step": 43})
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit a write fails with EFBIG
+    try:
+        if fail_in == "write":  # a real short write: the file system takes 4 KiB, the checkpoint is larger
+            resource.setrlimit(resource.RLIMIT_FSIZE, (4096, limits[1]))
+        else:
+            monkeypatch.setattr(ckpt.os, "fsync", no_fsync)
+        with pytest.raises(OSError):
+            save_checkpoint(path, {"w": torch.ones(10_000)}, {"step": 43})
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, handler)
     assert os.listdir(tmp_path) == [path.name]  # no temporary file left behind
     assert path.read_bytes() == before
     assert load_checkpoint(path)[1]["step"] == 42
+
+
+def test_streamed_save_reads_each_entry_once_and_open_reads_lazily(tmp_path):
+    """save_checkpoint reads a StateEntry only when writing it; open_checkpoint's mapping reads
+    nothing until an entry is read, and gives the bytes that were saved."""
+    reads = []
+    w = torch.randn(1000)
+    entry = StateEntry(w.shape, w.dtype, lambda: reads.append("w") or w)
+    save_checkpoint(tmp_path / "c.safetensors", {"w": entry, "step": torch.tensor(3)}, {"step": 3})
+    assert reads == ["w"]
+    opened = open_checkpoint(tmp_path / "c.safetensors")
+    assert isinstance(opened["w"], StateEntry) and opened["w"].shape == w.shape
+    assert torch.equal(opened["w"].read(), w) and opened.meta == {"step": 3}
+    with safetensors.safe_open(str(tmp_path / "c.safetensors"), "pt") as f:  # still plain safetensors
+        assert torch.equal(f.get_tensor("w"), w)
 
 
 def test_save_replaces_an_existing_checkpoint_atomically(tmp_path):

@@ -6,7 +6,7 @@ import torch
 
 import l2l_hw.bench.relay as bench_relay
 from l2l_hw.checkpoint import load_checkpoint
-from l2l_hw.cli import main
+from l2l_hw.cli import BENCHES, main
 from l2l_hw.models import GPTConfig
 
 TINY = ["--layers", "1", "--width", "32", "--heads", "2", "--context", "16", "--batch-size", "4",
@@ -36,7 +36,7 @@ def test_train_tiny_config_writes_metrics_plot_checkpoint_and_prints_val_loss_an
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     tensors, meta = load_checkpoint(out / "checkpoint.safetensors")
     assert meta["step"] == 6 and meta["config"]["layers"] == 1
-    assert {"rng.torch", "rng.data"} <= tensors.keys()
+    assert {"rng.torch", "data.generator"} <= tensors.keys()
     assert any(k.startswith("relay.") for k in tensors)
 
 
@@ -90,11 +90,17 @@ def test_info_prints_versions_backends_and_devices(capsys):
         assert word in printed
 
 
-@pytest.mark.parametrize("command", [[], ["train"], ["info"], ["bench"], ["bench", "relay"]])
+@pytest.mark.parametrize("command", [[], ["train"], ["info"], ["bench"], *(["bench", name] for name in BENCHES)])
 def test_help_works_for_every_subcommand(command, capsys):
     with pytest.raises(SystemExit) as e:
         main([*command, "--help"])
     assert e.value.code == 0 and "usage: l2l" in capsys.readouterr().out
+
+
+def test_bench_approx_is_reachable_and_reports_the_memory_of_each_variant(capsys):
+    assert main(["bench", "approx", "--memory-only", "--json"]) == 0
+    memory = json.loads(capsys.readouterr().out)["memory"]
+    assert memory["fewbit"] < memory["exact"] and memory["projection_0.5"] < memory["exact"]
 
 
 def test_bench_relay_json_reports_torch_time_and_ratios_for_u_1_4_8(monkeypatch, capsys):

@@ -161,6 +161,17 @@ def test_unknown_backend_lists_known_ones():
     (dict(optimizer="sgd", nesterov=True), "nesterov needs momentum"),
     (dict(schedule="cosine"), "cosine schedule needs total_steps"),
     (dict(working_dtype="fp8"), "unknown working_dtype"),
+    (dict(lr="0.1"), r"lr must be >= 0 \(a finite number\), got '0.1' \(str\)"),
+    (dict(lr=float("inf")), r"lr must be >= 0 \(a finite number\), got inf"),
+    (dict(eps=float("nan")), "eps must be >= 0"),
+    (dict(betas=(0.9,)), "betas must be two numbers"),
+    (dict(warmup_steps=2.5), r"warmup_steps must be >= 0 \(an integer\), got 2.5"),
+    (dict(total_steps=0), "total_steps must be >= 1"),
+    (dict(dampening=2.0), "dampening must be >= 0 and <= 1"),
+    (dict(threads=0), "threads must be an integer >= 1"),
+    (dict(thread=2), r"unknown option\(s\) thread for the cpu EPS; .*threads"),
+    (dict(min_lr=0.1, lr=0.01), r"min_lr must be <= lr \(0.01\), got 0.1"),
+    (dict(shard_state="yes"), "shard_state must be True or False, got 'yes'"),
 ])
 def test_bad_optimizer_options_are_refused_with_a_message(options, message):
     with pytest.raises(ValueError, match=message):

@@ -13,6 +13,7 @@ from torch import nn
 
 import l2l_hw
 from l2l_hw.hw import regs
+from l2l_hw.eps.worker import UpdateError
 from l2l_hw.hw.driver import KernelAxiError, KernelTimeout, KernelVersionError
 from l2l_hw.models.gpt import GPTConfig, build_gpt, lm_loss
 from tests.helpers import mlp_layers
@@ -87,9 +88,10 @@ def test_kernel_that_never_finishes_raises_timeout_naming_layer_and_keeps_commit
     before = eps.state_dict()
     eps.transport.hold_reads(True)  # the memory never answers a read: the kernel hangs
     eps.push_grads("g", grads())
-    with pytest.raises(KernelTimeout, match=r"did not finish updating EPS group 'g' tensor 'w'.*STATUS 0x.*"
-                                            r"committed state .* is unchanged"):
+    with pytest.raises(UpdateError, match=r"did not finish updating EPS group 'g' tensor 'w'.*STATUS 0x.*"
+                                          r"committed state .* is unchanged") as failed:
         eps.commit_step()
+    assert isinstance(failed.value.__cause__, KernelTimeout)
     eps.transport.hold_reads(False)
     eps.discard_step()
     assert_bit_identical(before, eps.state_dict(), "after timeout")
@@ -108,14 +110,14 @@ def test_kernel_that_never_finishes_raises_timeout_naming_layer_and_keeps_commit
 def test_axi_slverr_raises_clear_error_and_keeps_committed_state(where):
     eps = one_group_eps()
     before = eps.state_dict()
-    t = eps.tensors["g"]["w"]
     if where == "grad read":
-        eps.transport.inject_error(t.grad, read_resp=2, write_resp=0)
+        eps.transport.inject_error(eps.grad_buffer, read_resp=2, write_resp=0)
     else:
-        eps.transport.inject_error(t.spare("param"), read_resp=0, write_resp=2)
+        eps.transport.inject_error(eps.buffers["g"]["w"].spare["param"], read_resp=0, write_resp=2)
     eps.push_grads("g", grads())
-    with pytest.raises(KernelAxiError, match=r"EPS group 'g' tensor 'w'.*SLVERR.*AXI_ERROR.*committed state"):
+    with pytest.raises(UpdateError, match=r"EPS group 'g' tensor 'w'.*SLVERR.*AXI_ERROR.*committed state") as failed:
         eps.commit_step()
+    assert isinstance(failed.value.__cause__, KernelAxiError)
     eps.transport.inject_error(None)
     eps.discard_step()
     assert_bit_identical(before, eps.state_dict(), f"after SLVERR on {where}")
@@ -161,15 +163,16 @@ def test_fault_in_a_compute_unit_raises_naming_it_and_keeps_committed_state(faul
     eps = two_unit_group("fpga-sim", max_cycles=20_000)
     before = eps.state_dict()
     if fault == "slverr in unit 1":  # the last bus words of the spare param: the second unit's share only
-        eps.transport.inject_error(eps.tensors["g"]["w"].spare("param"), read_resp=0, write_resp=2,
+        eps.transport.inject_error(eps.buffers["g"]["w"].spare["param"], read_resp=0, write_resp=2,
                                    offset=4 * SPLIT_N - 256, nbytes=256)
         error, match = KernelAxiError, r"tensor 'w' \(compute unit 1: elements .*SLVERR.*committed state"
     else:
         eps.transport.hold_reads(True)
         error, match = KernelTimeout, r"tensor 'w' \(compute unit [01]: elements .*committed state .* is unchanged"
     eps.push_grads("g", split_grads(0))
-    with pytest.raises(error, match=match):
+    with pytest.raises(UpdateError, match=match) as failed:  # the EPS wraps the driver's error, message kept
         eps.commit_step()
+    assert isinstance(failed.value.__cause__, error)
     eps.transport.inject_error(None)
     eps.transport.hold_reads(False)
     eps.discard_step()

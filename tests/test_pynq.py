@@ -125,4 +125,4 @@ def test_cli_train_eps_fpga_pynq_with_overlay_matches_eps_cpu(overlay_bit, probe
 def test_cli_train_eps_fpga_pynq_without_overlay_says_so(tmp_path, capsys):
     from l2l_hw.cli import main
     assert main(["train", *TINY, "--steps", "1", "--eps", "fpga-pynq", "--out", str(tmp_path / "run")]) == 2
-    assert "--eps fpga-pynq needs --overlay" in capsys.readouterr().err
+    assert "--eps fpga-pynq: needs an overlay (--overlay PATH" in capsys.readouterr().err

@@ -49,6 +49,20 @@ def test_memory_report_follows_the_arithmetic_of_a_linear_stack(u):
             assert relay.memory_report()["peak_bytes"] == expected, (policy, L)
 
 
+def test_evaluation_holds_two_layers_of_weights_whatever_the_depth():
+    """evaluate() drops each layer's weights after their last use and prefetches the next
+    layer's: the layer running, the layer arriving and the activations (CUDA_REVIEW item 1)."""
+    W, B = 64, 24
+    weight, act = W * W * 4, B * W * 4
+    for L in (4, 8):
+        torch.manual_seed(0)
+        relay = l2l_hw.Relay([nn.Linear(W, W, bias=False) for _ in range(L)], nn.functional.mse_loss,
+                             eps=l2l_hw.make_eps("cpu"))
+        relay.reset_memory()
+        relay.evaluate(torch.randn(B, W), torch.randn(B, W))
+        assert relay.memory_report()["peak_bytes"] == 2 * weight + act, L
+
+
 def test_skipped_layer_costs_nothing_and_training_equals_the_model_without_it():
     data = mlp_batches(STEPS)
     relay_model = mlp_layers()

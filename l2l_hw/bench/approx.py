@@ -7,16 +7,13 @@ memory: bytes the autograd graph keeps for backward in one MLP of the `l2l train
 accuracy: validation loss after `l2l train` with its defaults (200 steps, seed 1337)
   for each variant; the same seed, so the same init, batches and evaluation windows.
 """
-import argparse
-import json
-import tempfile
-from pathlib import Path
-
 import torch
 
+from l2l_hw.bench import print_report
 from l2l_hw.models.gpt import MLP, GPTConfig
+from l2l_hw.train import TrainConfig, train
 
-# name -> (GPTConfig fields, `l2l train` flags)
+# name -> the GPTConfig fields (also TrainConfig's) of each variant
 VARIANTS = {
     "exact": dict(gelu="exact", linear_projection=0.0),
     "fewbit": dict(gelu="fewbit", linear_projection=0.0),
@@ -24,7 +21,6 @@ VARIANTS = {
     "projection_0.25": dict(gelu="exact", linear_projection=0.25),
     "fewbit_projection_0.5": dict(gelu="fewbit", linear_projection=0.5),
 }
-BATCH_SIZE, SEED = 32, 1337  # as l2l_hw.cli.TRAIN_DEFAULTS
 
 
 def saved_bytes(module: torch.nn.Module, *inputs: torch.Tensor) -> int:
@@ -43,34 +39,27 @@ def saved_bytes(module: torch.nn.Module, *inputs: torch.Tensor) -> int:
     return sum(storages.values())
 
 
-def mlp_memory(cfg: GPTConfig | None = None, batch_size: int = BATCH_SIZE) -> dict:
-    cfg = cfg or GPTConfig()
+def mlp_memory(cfg: GPTConfig | None = None, batch_size: int = TrainConfig.batch_size) -> dict:
+    cfg = cfg or TrainConfig().model_config()
     x = torch.randn(batch_size, cfg.block_size, cfg.n_embd, requires_grad=True)  # (B, T, C)
     report = {"input_bytes": x.numel() * x.element_size()}
     for name, fields in VARIANTS.items():
-        torch.manual_seed(SEED)
+        torch.manual_seed(TrainConfig.seed)
         report[name] = saved_bytes(MLP(GPTConfig(**{**cfg.__dict__, **fields})), x)
     return report
 
 
-def val_loss(variant: str, steps: int = 200, out: str | None = None, extra: tuple = ()) -> dict:
-    """Train with `l2l train` defaults plus the variant's flags; the final validation loss."""
-    from l2l_hw.cli import main
-
-    fields = VARIANTS[variant]
-    with tempfile.TemporaryDirectory() as tmp:
-        run_dir = Path(out or tmp) / variant
-        argv = ["train", "--steps", str(steps), "--out", str(run_dir), "--gelu", fields["gelu"],
-                "--linear-projection", str(fields["linear_projection"]), *extra]
-        if main(argv) != 0:
-            raise RuntimeError(f"l2l {' '.join(argv)} failed")
-        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {"argv": argv[:3] + argv[5:], "val_loss": rows[-1]["val_loss"], "train_loss": rows[-1]["loss"],
-            "seconds": rows[-1]["elapsed"]}
+def val_loss(variant: str, steps: int = 200, out: str | None = None, **fields) -> dict:
+    """The `l2l train` default run with the variant's fields (and `fields`), through
+    l2l_hw.train: its final validation and training loss."""
+    config = {**VARIANTS[variant], **fields}
+    result = train(TrainConfig(steps=steps, out=out and f"{out}/{variant}", verbose=False, **config))
+    return {"config": config, "val_loss": result.val_loss, "train_loss": result.history[-1]["loss"],
+            "seconds": result.elapsed}
 
 
 def run(steps: int = 200, variants: tuple = ("exact", "fewbit", "projection_0.5"), out: str | None = None) -> dict:
-    report = {"memory": mlp_memory(), "accuracy": {}}
+    report = {"memory": mlp_memory(), "steps": steps, "accuracy": {}}
     for name in variants:
         report["accuracy"][name] = val_loss(name, steps, out)
     exact = report["accuracy"].get("exact")
@@ -80,12 +69,26 @@ def run(steps: int = 200, variants: tuple = ("exact", "fewbit", "projection_0.5"
     return report
 
 
-if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--variants", nargs="*", default=["exact", "fewbit", "projection_0.5"], choices=list(VARIANTS))
-    p.add_argument("--memory-only", action="store_true")
-    p.add_argument("--out", help="keep each variant's run folder under OUT (default: a temporary folder)")
-    a = p.parse_args()
-    rep = {"memory": mlp_memory()} if a.memory_only else run(a.steps, tuple(a.variants), a.out)
-    print(json.dumps(rep, indent=2))
+def format_report(r: dict) -> str:
+    m = r["memory"]
+    lines = [f"bytes saved for backward by one MLP (input {m['input_bytes']:,} B)"]
+    lines += [f"  {name:<24}{m[name]:>12,}  {m[name] / m['exact']:.2f} of exact" for name in VARIANTS if name in m]
+    if r.get("accuracy"):
+        lines.append(f"validation loss after {r['steps']} steps")
+        for name, v in r["accuracy"].items():
+            lines.append(f"  {name:<24}{v['val_loss']:>8.4f}{v.get('delta_vs_exact', 0):>+9.4f}  {v['seconds']:.0f} s")
+    return "\n".join(lines)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--steps", type=int, default=200, help="training steps per variant (default 200)")
+    p.add_argument("--variants", nargs="*", default=["exact", "fewbit", "projection_0.5"], choices=list(VARIANTS),
+                   help="variants to train (default exact fewbit projection_0.5)")
+    p.add_argument("--memory-only", action="store_true", help="only the activation memory, no training")
+    p.add_argument("--out", help="keep each variant's run folder under OUT (default: none written)")
+
+
+def run_from_args(args) -> int:
+    report = ({"memory": mlp_memory()} if args.memory_only else run(args.steps, tuple(args.variants), args.out))
+    return print_report(report, args.json, format_report)

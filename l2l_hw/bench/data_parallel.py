@@ -17,46 +17,41 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import torch
 
+from l2l_hw.bench import print_report, train_steps
 from l2l_hw.distributed import run_local_ranks
+from l2l_hw.train import TrainConfig, build_relay
 
 WARMUP = 2
-MODEL = dict(layers=4, width=128, heads=4, context=128, batch_size=32, micro_batches=4)
+MODEL_FIELDS = ("layers", "width", "heads", "context", "batch_size", "micro_batches")  # reported, of TrainConfig()
 
 
-def _worker(cfg: dict) -> dict:
-    """One rank (or the single process): time `cfg['steps']` steps after warm-up."""
+def _worker(bench: dict) -> dict:
+    """One rank (or the single process): time `bench['steps']` steps of the `l2l train`
+    default GPT through l2l_hw.train after warm-up; train() cuts this rank's shard."""
     import torch.distributed as dist
 
-    import l2l_hw
-    from l2l_hw.cli import _model_config
-    from l2l_hw.models import build_gpt, lm_loss
-
     world = int(os.environ["WORLD_SIZE"])
-    torch.set_num_threads(cfg["threads"])
+    torch.set_num_threads(bench["threads"])
     if world > 1:
         dist.init_process_group("gloo")
-    rank = dist.get_rank() if world > 1 else 0
-    m = {**MODEL, "dropout": 0.0, "tie_weights": False}
-    torch.manual_seed(0)
-    layers = build_gpt(_model_config(m))
-    eps = l2l_hw.make_eps("cpu", shard_state=cfg["shard_state"] and world > 1, lr=1e-3)
-    relay = l2l_hw.Relay(layers, lm_loss, eps=eps, micro_batches=m["micro_batches"])
+    cfg = TrainConfig(seed=0)
+    relay = build_relay(cfg, shard_state=bench["shard_state"] and world > 1)
     if relay.dp is not None:
-        relay.dp.overlap = cfg["overlap"]
+        relay.dp.overlap = bench["overlap"]
     g = torch.Generator().manual_seed(1)
-    times, blocked = [], []
-    for step in range(WARMUP + cfg["steps"]):
-        x = torch.randint(0, 256, (m["batch_size"], m["context"]), generator=g)
-        x, y = (t.tensor_split(world)[rank] for t in (x, torch.roll(x, -1, 1)))
-        t0 = time.perf_counter()
-        relay.train_step(x, y)
-        if step >= WARMUP:
-            times.append(time.perf_counter() - t0)
-            blocked.append(relay.dp.wait_s if relay.dp is not None else 0.0)
+
+    def batches():  # random tokens: the timing does not depend on the text
+        while True:
+            x = torch.randint(0, 256, (cfg.batch_size, cfg.context), generator=g)
+            yield x, torch.roll(x, -1, 1)
+
+    blocked = []
+    times = train_steps(relay, batches(), WARMUP + bench["steps"],
+                        on_step=lambda row: blocked.append(relay.dp.wait_s if relay.dp is not None else 0.0))
+    times, blocked = times[WARMUP:], blocked[WARMUP:]
     if world > 1:
         dist.destroy_process_group()
     return {"step_s": sum(times) / len(times), "blocked_s": sum(blocked) / len(blocked)}
@@ -79,7 +74,7 @@ def run(steps: int = 5, world: int = 2, shard_state: bool = False) -> dict:
     blocking = _launch(world, steps, False, shard_state)
     comm = blocking["blocked_s"]
     return {
-        "model": MODEL, "steps": steps, "world": world, "shard_state": shard_state, "cores": os.cpu_count(),
+        "model": {k: getattr(TrainConfig(), k) for k in MODEL_FIELDS}, "steps": steps, "world": world, "shard_state": shard_state, "cores": os.cpu_count(),
         "step_s_1_rank": round(one["step_s"], 4),
         f"step_s_{world}_ranks": round(overlapped["step_s"], 4),
         f"step_s_{world}_ranks_no_overlap": round(blocking["step_s"], 4),
@@ -109,9 +104,8 @@ def add_arguments(p) -> None:
 
 
 def run_from_args(args) -> int:
-    r = run(steps=args.steps, world=args.ranks, shard_state=args.shard_state)
-    print(json.dumps(r, indent=2) if args.json else format_report(r))
-    return 0
+    return print_report(run(steps=args.steps, world=args.ranks, shard_state=args.shard_state), args.json,
+                        format_report)
 
 
 if __name__ == "__main__":  # one rank of a benchmark run

@@ -1,41 +1,74 @@
-"""`l2l bench eps`: the fused host kernel against torch and against the memory limit.
+"""`l2l bench eps`: the fused host kernel against torch, DeepSpeed and the memory limit.
 
-Three ways to do one optimizer step over N = 2^25 fp32 parameters, side by side:
-  (a) fused   the host kernel: bf16 gradient in, unscale, non-finite check, AdamW,
-              bf16 working copy out, one pass (l2l_hw/eps/host_kernel.py);
-  (b) torch   the fastest torch composition of the same work: widen the bf16 gradient
-              into a preallocated fp32 .grad, check and unscale, torch.optim.AdamW
-              (fused=True or foreach=True), bf16 copy of the weights; several variants
-              are timed and the fastest is reported;
-  (c) stream  the same bytes with one add per stream and no optimizer (host kernel's
-              l2l_host_stream): the memory limit of this access pattern.
+Three comparisons over N = 2^25 fp32 parameters, each timed round robin in one run:
+  (1) the L2L step: bf16 gradient in, unscale, non-finite check, AdamW, bf16 working copy
+      out, fp32 m and v, in place: the fused host kernel (l2l_hw/eps/host_kernel.py) against
+      the fastest torch composition of the same work (widen the bf16 gradient into a
+      preallocated fp32 .grad, check and unscale, torch.optim.AdamW fused=True or
+      foreach=True, bf16 copy of the weights; every variant timed, the fastest reported);
+  (2) DeepSpeed's own ground: fp32 gradient, AdamW in place, no working copy: the kernel
+      against DeepSpeedCPUAdam (deepspeed, an optional dependency: skipped with a note when
+      it cannot be imported; it runs on torch's OpenMP team, so torch.set_num_threads sets
+      its threads);
+  (3) compressed optimizer state: the step of (1) with m and v in bf16 and in block-wise
+      8-bit (golden.STATE_FORMATS), in elements per second against fp32 state.
+Every step is compared with the stream limit of its own bytes: the host kernel's
+l2l_host_stream moves the same reads, in-place updates and writes with no arithmetic,
+with plain and with non-temporal stores, on 1 thread and on the kernel's threads; the
+fastest of those is the limit (a measurement that the kernels, which do strictly more,
+should not beat).
 
-Bytes are those the step must move, per element (BYTES_PER_ELEMENT): bf16 gradient read
-2 B, p/m/v read 12 B, p/m/v write 12 B, bf16 working copy write 2 B = 28 B. All three
-rates divide N * 28 B by the step time (torch moves more: its extra passes are its cost,
-not extra useful work). Write-allocate reads of the bf16 copy are not counted.
-Each figure is the median of REPEATS timed runs after WARMUP untimed ones, all variants
-timed round robin. torch runs on as many threads as the kernel (torch.set_num_threads).
+Bytes are those the step must move, per element (write-allocate reads not counted):
+  fp32 state, bf16 grad and copy: g 2 + p/m/v read 12 + p/m/v write 12 + copy 2 = 28 B;
+  fp32 grad, no copy (DeepSpeed's ground): g 4 + 12 + 12 = 28 B;
+  bf16 state: g 2 + p 8 + m/v 8 + copy 2 = 20 B; 8-bit state: g 2 + p 8 + m/v 4 + copy 2
+  = 16 B, plus the block scales read and written (0.0625 B, counted for the kernel).
+GB/s divides N x bytes by the median time of REPEATS timed runs after WARMUP untimed ones;
+all variants of a comparison take turns, so load from other jobs hits them alike.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
+from l2l_hw.bench import print_report
 from l2l_hw.eps import golden, host_kernel
 from l2l_hw.eps.base import OptimConfig
 
 N = 2**25
-BYTES_PER_ELEMENT = 2 + 12 + 12 + 2
 WARMUP, REPEATS = 2, 7
 LOSS_SCALE = 1024.0
 CONFIG = OptimConfig(optimizer="adamw", lr=1e-3, weight_decay=0.01)
+STEP = 10  # the optimizer step the scalars are computed for
+DEEPSPEED_PIN = "deepspeed==0.19.8"
+
+
+@dataclass(frozen=True)
+class Mix:
+    """The memory traffic of a step: dtypes of the streams read, updated in place, written."""
+
+    reads: tuple[torch.dtype, ...]
+    updates: tuple[torch.dtype, ...]
+    writes: tuple[torch.dtype, ...]
+
+    @property
+    def bytes_per_element(self) -> int:
+        return sum(d.itemsize for d in self.reads) + 2 * sum(d.itemsize for d in self.updates) + \
+            sum(d.itemsize for d in self.writes)
+
+
+F32, BF16, U8 = torch.float32, torch.bfloat16, torch.uint8
+L2L_STEP = Mix((BF16,), (F32, F32, F32), (BF16,))
+DEEPSPEED_STEP = Mix((F32,), (F32, F32, F32), ())
+STATE_STEPS = {"fp32": L2L_STEP, "bf16": Mix((BF16,), (F32, BF16, BF16), (BF16,)),
+               "8bit": Mix((BF16,), (F32, U8, U8), (BF16,))}
+SCALE_BYTES = 2 * 2 * 4 / golden.QUANT_BLOCK  # 8-bit state: m and v scales, read and written
 
 
 def _medians_s(fns: dict, repeats: int) -> dict:
@@ -53,30 +86,45 @@ def _medians_s(fns: dict, repeats: int) -> dict:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def _state(n: int, seed: int):
+def _state(n: int, seed: int, grad_dtype=torch.bfloat16, grad_scale: float = LOSS_SCALE):
     g = torch.Generator().manual_seed(seed)
     p = torch.randn(n, generator=g)
     m = torch.randn(n, generator=g) * 1e-3
     v = torch.rand(n, generator=g) * 1e-6
-    grad = (torch.randn(n, generator=g) * LOSS_SCALE).to(torch.bfloat16)
+    grad = (torch.randn(n, generator=g) * grad_scale).to(grad_dtype)
     return p, m, v, grad
 
+
+def _stream_fns(mix: Mix, n: int, thread_counts: list[int], isa: str) -> dict:
+    """The stream of `mix`, plain and non-temporal stores, at each thread count."""
+    make = lambda dtypes: [torch.zeros(n, dtype=d) for d in dtypes]  # noqa: E731
+    reads, updates, writes = make(mix.reads), make(mix.updates), make(mix.writes)
+    return {f"stream {'non-temporal' if nt else 'plain'} {t}t": (
+        lambda nt=nt, t=t: host_kernel.stream(reads, updates, writes, nontemporal=nt, isa=isa, threads=t))
+        for nt in (False, True) for t in thread_counts}
+
+
+def _stream_limit(times: dict, nbytes: int) -> tuple[float, str]:
+    """GB/s of the fastest stream variant, and which it was."""
+    name = min((k for k in times if k.startswith("stream ")), key=times.get)
+    return nbytes / times[name] / 1e9, name[len("stream "):]
+
+
+def _thread_counts(threads: int) -> list[int]:
+    return sorted({1, threads})
+
+
+# ---------------------------------------------------------------------------- (1) the L2L step
 
 def _fused(n: int, threads: int, isa: str):
     p, m, v, grad = _state(n, 0)
     working = torch.empty(n, dtype=torch.bfloat16)
-    s = golden.step_scalars(CONFIG, 10, 1 / LOSS_SCALE)
+    s = golden.step_scalars(CONFIG, STEP, 1 / LOSS_SCALE)
     return lambda: host_kernel.step("adamw", s, grad, p, m, v, working_out=working, isa=isa, threads=threads)
 
 
-def _stream(n: int, threads: int, isa: str):
-    p, m, v, grad = _state(n, 0)
-    copy16 = torch.empty(n, dtype=torch.bfloat16)
-    return lambda: host_kernel.stream(grad, p, m, v, copy16, isa=isa, threads=threads)
-
-
 def _torch_variants(n: int):
-    """name -> step function, each doing the whole step of (a) with torch ops."""
+    """name -> step function, each doing the whole step of (1) with torch ops."""
     p, m, v, grad = _state(n, 0)
     variants = {}
     for impl in ("fused", "foreach"):
@@ -87,7 +135,7 @@ def _torch_variants(n: int):
             param.grad = torch.empty(n)
             opt = torch.optim.AdamW([param], lr=CONFIG.lr, betas=CONFIG.betas, eps=CONFIG.eps,
                                     weight_decay=CONFIG.weight_decay, **{impl: True})
-            opt.state[param] = {"step": torch.tensor(9.0), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
+            opt.state[param] = {"step": torch.tensor(float(STEP - 1)), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
             working = torch.empty(n, dtype=torch.bfloat16)
             found_inf = torch.zeros(())  # 0-dim, as GradScaler hands to fused optimizers
             inv_scale, scale = torch.tensor(1 / LOSS_SCALE), torch.tensor(LOSS_SCALE)
@@ -109,30 +157,108 @@ def _torch_variants(n: int):
     return variants
 
 
-def measure(n: int, threads: int, isa: str, repeats: int) -> dict:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)  # torch gets the same cores as the kernel
-    try:
-        fns = {"fused": _fused(n, threads, isa), "stream": _stream(n, threads, isa)}
-        torch_fns = _torch_variants(n)
-        times = _medians_s({**fns, **torch_fns}, repeats)
-    finally:
-        torch.set_num_threads(previous)
+def measure_l2l_step(n: int, threads: int, isa: str, repeats: int) -> dict:
+    torch_fns = _torch_variants(n)
+    fns = {"fused": _fused(n, threads, isa), **torch_fns,
+           **_stream_fns(L2L_STEP, n, _thread_counts(threads), isa)}
+    times = _medians_s(fns, repeats)
     torch_variant = min(torch_fns, key=times.get)
-    fused, stream, torch_time = times["fused"], times["stream"], times[torch_variant]
-    nbytes = n * BYTES_PER_ELEMENT
+    nbytes = n * L2L_STEP.bytes_per_element
+    stream_gbps, stream_variant = _stream_limit(times, nbytes)
+    fused, torch_time = times["fused"], times[torch_variant]
     return {
-        "threads": threads,
+        "threads": threads, "bytes_per_element": L2L_STEP.bytes_per_element,
         "fused_gbps": round(nbytes / fused / 1e9, 2),
         "torch_gbps": round(nbytes / torch_time / 1e9, 2),
-        "stream_gbps": round(nbytes / stream / 1e9, 2),
+        "stream_gbps": round(stream_gbps, 2), "stream_variant": stream_variant,
         "fused_vs_torch": round(torch_time / fused, 3),
-        "fused_vs_stream": round(stream / fused, 3),
+        "fused_vs_stream": round(nbytes / fused / 1e9 / stream_gbps, 3),
         "fused_ms": round(fused * 1e3, 2), "torch_ms": round(torch_time * 1e3, 2),
-        "stream_ms": round(stream * 1e3, 2),
         "torch_variant": torch_variant, "torch_variants_ms": {k: round(times[k] * 1e3, 2) for k in torch_fns},
+        "stream_variants_ms": {k: round(t * 1e3, 2) for k, t in times.items() if k.startswith("stream ")},
     }
 
+
+# ---------------------------------------------------------------------------- (2) DeepSpeed
+
+def _deepspeed_adam():
+    """DeepSpeedCPUAdam, or the reason it cannot be used here."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+    except Exception as e:  # ImportError, or deepspeed failing to set itself up
+        return None, f"deepspeed is not importable ({type(e).__name__}: {e}); `pip install {DEEPSPEED_PIN}`"
+    return DeepSpeedCPUAdam, None
+
+
+def measure_deepspeed(n: int, threads: int, isa: str, repeats: int) -> dict:
+    adam, why = _deepspeed_adam()
+    if adam is None:
+        return {"skipped": why}
+    import deepspeed
+
+    p, m, v, grad = _state(n, 1, torch.float32, 1.0)
+    s = golden.step_scalars(CONFIG, STEP)
+    ours = lambda: host_kernel.step("adamw", s, grad, p, m, v, isa=isa, threads=threads)  # noqa: E731
+    param = torch.nn.Parameter(p.clone())
+    param.grad = grad.clone()
+    opt = adam([param], lr=CONFIG.lr, betas=CONFIG.betas, eps=CONFIG.eps, weight_decay=CONFIG.weight_decay,
+               adamw_mode=True)
+    opt.step()  # builds or loads the op and creates its state (exp_avg, exp_avg_sq)
+    fns = {"fused": ours, "deepspeed": opt.step, **_stream_fns(DEEPSPEED_STEP, n, _thread_counts(threads), isa)}
+    times = _medians_s(fns, repeats)
+    nbytes = n * DEEPSPEED_STEP.bytes_per_element
+    stream_gbps, stream_variant = _stream_limit(times, nbytes)
+    return {
+        "deepspeed": deepspeed.__version__, "threads": threads,
+        "bytes_per_element": DEEPSPEED_STEP.bytes_per_element,
+        "fused_gelem_s": round(n / times["fused"] / 1e9, 3),
+        "deepspeed_gelem_s": round(n / times["deepspeed"] / 1e9, 3),
+        "fused_vs_deepspeed": round(times["deepspeed"] / times["fused"], 3),
+        "fused_gbps": round(nbytes / times["fused"] / 1e9, 2),
+        "deepspeed_gbps": round(nbytes / times["deepspeed"] / 1e9, 2),
+        "stream_gbps": round(stream_gbps, 2), "stream_variant": stream_variant,
+        "fused_vs_stream": round(nbytes / times["fused"] / 1e9 / stream_gbps, 3),
+        "deepspeed_vs_stream": round(nbytes / times["deepspeed"] / 1e9 / stream_gbps, 3),
+        "stream_variants_ms": {k: round(t * 1e3, 2) for k, t in times.items() if k.startswith("stream ")},
+    }
+
+
+# ---------------------------------------------------------------------------- (3) state formats
+
+def measure_state_formats(n: int, threads: int, isa: str, repeats: int) -> dict:
+    """The step of (1) with m and v in each state format; p, the gradient and the copy shared."""
+    p, m, v, grad = _state(n, 2)
+    working = torch.empty(n, dtype=torch.bfloat16)
+    s = golden.step_scalars(CONFIG, STEP, 1 / LOSS_SCALE)
+    fns = {}
+    for state in golden.STATE_FORMATS:
+        stored = {}
+        for slot, x in (("m", m), ("v", v)):
+            stored.update(golden.state_tensors(golden.encode_state(x.numpy(), state, slot)))
+        fns[f"fused {state}"] = (lambda stored=stored, state=state: host_kernel.step(
+            "adamw", s, grad, p, stored["m"], stored["v"], m_scale=stored.get("m_scale"),
+            v_scale=stored.get("v_scale"), working_out=working, state=state, isa=isa, threads=threads))
+        for name, fn in _stream_fns(STATE_STEPS[state], n, _thread_counts(threads), isa).items():
+            fns[f"{name} {state}"] = fn
+    times = _medians_s(fns, repeats)
+    report = {"threads": threads}
+    for state in golden.STATE_FORMATS:
+        own = {k[: -len(state) - 1]: t for k, t in times.items() if k.startswith("stream ") and k.endswith(state)}
+        stream_bytes = n * STATE_STEPS[state].bytes_per_element
+        stream_gbps, stream_variant = _stream_limit(own, stream_bytes)
+        fused_bytes = stream_bytes + (n * SCALE_BYTES if state == "8bit" else 0)
+        t = times[f"fused {state}"]
+        report[state] = {
+            "bytes_per_element": fused_bytes / n, "fused_gelem_s": round(n / t / 1e9, 3),
+            "fused_gbps": round(fused_bytes / t / 1e9, 2), "stream_gbps": round(stream_gbps, 2),
+            "stream_variant": stream_variant, "fused_vs_stream": round(fused_bytes / t / 1e9 / stream_gbps, 3),
+            "elements_vs_fp32_state": round(times["fused fp32"] / t, 3), "fused_ms": round(t * 1e3, 2),
+        }
+    return report
+
+
+# ---------------------------------------------------------------------------- the report
 
 def _cpu_model() -> str:
     try:
@@ -142,29 +268,60 @@ def _cpu_model() -> str:
         return platform.processor() or "unknown"
 
 
-def run(n: int = N, threads: int | None = None, isa: str | None = None, repeats: int = REPEATS) -> dict:
+def run(n: int = N, threads: int | None = None, isa: str | None = None, repeats: int = REPEATS,
+        deepspeed: bool = True) -> dict:
     threads = threads or host_kernel.default_threads()
     isa = host_kernel.resolve_isa(isa)
     report = {
-        "n": n, "bytes_per_element": BYTES_PER_ELEMENT,
-        "bytes": "bf16 grad read 2 + p/m/v read 12 + p/m/v write 12 + bf16 copy write 2",
-        "isa": isa, "cpu": _cpu_model(), "cores_usable": len(os.sched_getaffinity(0)),
+        "n": n, "isa": isa, "cpu": _cpu_model(), "cores_usable": len(os.sched_getaffinity(0)),
         "torch": torch.__version__, "median_of": repeats, "warmup": WARMUP,
+        "load_average_before": [round(x, 2) for x in os.getloadavg()],
     }
-    report.update(measure(n, threads, isa, repeats))
-    if threads != 1:
-        report["threads_1"] = measure(n, 1, isa, repeats)
+    previous = torch.get_num_threads()
+    try:
+        for t in [threads] + ([1] if threads != 1 else []):
+            torch.set_num_threads(t)  # torch (and DeepSpeed, on torch's OpenMP team) get the kernel's cores
+            suffix = "" if t == threads else f"_threads_{t}"
+            report["l2l_step" + suffix] = measure_l2l_step(n, t, isa, repeats)
+            report["deepspeed" + suffix] = (measure_deepspeed(n, t, isa, repeats) if deepspeed
+                                            else {"skipped": "--no-deepspeed"})
+        torch.set_num_threads(threads)
+        report["state_formats"] = measure_state_formats(n, threads, isa, repeats)
+    finally:
+        torch.set_num_threads(previous)
+    report["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     return report
 
 
 def format_report(r: dict) -> str:
-    lines = [f"EPS update, N = {r['n']:,} fp32 params, {r['bytes_per_element']} B/element ({r['bytes']}), "
-             f"ISA {r['isa']}, {r['cpu']}"]
-    for m in [r] + ([r["threads_1"]] if "threads_1" in r else []):
-        lines.append(f"  {m['threads']} thread(s): fused {m['fused_gbps']:6.2f} GB/s ({m['fused_ms']} ms)  "
-                     f"torch {m['torch_gbps']:6.2f} GB/s ({m['torch_ms']} ms, {m['torch_variant']})  "
-                     f"stream {m['stream_gbps']:6.2f} GB/s  fused/torch x{m['fused_vs_torch']}  "
-                     f"fused/stream {m['fused_vs_stream']}")
+    lines = [f"EPS update, N = {r['n']:,} fp32 params, ISA {r['isa']}, {r['cpu']}, "
+             f"load average {r['load_average_before'][0]} -> {r['load_average_after'][0]}"]
+    for key in ("l2l_step", "l2l_step_threads_1"):
+        if key in r:
+            m = r[key]
+            lines.append(f"  L2L step ({m['bytes_per_element']} B/elem), {m['threads']} thread(s): fused "
+                         f"{m['fused_gbps']:6.2f} GB/s ({m['fused_ms']} ms)  torch {m['torch_gbps']:6.2f} GB/s "
+                         f"({m['torch_variant']})  stream {m['stream_gbps']:6.2f} GB/s ({m['stream_variant']})  "
+                         f"fused/torch x{m['fused_vs_torch']}  fused/stream {m['fused_vs_stream']}")
+    for key in ("deepspeed", "deepspeed_threads_1"):
+        if key in r:
+            m = r[key]
+            if "skipped" in m:
+                lines.append(f"  DeepSpeedCPUAdam: skipped: {m['skipped']}")
+                continue
+            lines.append(f"  fp32 grad, in place, no copy ({m['bytes_per_element']} B/elem), {m['threads']} "
+                         f"thread(s): fused {m['fused_gelem_s']} G elem/s ({m['fused_gbps']} GB/s)  "
+                         f"DeepSpeedCPUAdam {m['deepspeed']} {m['deepspeed_gelem_s']} G elem/s "
+                         f"({m['deepspeed_gbps']} GB/s)  stream {m['stream_gbps']} GB/s ({m['stream_variant']})  "
+                         f"fused/deepspeed x{m['fused_vs_deepspeed']}  fused/stream {m['fused_vs_stream']}  "
+                         f"deepspeed/stream {m['deepspeed_vs_stream']}")
+    sf = r["state_formats"]
+    for state in golden.STATE_FORMATS:
+        m = sf[state]
+        lines.append(f"  state {state:4} ({m['bytes_per_element']:.4g} B/elem), {sf['threads']} thread(s): fused "
+                     f"{m['fused_gelem_s']} G elem/s, {m['fused_gbps']} GB/s  stream {m['stream_gbps']} GB/s "
+                     f"({m['stream_variant']})  fused/stream {m['fused_vs_stream']}  "
+                     f"elements/s vs fp32 state x{m['elements_vs_fp32_state']}")
     return "\n".join(lines)
 
 
@@ -176,12 +333,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--isa", choices=host_kernel.ISAS, default=None,
                    help=f"host kernel path (default ${host_kernel.ISA_ENV} or the widest the CPU has)")
     p.add_argument("--repeats", type=int, default=REPEATS, help=f"timed runs per figure (default {REPEATS})")
+    p.add_argument("--no-deepspeed", action="store_true",
+                   help=f"skip the DeepSpeedCPUAdam comparison (optional dependency {DEEPSPEED_PIN})")
 
 
 def run_from_args(args) -> int:
-    report = run(n=args.n, threads=args.threads, isa=args.isa, repeats=args.repeats)
-    print(json.dumps(report, indent=2) if args.json else format_report(report))
-    return 0
+    report = run(n=args.n, threads=args.threads, isa=args.isa, repeats=args.repeats,
+                 deepspeed=not args.no_deepspeed)
+    return print_report(report, args.json, format_report)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,12 +12,11 @@ memory).
 """
 from __future__ import annotations
 
-import json
-
 import torch
 from torch.utils.checkpoint import checkpoint
 
 import l2l_hw
+from l2l_hw.bench import print_report, train_steps
 from l2l_hw.models import GPTConfig, build_gpt, lm_loss
 from l2l_hw.relay.memory import DeviceMemory
 
@@ -76,10 +75,10 @@ def torch_peak(depth: int, device: torch.device, use_checkpoint: bool) -> int:
 def relay_peak(depth: int, device: torch.device, activations: str) -> int:
     relay = l2l_hw.Relay(_model(depth, "cpu"), lm_loss, eps=l2l_hw.make_eps("cpu"), device=str(device),
                          micro_batches=MICRO_BATCHES, activations=activations)
-    x, y = _batch(device)
-    relay.train_step(x, y)
-    relay.reset_memory()
-    relay.train_step(x, y)
+    batch = _batch(device)
+    train_steps(relay, [batch], 1)
+    relay.reset_memory()  # the second step runs with the EPS state allocated
+    train_steps(relay, [batch], 1)
     return relay.memory_report()["peak_bytes"]
 
 
@@ -113,5 +112,10 @@ def format_report(r: dict) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
-    print(json.dumps(run(), indent=2))
+def add_arguments(p) -> None:
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+
+
+def run_from_args(args) -> int:
+    return print_report(run(device=args.device), args.json, format_report)

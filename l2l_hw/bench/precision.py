@@ -15,23 +15,22 @@ gap against fp32 is the cost of one-step staleness itself, not of the implementa
 from __future__ import annotations
 
 import copy
-import json
-import tempfile
 import time
-from pathlib import Path
+
+from l2l_hw.bench import print_report
 
 # Stated tolerance on the final validation loss (nats per byte), about 2% of the fp32
 # run's 2.30 at 200 steps; the run-to-run spread of the fp32 run over seeds is measured
 # alongside (`fp32_seed2`) so the differences can be read against it.
 TOLERANCE = 0.05
-VARIANTS = {
-    "fp32": [],
-    "fp32_seed2": ["--seed", "1338"],
-    "bf16": ["--precision", "bf16"],
-    "fp16": ["--precision", "fp16"],
-    "pipedream_2bw": ["--pipedream-2bw"],
-    "fewbit_gelu": ["--gelu", "fewbit"],
-    "projection_0.5": ["--linear-projection", "0.5"],
+VARIANTS = {  # name -> TrainConfig fields that differ from the default run
+    "fp32": {},
+    "fp32_seed2": {"seed": 1338},
+    "bf16": {"precision": "bf16"},
+    "fp16": {"precision": "fp16"},
+    "pipedream_2bw": {"pipedream_2bw": True},
+    "fewbit_gelu": {"gelu": "fewbit"},
+    "projection_0.5": {"linear_projection": 0.5},
 }
 # Plain-PyTorch baselines: name -> (gradient one step late?, the relay run it checks).
 REFERENCES = {
@@ -40,14 +39,12 @@ REFERENCES = {
 }
 
 
-def val_loss(flags: list[str], steps: int, out: Path) -> dict:
-    from l2l_hw.cli import main
+def val_loss(fields: dict, steps: int) -> dict:
+    """The default run with `fields` changed, through l2l_hw.train: its final validation loss."""
+    from l2l_hw.train import TrainConfig, train
 
-    argv = ["train", "--steps", str(steps), "--out", str(out), *flags]
-    if main(argv) != 0:
-        raise RuntimeError(f"l2l {' '.join(argv)} failed")
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {"flags": flags, "val_loss": rows[-1]["val_loss"], "seconds": rows[-1]["elapsed"]}
+    result = train(TrainConfig(steps=steps, out=None, verbose=False, **fields))
+    return {"config": fields, "val_loss": result.val_loss, "seconds": result.elapsed}
 
 
 def reference_val_loss(delayed: bool, steps: int) -> dict:
@@ -57,22 +54,22 @@ def reference_val_loss(delayed: bool, steps: int) -> dict:
     on W(t-1) as `val_loss_previous`)."""
     import torch
 
-    from l2l_hw.cli import EVAL_BATCHES, TRAIN_DEFAULTS, _model_config
     from l2l_hw.eps.base import OptimConfig
     from l2l_hw.models import Corpus, build_gpt, lm_loss
+    from l2l_hw.train import TrainConfig, corpus_val_batches
 
-    cfg = {**TRAIN_DEFAULTS, "steps": steps, "warmup": steps // 10}  # the warm-up `l2l train` derives
-    corpus = Corpus.load(cfg["data"])
-    torch.manual_seed(cfg["seed"])
-    model = build_gpt(_model_config(cfg))
-    schedule = OptimConfig(lr=cfg["lr"], schedule=cfg["schedule"], warmup_steps=cfg["warmup"], total_steps=steps,
-                           min_lr=cfg["lr"] / 10)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"], foreach=False)
+    cfg = TrainConfig(steps=steps)
+    corpus = Corpus.load(cfg.data)
+    torch.manual_seed(cfg.seed)
+    model = build_gpt(cfg.model_config())
+    schedule = OptimConfig(lr=cfg.lr, schedule=cfg.schedule, warmup_steps=cfg.run_config()["warmup"],
+                           total_steps=steps, min_lr=cfg.lr / 10)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=False)
     stale = copy.deepcopy(model)  # W(t-1)
-    data = torch.Generator().manual_seed(cfg["seed"])
+    data = torch.Generator().manual_seed(cfg.seed)
     t0 = time.perf_counter()
     for step in range(1, steps + 1):
-        x, y = corpus.batch("train", cfg["batch_size"], cfg["context"], data)
+        x, y = corpus.batch("train", cfg.batch_size, cfg.context, data)
         for group in opt.param_groups:
             group["lr"] = schedule.lr_at(step)
         at = stale if delayed else model
@@ -90,8 +87,7 @@ def reference_val_loss(delayed: bool, steps: int) -> dict:
 
     @torch.no_grad()
     def validate(net) -> float:
-        rng = torch.Generator().manual_seed(cfg["seed"] + 1)
-        windows = [corpus.batch("val", cfg["batch_size"], cfg["context"], rng) for _ in range(EVAL_BATCHES)]
+        windows = corpus_val_batches(corpus, cfg)  # the windows train() validates on
         return sum(float(lm_loss(net.eval()(x), y)) for x, y in windows) / len(windows)
 
     report = {"delayed_gradient": delayed, "val_loss": validate(model), "seconds": seconds}
@@ -102,9 +98,8 @@ def reference_val_loss(delayed: bool, steps: int) -> dict:
 
 def run(steps: int = 200, variants=tuple(VARIANTS), references=tuple(REFERENCES)) -> dict:
     report = {"steps": steps, "tolerance": TOLERANCE, "runs": {}, "references": {}}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in variants:
-            report["runs"][name] = val_loss(VARIANTS[name], steps, Path(tmp) / name)
+    for name in variants:
+        report["runs"][name] = val_loss(VARIANTS[name], steps)
     for name in references:
         report["references"][name] = reference_val_loss(REFERENCES[name][0], steps)
     base = report["runs"].get("fp32")
@@ -145,3 +140,12 @@ def format_report(r: dict) -> str:
                          f"({'tracks' if v['tracks_exact'] else 'DRIFTS'})")
             lines.append(line)
     return "\n".join(lines)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--steps", type=int, default=200, help="training steps per run (default 200)")
+
+
+def run_from_args(args) -> int:
+    return print_report(run(steps=args.steps), args.json, format_report)

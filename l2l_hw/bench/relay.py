@@ -14,6 +14,7 @@ import time
 import torch
 
 import l2l_hw
+from l2l_hw.bench import print_report, train_steps
 from l2l_hw.models import Corpus, GPTConfig, build_gpt, lm_loss
 
 # Big enough that compute, not Python overhead, dominates a step; small enough
@@ -37,10 +38,14 @@ def _torch_trainer(x, y, device: torch.device):
     opt = torch.optim.AdamW(model.parameters(), lr=LR, **({"fused": True} if device.type == "cuda" else {"foreach": True}))
     x, y = x.to(device), y.to(device)
 
-    def step():
+    def step() -> float:
+        _sync(device)
+        t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         lm_loss(model(x), y).backward()
         opt.step()
+        _sync(device)
+        return time.perf_counter() - t0
 
     return step
 
@@ -50,7 +55,7 @@ def _relay_trainer(x, y, micro_batches: int, device: torch.device, recompute: bo
     eps = l2l_hw.make_eps("cpu", optimizer="adamw", lr=LR)
     relay = l2l_hw.Relay(build_gpt(MODEL), lm_loss, eps=eps, device=str(device), micro_batches=micro_batches,
                          recompute=recompute)
-    return lambda: relay.train_step(x, y)
+    return lambda: train_steps(relay, [(x, y)], 1)[0]  # the float loss waits for the device
 
 
 def run(steps: int = 5, device: str = "cpu") -> dict:
@@ -68,11 +73,7 @@ def run(steps: int = 5, device: str = "cpu") -> dict:
     times = {name: [] for name in trainers}
     for _ in range(steps):
         for name, step in trainers.items():
-            _sync(dev)
-            t0 = time.perf_counter()
-            step()
-            _sync(dev)
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(step())
     median = {name: statistics.median(t) for name, t in times.items()}
     torch.manual_seed(SEED)
     report = {
@@ -99,3 +100,13 @@ def format_report(r: dict) -> str:
         v = r[name]
         lines.append(f"  {label:<24}{v['step_s']:>10.3f}{v['tokens_per_s']:>12,.0f}{v['ratio']:>8.2f}")
     return "\n".join(lines)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per variant, after warm-up (default 5)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+
+
+def run_from_args(args) -> int:
+    return print_report(run(steps=args.steps, device=args.device), args.json, format_report)

@@ -1,21 +1,28 @@
-"""The EPS interface, the optimizer configuration and the backend registry.
+"""The EPS interface and the optimizer configuration.
 
 An EPS holds fp32 master weights and optimizer state for named groups of tensors
 (one group per relay layer, plus one per parameter shared by several layers).
 The relay only ever talks to this interface:
 
+    configure(...)             what the relay needs of it (working copy, double buffering, deferral)
     register(key, params)      take the fp32 master copy, allocate state
-    fetch(key)                 host working copy the device computes with next
+    fetch(key) / fetch_async   host working copy the device computes with next
     push_grads(key, grads)     schedule the eager update of that group; returns at once
     commit_step()              wait for every update of the step; the step is done
-    state_dict() / load_state_dict()
+    state_dict() / load_state_dict() / state_entries()   (the last: streamed checkpoints)
+    sharded, process_group     what it is, so the relay never inspects its class
+
+The step semantics (deferred updates, commit without waiting, discarding a step) are
+written here once; the update engine (l2l_hw/eps/engine.py) owns the buffers and the
+update thread; a backend supplies only how one tensor is updated and stored.
 """
 from __future__ import annotations
 
 import math
+import numbers
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 
@@ -26,6 +33,23 @@ WORKING_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.f
 # Optimizer state slots per optimizer: m is Adam's exp_avg or SGD's momentum buffer,
 # v is Adam's exp_avg_sq.
 STATE_SLOTS = {"adamw": ("m", "v"), "adam": ("m", "v"), "sgd": ("m",)}
+
+
+def check_number(name: str, value, low=None, high=None, integer: bool = False, high_open: bool = False):
+    """`value` as a finite float (or an int), within [low, high] (high excluded with high_open);
+    otherwise one ValueError naming the argument, the value and what is allowed."""
+    kind = "an integer" if integer else "a finite number"
+    bounds = ([f">= {low:g}"] if low is not None else []) + ([f"{'<' if high_open else '<='} {high:g}"]
+                                                            if high is not None else [])
+    allowed = f"{name} must be {' and '.join(bounds)} ({kind})" if bounds else f"{name} must be {kind}"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or \
+            (integer and not isinstance(value, numbers.Integral)):
+        raise ValueError(f"{allowed}, got {value!r} ({type(value).__name__})")
+    value = int(value) if integer else float(value)
+    if not math.isfinite(value) or (low is not None and value < low) or (high is not None and (
+            value >= high if high_open else value > high)):
+        raise ValueError(f"{allowed}, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -50,20 +74,26 @@ class OptimConfig:
             raise ValueError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
         if self.weight_decay is None:
             object.__setattr__(self, "weight_decay", 1e-2 if self.optimizer == "adamw" else 0.0)
-        object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
+        for name in ("lr", "eps", "weight_decay", "momentum", "min_lr"):  # finite: an infinite one trains to NaN
+            object.__setattr__(self, name, check_number(name, getattr(self, name), low=0.0))
+        object.__setattr__(self, "dampening", check_number("dampening", self.dampening, low=0.0, high=1.0))
+        betas = self.betas
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
+        object.__setattr__(self, "betas", tuple(check_number("betas", b, low=0.0, high=1.0, high_open=True)
+                                                for b in betas))
+        object.__setattr__(self, "warmup_steps", check_number("warmup_steps", self.warmup_steps, low=0, integer=True))
+        if self.total_steps is not None:
+            object.__setattr__(self, "total_steps", check_number("total_steps", self.total_steps, low=1, integer=True))
+        if not isinstance(self.nesterov, bool):
+            raise ValueError(f"nesterov must be True or False, got {self.nesterov!r}")
         checks = [
-            (self.lr >= 0, f"lr must be >= 0, got {self.lr}"),
-            (self.eps >= 0, f"eps must be >= 0, got {self.eps}"),
-            (len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
-             f"betas must be two numbers in [0, 1), got {self.betas}"),
-            (self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}"),
-            (self.momentum >= 0, f"momentum must be >= 0, got {self.momentum}"),
             (not self.nesterov or (self.momentum > 0 and self.dampening == 0),
              "nesterov needs momentum > 0 and dampening = 0 (as torch.optim.SGD)"),
             (self.schedule in SCHEDULES, f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}"),
-            (self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}"),
             (self.schedule != "cosine" or (self.total_steps or 0) > self.warmup_steps,
              "the cosine schedule needs total_steps greater than warmup_steps"),
+            (self.min_lr <= self.lr, f"min_lr must be <= lr ({self.lr}), got {self.min_lr}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -82,10 +112,42 @@ class OptimConfig:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class StateEntry:
+    """One tensor of the EPS state, read only when it is needed (streamed checkpoints)."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    read: Callable[[], torch.Tensor]  # the values, valid until the next update; do not write
+
+
+def tensor_of(x: torch.Tensor | StateEntry) -> torch.Tensor:
+    """A tensor, reading a StateEntry (a state mapping may hold either)."""
+    return x.read() if isinstance(x, StateEntry) else x
+
+
+class PendingFetch:
+    """A fetch under way: `wait()` gives the host tensors, `held()` what it holds meanwhile.
+    A local EPS's fetch is ready at once; a sharded one's all-gather runs in the background."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    ready = True
+
+    def held(self) -> list[torch.Tensor]:
+        return []
+
+    def wait(self) -> dict[str, torch.Tensor]:
+        return self.tensors
+
+
 class EPS(ABC):
-    """Eager Param Server. Subclasses store tensors and run the update rule of `golden.py`."""
+    """Eager Param Server: the interface and the step semantics, written once."""
 
     name = "abstract"
+    sharded = False  # this rank keeps slices of every tensor (l2l_hw/eps/sharded.py)
+    process_group = None  # the torch.distributed group of a sharded EPS
 
     def __init__(self, config: OptimConfig, working_dtype: str = "fp32", double_buffer: bool = False):
         if working_dtype not in WORKING_DTYPES:
@@ -103,13 +165,32 @@ class EPS(ABC):
         # Double buffering: updates write a second copy of param and state; the step
         # commits by swapping, so a step can be discarded whole (overflow) and the
         # committed state is consistent at any time (checkpoints).
-        self.double_buffer = double_buffer
+        self.double_buffer = bool(double_buffer)
         self._unsettled: set[str] | None = None  # groups of a step committed with wait=False
+        self.pin_fetched = False  # the working copy crosses to a CUDA device: pin it (nothing else)
 
-    def enable_double_buffer(self) -> None:
-        if self.shapes and not self.double_buffer:
-            raise RuntimeError("enable double buffering before registering any group")
-        self.double_buffer = True
+    def configure(self, working_dtype: str | None = None, double_buffer: bool | None = None,
+                  defer_updates: bool | None = None, device: str | torch.device | None = None) -> None:
+        """What the relay needs of the EPS, said once at construction: the working copy's dtype
+        (what the layers compute in), double buffering (a step can be discarded whole, or the
+        previous version is read), whether updates wait for the end of the step, and the
+        device the working copy goes to (pinned host memory only for CUDA)."""
+        if device is not None:
+            self.pin_fetched = torch.device(device).type == "cuda"
+        if working_dtype is not None and working_dtype != self.working_dtype:
+            if working_dtype not in WORKING_DTYPES:
+                raise ValueError(f"unknown working_dtype {working_dtype!r}; choose one of {', '.join(WORKING_DTYPES)}")
+            if self.shapes:
+                raise ValueError(f"this EPS already holds groups with working_dtype={self.working_dtype!r}; "
+                                 f"a relay computing in {working_dtype} needs a fresh one")
+            self.working_dtype = working_dtype
+        if double_buffer and not self.double_buffer:
+            if self.shapes:
+                raise ValueError("this EPS already holds groups without double buffering; build it with "
+                                 "make_eps(..., double_buffer=True) for this relay")
+            self.double_buffer = True
+        if defer_updates is not None:
+            self.defer_updates = bool(defer_updates)
 
     # -- registration ---------------------------------------------------------
     def register(self, key: str, params: dict[str, torch.Tensor]) -> None:
@@ -119,6 +200,8 @@ class EPS(ABC):
         for name, p in params.items():
             if not p.is_floating_point():
                 raise TypeError(f"parameter {key}/{name} has dtype {p.dtype}; the EPS keeps floating-point parameters")
+            if p.device.type == "meta":
+                raise ValueError(f"parameter {key}/{name} is on the meta device: it has no values to register")
         self.shapes[key] = {name: p.shape for name, p in params.items()}
         self._register(key, {n: p.detach().to("cpu", torch.float32) for n, p in params.items()})
 
@@ -143,7 +226,8 @@ class EPS(ABC):
     def commit_step(self, grad_scale: float = 1.0, skip_nonfinite: bool = False, wait: bool = True) -> bool:
         """Run deferred updates with their gradients times `grad_scale`, wait for every
         update of the step and make it the committed state; with `skip_nonfinite`, a
-        step that saw a non-finite gradient is discarded whole instead.
+        step that saw a non-finite gradient is discarded whole instead (that needs double
+        buffering: the updates of the step wrote spare buffers).
 
         wait=False (double buffering; PipeDream-2BW): the step counts as committed at once
         and its updates go on in the background; they are swapped in when the next step
@@ -159,7 +243,7 @@ class EPS(ABC):
             self._unsettled, self._pushed = set(self._pushed), set()
             self.step += 1
             return False
-        self.wait()
+        self._wait()
         found = self.found_nonfinite
         if found and skip_nonfinite:
             self.discard_step()
@@ -183,7 +267,7 @@ class EPS(ABC):
         if keys is None:
             return
         try:
-            self.wait()
+            self._wait()
         except BaseException:
             self.step -= 1
             self._pushed |= keys
@@ -192,16 +276,23 @@ class EPS(ABC):
         self._swap()
         self.found_nonfinite = False
 
+    def wait(self) -> None:
+        """Block until every scheduled update has finished (and a commit made without waiting
+        is swapped in); raise an update's exception."""
+        self._settle()
+        self._wait()
+
     def discard_step(self) -> None:
         """Forget the step under way: deferred gradients are dropped and, with double
         buffering, every update written in the step. Without it, groups already updated
         in place cannot be restored, and this says so."""
         self._settle()
-        self.wait()
+        self._wait()
         updated = set(self._pushed) if not self.defer_updates else set()
         self._deferred.clear()
         self._pushed.clear()
         self.found_nonfinite = False
+        self._discard()
         if updated and not self.double_buffer:
             raise RuntimeError(f"the step was abandoned after {len(updated)} group(s) were updated in place; "
                                "enable double buffering (make_eps(..., double_buffer=True)) to discard steps")
@@ -220,56 +311,7 @@ class EPS(ABC):
             if g.dtype not in GRAD_DTYPES:
                 raise TypeError(f"gradient {key}/{name} has dtype {g.dtype}; the EPS takes float32, bfloat16 or float16")
 
-    # -- checkpoints ----------------------------------------------------------
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Master weights and optimizer state as `{key}/{name}/{slot}` tensors plus `step`."""
-        self._settle()
-        self.wait()
-        out = {"step": torch.tensor(self.step, dtype=torch.int64)}
-        for key, names in self.shapes.items():
-            for name in names:
-                for slot, t in self._tensors(key, name).items():
-                    out[f"{key}/{name}/{slot}"] = t.clone()
-        if self.double_buffer:  # the version one commit back: PipeDream-2BW's next step computes on it
-            for key in self.shapes:
-                for name, t in self.fetch(key, previous=True).items():  # bf16/fp16 widen exactly
-                    out[f"{key}/{name}/previous"] = t.to(torch.float32, copy=True)
-        return out
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self._settle()
-        self.wait()
-        slots = self._slots()
-        wanted = {f"{k}/{n}/{s}": shape for k, names in self.shapes.items() for n, shape in names.items() for s in slots}
-        missing = sorted(set(wanted) - set(state))
-        if missing:
-            raise KeyError(f"EPS state is missing {len(missing)} entries, e.g. {missing[:3]}; "
-                           f"was it saved with another model or optimizer ({self.config.optimizer})?")
-        for name, shape in wanted.items():
-            t = state[name]
-            if t.shape != shape or t.dtype != torch.float32:
-                raise ValueError(f"EPS state {name} is {t.dtype} {tuple(t.shape)}; expected float32 {tuple(shape)}")
-        for key, names in self.shapes.items():
-            for name in names:
-                self._load(key, name, {s: state[f"{key}/{name}/{s}"] for s in slots})
-                if self.double_buffer and f"{key}/{name}/previous" in state:
-                    working = state[f"{key}/{name}/previous"].to(WORKING_DTYPES[self.working_dtype])
-                    self._load_previous(key, name, working)
-        self.step = int(state["step"])
-
-    def _slots(self) -> tuple[str, ...]:
-        return ("param",) + STATE_SLOTS[self.config.optimizer]
-
-    def master(self, key: str) -> dict[str, torch.Tensor]:
-        """fp32 master weights of a group (copies)."""
-        self._settle()
-        self.wait()
-        return {name: self._tensors(key, name)["param"].clone() for name in self.shapes[key]}
-
-    # -- what a backend provides ----------------------------------------------
-    @abstractmethod
-    def _register(self, key: str, params: dict[str, torch.Tensor]) -> None: ...
-
+    # -- fetching ---------------------------------------------------------------
     def fetch(self, key: str, previous: bool = False) -> dict[str, torch.Tensor]:
         """Host working copy of a group (working_dtype), valid until the group's next update.
 
@@ -279,7 +321,76 @@ class EPS(ABC):
             if previous:  # the newest step is still being written: what it replaces is one step back
                 return self._fetch(key, previous=False)
             self._settle()
-        return self._fetch(key, previous)
+        return self._fetch(key, previous and self.double_buffer)
+
+    def fetch_async(self, key: str, previous: bool = False) -> PendingFetch:
+        """fetch() that may still be under way when it returns (a sharded EPS's all-gather):
+        the relay's weight prefetch starts it one layer ahead and waits when the layer runs."""
+        return PendingFetch(self.fetch(key, previous=previous))
+
+    # -- checkpoints ----------------------------------------------------------
+    def slots(self) -> tuple[str, ...]:
+        """The fp32 tensors each parameter has in the state: param and the optimizer's slots."""
+        return ("param",) + STATE_SLOTS[self.config.optimizer]
+
+    def stored_slots(self, shape: torch.Size) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        """Shape and dtype of what one tensor keeps, as a checkpoint stores it: fp32 param and
+        optimizer slots here; compressed optimizer state (engine.py) stores its own pieces."""
+        return {slot: (shape, torch.float32) for slot in self.slots()}
+
+    def state_entries(self) -> dict[str, StateEntry]:
+        """The state as `{key}/{name}/{slot}` entries read one at a time (plus `step`), so a
+        checkpoint streams to its file without a second copy of the state in memory. With
+        double buffering, `{key}/{name}/previous` is the version one commit back (fp32)."""
+        self.wait()
+        out = {"step": _ready(torch.tensor(self.step, dtype=torch.int64))}
+        for key, names in self.shapes.items():
+            for name, shape in names.items():
+                for slot, (stored_shape, dtype) in self.stored_slots(shape).items():
+                    out[f"{key}/{name}/{slot}"] = StateEntry(stored_shape, dtype, self._reader(key, name, slot))
+                if self.double_buffer:  # PipeDream-2BW's next step computes on it; bf16/fp16 widen exactly
+                    out[f"{key}/{name}/previous"] = StateEntry(
+                        shape, torch.float32, lambda k=key, n=name: self.fetch(k, previous=True)[n].float())
+        return out
+
+    def _reader(self, key: str, name: str, slot: str) -> Callable[[], torch.Tensor]:
+        return lambda: self.read_state(key, name)[slot]
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Master weights and optimizer state as `{key}/{name}/{slot}` tensors plus `step` (copies)."""
+        return {name: e.read().to(e.dtype, copy=True) for name, e in self.state_entries().items()}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor | StateEntry]) -> None:
+        """Load a state_dict (or a streamed checkpoint's mapping, read one tensor at a time).
+        Every entry's presence, dtype and shape is checked before anything is written."""
+        self.wait()
+        wanted = {f"{k}/{n}/{s}": layout for k, names in self.shapes.items() for n, shape in names.items()
+                  for s, layout in self.stored_slots(shape).items()}
+        missing = sorted(set(wanted) - set(state))
+        if missing:
+            raise KeyError(f"EPS state is missing {len(missing)} entries, e.g. {missing[:3]}; was it saved with "
+                           f"another model, optimizer ({self.config.optimizer}) or state format?")
+        for name, (shape, dtype) in wanted.items():
+            t = state[name]
+            if t.shape != shape or t.dtype != dtype:
+                raise ValueError(f"EPS state {name} is {t.dtype} {tuple(t.shape)}; expected {dtype} {tuple(shape)}")
+        for key, names in self.shapes.items():
+            for name, shape in names.items():
+                previous = state.get(f"{key}/{name}/previous") if self.double_buffer else None
+                if previous is not None:
+                    previous = tensor_of(previous).to(WORKING_DTYPES[self.working_dtype])
+                self.load_tensor(key, name, {s: tensor_of(state[f"{key}/{name}/{s}"])
+                                             for s in self.stored_slots(shape)}, previous)
+        self.step = int(tensor_of(state["step"]))
+
+    def master(self, key: str) -> dict[str, torch.Tensor]:
+        """fp32 master weights of a group (copies)."""
+        self.wait()
+        return {name: self.read_state(key, name)["param"].clone() for name in self.shapes[key]}
+
+    # -- what a backend (or the engine) provides --------------------------------
+    @abstractmethod
+    def _register(self, key: str, params: dict[str, torch.Tensor]) -> None: ...
 
     @abstractmethod
     def _fetch(self, key: str, previous: bool = False) -> dict[str, torch.Tensor]: ...
@@ -288,55 +399,29 @@ class EPS(ABC):
     def _push(self, key: str, grads: dict[str, torch.Tensor], inv_scale: float) -> None: ...
 
     @abstractmethod
-    def wait(self) -> None:
+    def _wait(self) -> None:
         """Block until every scheduled update has finished; raise an update's exception."""
 
     @abstractmethod
-    def _tensors(self, key: str, name: str) -> dict[str, torch.Tensor]:
-        """fp32 `param` and state slots of one tensor, as torch tensors (may share memory)."""
+    def read_state(self, key: str, name: str) -> dict[str, torch.Tensor]:
+        """fp32 `param` and state slots of one tensor (may share the EPS's memory: do not write)."""
 
     @abstractmethod
-    def _load(self, key: str, name: str, slots: dict[str, torch.Tensor]) -> None: ...
+    def load_tensor(self, key: str, name: str, slots: dict[str, torch.Tensor],
+                    previous: torch.Tensor | None = None) -> None:
+        """Overwrite one tensor's param and state slots (a missing slot: zeros; fp32 values, or
+        the stored pieces of `stored_slots`) and, with double buffering, its version one
+        commit back (working dtype; None: the loaded param)."""
 
-    def _load_previous(self, key: str, name: str, working: torch.Tensor) -> None:
-        """Double buffering: restore the version one commit back (working dtype), as fetched."""
-        raise NotImplementedError(f"the {self.name} EPS does not double-buffer")
+    def _discard(self) -> None:
+        """Forget what the updates of the step wrote (double buffering: spare buffers)."""
 
+    @abstractmethod
     def _swap(self) -> None:
         """Double buffering: the updates written in the step become the committed state, and
         every tensor's previous version what was committed before (for a tensor the step left
         alone, a skipped layer's, that is its committed version: it did not change)."""
-        raise NotImplementedError(f"the {self.name} EPS does not double-buffer")
 
 
-_BACKENDS: dict[str, Callable[..., EPS]] = {}
-
-
-def register_backend(name: str):
-    """Class decorator: make a backend buildable by `make_eps(name)`."""
-    def wrap(cls):
-        _BACKENDS[name] = cls
-        cls.name = name
-        return cls
-    return wrap
-
-
-def known_backends() -> list[str]:
-    return sorted(_BACKENDS)
-
-
-def make_eps(name: str, working_dtype: str = "fp32", shard_state: bool = False, process_group=None,
-             **options) -> EPS:
-    """Build an EPS by backend name; the other options are those of OptimConfig or the backend's.
-
-    shard_state=True (data parallel, torch.distributed initialized): this rank keeps 1/N of
-    every tensor's master weights and state, ZeRO-style (l2l_hw/eps/sharded.py)."""
-    if name not in _BACKENDS:
-        raise ValueError(f"unknown EPS backend {name!r}; known backends: {', '.join(known_backends())}")
-    backend_options = {k: options.pop(k) for k in list(options) if k not in OptimConfig.__dataclass_fields__}
-    eps = _BACKENDS[name](OptimConfig(**options), working_dtype=working_dtype, **backend_options)
-    if shard_state:
-        from l2l_hw.eps.sharded import ShardedEps
-
-        eps = ShardedEps(eps, process_group)
-    return eps
+def _ready(t: torch.Tensor) -> StateEntry:
+    return StateEntry(t.shape, t.dtype, lambda: t)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from l2l_hw.eps.base import EPS, STATE_SLOTS, OptimConfig, register_backend
+from l2l_hw.eps.base import OptimConfig
 
 CANONICAL_NAN32 = 0x7FC00000
 CANONICAL_NAN_BF16 = 0x7FC0
@@ -129,70 +129,206 @@ def working_copy(p: np.ndarray, working_dtype: str) -> torch.Tensor:
     return torch.from_numpy(bits.view(np.int16)).view(dtype)
 
 
+# ---------------------------------------------------------------------------- state formats
+# m and v may be kept compressed; param stays fp32. The update decodes the state of an
+# element to float32 (exactly, or with one rounding: see dequantize_block), applies
+# `apply_rule` unchanged, and encodes the new state. docs/NUMERICS.md, "Optimizer state
+# formats", gives the reasons for each choice below.
+
+STATE_FORMATS = ("fp32", "bf16", "8bit")
+# Elements per 8-bit block (one fp32 scale each for m and for v). A divisor of the host
+# kernel's tile, so no block straddles two threads; 2 x 4 B of scales per 256 elements
+# cost 0.03 B/parameter; Dettmers et al. (arXiv 2110.02861) use 2048: a smaller block
+# confines an outlier, which sets its block's scale, to fewer neighbours.
+QUANT_BLOCK = 256
+# Block scales are powers of two 2^k with k in [-SCALE_EXP_LIMIT, SCALE_EXP_LIMIT], so
+# that both 2^k and 2^-k are normal float32 numbers and scaling by them is exact.
+SCALE_EXP_LIMIT = 126
+
+
+@dataclass(frozen=True)
+class Code8:
+    """An 8-bit code book: a minifloat whose top binade is [1, 2) (block values are scaled
+    into it), with `exp_bits` exponent and `man_bits` mantissa bits, subnormals, no Inf or
+    NaN codes; `signed` puts a sign in bit 7 (sign-magnitude)."""
+
+    name: str
+    exp_bits: int
+    man_bits: int
+    signed: bool
+
+    @property
+    def bias(self) -> int:  # magnitude code (e, f), e >= 1: 2^(e - bias) * (1 + f / 2^man_bits)
+        return 2**self.exp_bits - 1
+
+    @property
+    def max_magnitude(self) -> int:  # the largest magnitude code: (2 - 2^-man_bits)
+        return 2 ** (self.exp_bits + self.man_bits) - 1
+
+    @property
+    def subnormal_shift(self) -> int:  # magnitude code (0, f): f * 2^-subnormal_shift
+        return self.bias - 1 + self.man_bits
+
+    def values(self) -> np.ndarray:
+        """The float32 value of every code 0..255 (scale 1)."""
+        return decode_codes(np.arange(256, dtype=np.uint8), self)
+
+
+# m: sign, 4 exponent bits, 3 mantissa bits: codes from 2^-17 to 1.875 (x the block scale).
+# v: no sign (v >= 0), 5 exponent bits, 3 mantissa bits: 2^-33 to 1.875, so sqrt(v), which
+# divides m in the update, spans 2^-16.5 to 1.37: about the reach of m, at half m's
+# relative rounding error.
+M_CODE = Code8("m", exp_bits=4, man_bits=3, signed=True)
+V_CODE = Code8("v", exp_bits=5, man_bits=3, signed=False)
+STATE_CODES = {"m": M_CODE, "v": V_CODE}
+
+
+def _exp2(k: np.ndarray) -> np.ndarray:
+    """2^k as float32 for integer k in [-126, 127] (normal numbers, built from bits)."""
+    return ((np.asarray(k, np.int64) + 127) << 23).astype(np.uint32).view(np.float32)
+
+
+def block_exponent(absmax_bits: np.ndarray, code: Code8) -> np.ndarray:
+    """k of each block's scale 2^k: the exponent of the block's largest magnitude rounded
+    (to nearest even, on its bits) to the code's mantissa width, clamped to +-SCALE_EXP_LIMIT.
+    Rounding first means no value of the block rounds up past the top code."""
+    drop = 23 - code.man_bits
+    a = absmax_bits.astype(np.int64)
+    rounded = a + (1 << (drop - 1)) - 1 + ((a >> drop) & 1)
+    return np.clip((rounded >> 23) - 127, -SCALE_EXP_LIMIT, SCALE_EXP_LIMIT)
+
+
+def encode_codes(y: np.ndarray, code: Code8) -> np.ndarray:
+    """float32 values already scaled into the code's range -> codes, round to nearest even
+    on the magnitude, saturating at the largest code. NaN is not an input (see quantize)."""
+    bits = y.view(np.uint32).astype(np.int64)
+    mag = bits & 0x7FFFFFFF
+    drop = 23 - code.man_bits
+    rebased = mag - ((127 - code.bias) << 23)  # exponent field now e = E - 127 + bias
+    normal = (rebased + (1 << (drop - 1)) - 1 + ((rebased >> drop) & 1)) >> drop
+    # below 2^(1 - bias): the subnormal grid, step 2^-subnormal_shift; the product is exact
+    smallest_normal = np.float32(2.0 ** (1 - code.bias))
+    with np.errstate(invalid="ignore"):  # NaN lanes are overwritten by quantize
+        sub = np.rint(np.minimum(np.abs(y), smallest_normal) * np.float32(2.0**code.subnormal_shift)).astype(np.int64)
+    c = np.minimum(np.where(mag < (128 - code.bias) << 23, sub, normal), code.max_magnitude)
+    if code.signed:
+        c |= (bits >> 24) & 0x80
+    return c.astype(np.uint8)
+
+
+def decode_codes(c: np.ndarray, code: Code8) -> np.ndarray:
+    """codes -> float32 values at scale 1, exactly."""
+    c = c.astype(np.int64)
+    mag = c & (0x7F if code.signed else 0xFF)
+    drop = 23 - code.man_bits
+    normal = ((mag << drop) + ((127 - code.bias) << 23)).astype(np.uint32).view(np.float32)
+    sub = (mag & (2**code.man_bits - 1)).astype(np.float32) * np.float32(2.0**-code.subnormal_shift)
+    out = np.where(mag >> code.man_bits == 0, sub, normal).astype(np.float32)
+    if code.signed:
+        out = (out.view(np.uint32) | ((c & 0x80) << 24).astype(np.uint32)).view(np.float32)
+    return out
+
+
+def quantize(x: np.ndarray, code: Code8) -> tuple[np.ndarray, np.ndarray]:
+    """float32 array -> (uint8 codes, one float32 scale per QUANT_BLOCK elements; the last
+    block may be shorter). Per block: k = block_exponent(max |x|), codes = encode(x * 2^-k)
+    (the product is exact but for values far below the smallest code), scale = 2^k.
+    A block holding Inf or NaN gets scale NaN (0x7FC00000) and codes 0: all of it decodes
+    to NaN. A block of zeros gets 2^-126 and codes 0 (+0, or -0 for -0.0 in m)."""
+    x = np.ascontiguousarray(x, np.float32).reshape(-1)
+    n = x.size
+    blocks = -(-n // QUANT_BLOCK)
+    padded = np.zeros(blocks * QUANT_BLOCK, np.float32)
+    padded[:n] = x
+    mag = (padded.view(np.uint32) & 0x7FFFFFFF).reshape(blocks, QUANT_BLOCK)
+    absmax = mag.max(axis=1)  # integer order of |x| bits = order of |x|; NaN above Inf
+    k = block_exponent(absmax, code)
+    with np.errstate(all="ignore"):
+        y = (padded.reshape(blocks, QUANT_BLOCK) * _exp2(-k)[:, None]).reshape(-1)
+    codes = encode_codes(y, code).reshape(blocks, QUANT_BLOCK)
+    bad = absmax >= 0x7F800000
+    codes[bad] = 0
+    scales = _exp2(k)
+    scales.view(np.uint32)[bad] = CANONICAL_NAN32
+    return codes.reshape(-1)[:n].copy(), scales
+
+
+def dequantize(codes: np.ndarray, scales: np.ndarray, code: Code8) -> np.ndarray:
+    """(codes, block scales) -> flat float32: decode (exact) times the block's scale (one
+    rounding, exact unless the product is below 2^-126)."""
+    codes = codes.reshape(-1)
+    scale = np.repeat(scales.astype(np.float32), QUANT_BLOCK)[: codes.size]
+    with np.errstate(all="ignore"):
+        return decode_codes(codes, code) * scale
+
+
+def encode_state(x: np.ndarray, state: str, slot: str) -> dict[str, np.ndarray]:
+    """fp32 m or v -> its stored form: {slot: array} (+ {slot_scale: scales} for 8bit)."""
+    x = canonicalize_nan(np.array(x, dtype=np.float32))
+    if state == "fp32":
+        return {slot: x}
+    if state == "bf16":
+        return {slot: to_bf16_bits(x)}
+    if state == "8bit":
+        codes, scales = quantize(x, STATE_CODES[slot])
+        return {slot: codes, f"{slot}_scale": scales}
+    raise ValueError(f"unknown optimizer state format {state!r}; choose one of {', '.join(STATE_FORMATS)}")
+
+
+STORED_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "8bit": torch.uint8}
+
+
+def stored_pieces(state: str, slot: str, numel: int) -> dict[str, tuple[torch.dtype, int]]:
+    """What m or v of `numel` elements is stored as: {slot: (dtype, count)}, plus for 8bit
+    {slot_scale: (float32, one per QUANT_BLOCK elements)}."""
+    if state not in STORED_DTYPES:
+        raise ValueError(f"unknown optimizer state format {state!r}; choose one of {', '.join(STATE_FORMATS)}")
+    pieces = {slot: (STORED_DTYPES[state], numel)}
+    if state == "8bit":
+        pieces[f"{slot}_scale"] = (torch.float32, -(-numel // QUANT_BLOCK))
+    return pieces
+
+
+def state_arrays(stored: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """Stored state tensors as the numpy arrays of encode_state (bf16 as uint16 bits), sharing memory."""
+    return {k: t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
+            for k, t in stored.items()}
+
+
+def state_tensors(stored: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    """The stored form as torch tensors (bf16 bits as torch.bfloat16), sharing memory."""
+    return {k: torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) if a.dtype == np.uint16
+            else torch.from_numpy(a) for k, a in stored.items()}
+
+
+def decode_state(stored: dict[str, np.ndarray], state: str, slot: str) -> np.ndarray:
+    """The stored form of m or v -> float32, as the update reads it."""
+    x = stored[slot]
+    if state == "fp32":
+        return x
+    if state == "bf16":
+        return (x.astype(np.uint32) << 16).view(np.float32)
+    return dequantize(x, stored[f"{slot}_scale"], STATE_CODES[slot])
+
+
+def apply_rule_stored(optimizer: str, s: StepScalars, p: np.ndarray, stored: dict[str, np.ndarray],
+                      g: np.ndarray, state: str) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """One step with m and v kept in `state` format: decode, apply_rule, canonicalize NaNs,
+    encode. Returns the new fp32 param (canonical NaNs) and the new stored state."""
+    slots = [slot for slot in ("m", "v") if slot in stored]
+    old = {slot: decode_state(stored, state, slot) for slot in slots}
+    with np.errstate(all="ignore"):
+        p, m, v = apply_rule(optimizer, s, p, old.get("m"), old.get("v"), g, np.sqrt)
+    new = {}
+    for slot, x in (("m", m), ("v", v)):
+        if slot in stored:
+            new.update(encode_state(x, state, slot))
+    return canonicalize_nan(np.array(p, dtype=np.float32)), new
+
+
 def grad_to_numpy(g: torch.Tensor) -> np.ndarray:
     """Gradient in fp32, bf16 or fp16 -> float32 numpy (exact widening)."""
     g = g.detach().to("cpu")
     if g.dtype == torch.bfloat16:
         return (g.view(torch.int16).numpy().view(np.uint16).astype(np.uint32) << 16).view(np.float32)
     return g.numpy().astype(np.float32)
-
-
-@register_backend("golden")
-class GoldenEps(EPS):
-    """Reference EPS: numpy float32, synchronous, slow. The definition others must match."""
-
-    def __init__(self, config: OptimConfig, working_dtype: str = "fp32", double_buffer: bool = False):
-        super().__init__(config, working_dtype, double_buffer)
-        self.state: dict[str, dict[str, dict[str, np.ndarray]]] = {}
-        self.staged: dict[str, dict[str, dict[str, np.ndarray]]] = {}  # double buffering: the step's writes
-        self.previous: dict[str, dict[str, np.ndarray]] = {}  # double buffering: params one commit back
-
-    def _register(self, key, params):
-        self.state[key] = {}
-        for name, p in params.items():
-            self._load(key, name, {"param": p})
-
-    def _load(self, key, name, slots):
-        p = slots["param"].numpy().astype(np.float32, copy=True)
-        entry = {"param": p}
-        for slot in STATE_SLOTS[self.config.optimizer]:
-            entry[slot] = slots[slot].numpy().astype(np.float32, copy=True) if slot in slots else np.zeros_like(p)
-        self.state.setdefault(key, {})[name] = entry
-
-    def _load_previous(self, key, name, working):
-        self.previous.setdefault(key, {})[name] = working.float().numpy().copy()  # exact: fp32 holds bf16/fp16
-
-    def _tensors(self, key, name):
-        return {slot: torch.from_numpy(a) for slot, a in self.state[key][name].items()}
-
-    def _fetch(self, key, previous=False):
-        params = {name: e["param"] for name, e in self.state[key].items()}
-        if previous:
-            params.update(self.previous.get(key, {}))
-        return {name: working_copy(p, self.working_dtype) for name, p in params.items()}
-
-    def _push(self, key, grads, inv_scale):
-        s = step_scalars(self.config, self.step + 1, inv_scale)
-        opt = self.config.optimizer
-        for name, grad in grads.items():
-            e = self.state[key][name]
-            g = grad_to_numpy(grad)
-            self.found_nonfinite |= not np.isfinite(g * np.float32(s.inv_scale)).all()
-            with np.errstate(all="ignore"):
-                p, m, v = apply_rule(opt, s, e["param"], e.get("m"), e.get("v"), g, np.sqrt)
-            new = {slot: canonicalize_nan(np.array(t, dtype=np.float32)) for slot, t in
-                   (("param", p), ("m", m), ("v", v)) if slot in e}
-            target = self.staged.setdefault(key, {}) if self.double_buffer else self.state[key]
-            target[name] = new
-
-    def _swap(self):
-        for key, group in self.state.items():
-            self.previous[key] = {name: e["param"] for name, e in group.items()}
-            group.update(self.staged.pop(key, {}))
-
-    def discard_step(self):
-        self.staged.clear()
-        super().discard_step()
-
-    def wait(self):
-        pass

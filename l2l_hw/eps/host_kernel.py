@@ -2,11 +2,17 @@
 
     found = step(optimizer, scalars, grad, param, m, v, working_out=w)   # in place
     found = step(..., param_out=p2, m_out=m2, v_out=v2)                    # double buffer
+    found = step(..., m, v, state="8bit", m_scale=ms, v_scale=vs)          # compressed m, v
 
 One pass reads the gradient (fp32, bf16 or fp16), unscales it, flags non-finite values,
 updates fp32 param, m and v by `golden.apply_rule` bit for bit, and writes the bf16/fp16
-working copy. Tensors go to C by pointer (`data_ptr()`), so building the library needs
-neither torch nor Python headers; ctypes releases the GIL for the call.
+working copy. m and v may be kept compressed (`state=`, golden.STATE_FORMATS): "bf16"
+(torch.bfloat16 tensors) or "8bit" (torch.uint8 codes, golden.M_CODE / V_CODE, plus one
+float32 scale per golden.QUANT_BLOCK elements in m_scale / v_scale, the last block
+possibly short: `golden.stored_pieces` gives the shapes); the update is then
+`golden.apply_rule_stored`, bit for bit, still one pass. Tensors go to C by pointer
+(`data_ptr()`), so building the library needs neither torch nor Python headers; ctypes
+releases the GIL for the call.
 
 Buffers: CPU, contiguous, aligned to their element size (4 bytes for fp32, 2 for
 bf16/fp16; the SIMD paths use unaligned loads, so nothing more is needed). A destination
@@ -25,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from l2l_hw.eps import golden
 from l2l_hw.eps.golden import StepScalars
 
 ISAS = ("scalar", "avx2", "avx512")  # codes 0, 1, 2 in C
@@ -32,6 +39,7 @@ ISA_ENV = "L2L_HOST_ISA"
 OPTIMIZER_CODES = {"adamw": 0, "adam": 1, "sgd": 2}
 GRAD_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 WORKING_CODES = {torch.bfloat16: 1, torch.float16: 2}
+STATE_CODES = {"fp32": 0, "bf16": 1, "8bit": 2}  # golden.STATE_FORMATS, in C's order
 BUILD_HINT = ("build it with `pip install -e .` in the repository (or `make test`, which does that); "
               "it needs a C compiler (gcc)")
 
@@ -49,6 +57,36 @@ class _Scalars(ctypes.Structure):
             "step_size", "bias_correction2_sqrt", "eps", "momentum", "dampening_complement")]
 
 
+class _Buffers(ctypes.Structure):
+    """Mirror of l2l_buffers in host/l2l_host_kernel.c."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "g", "p_src", "p_dst", "m_src", "v_src", "m_dst", "v_dst", "m_scale_src", "v_scale_src", "m_scale_dst",
+        "v_scale_dst", "w_dst")]
+
+
+class _Codebook(ctypes.Structure):
+    _fields_ = [("exp_bits", ctypes.c_int32), ("man_bits", ctypes.c_int32), ("is_signed", ctypes.c_int32)]
+
+
+class _Codebooks(ctypes.Structure):
+    """Mirror of l2l_codebooks: the 8-bit code books of m and v, from golden."""
+
+    _fields_ = [("m", _Codebook), ("v", _Codebook)]
+
+
+_STREAMS = 8  # L2L_STREAMS
+
+
+class _Stream(ctypes.Structure):
+    """Mirror of l2l_stream."""
+
+    _fields_ = [("reads", ctypes.c_int32), ("updates", ctypes.c_int32), ("writes", ctypes.c_int32),
+                ("nontemporal", ctypes.c_int32), ("size", ctypes.c_int32 * _STREAMS),
+                ("ptr", ctypes.c_void_p * _STREAMS)]
+
+
+_CODEBOOKS = _Codebooks(*(_Codebook(c.exp_bits, c.man_bits, int(c.signed)) for c in (golden.M_CODE, golden.V_CODE)))
 _lib = None
 
 
@@ -65,15 +103,18 @@ def library() -> ctypes.CDLL:
                                 f"the CPU EPS needs it: {BUILD_HINT}")
     lib = ctypes.CDLL(str(found[0]))
     c_int, c_i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-    lib.l2l_host_step.argtypes = [ctypes.POINTER(_Scalars), c_i64, ptr, c_int, ptr, ptr, ptr, ptr, ptr, ptr,
-                                  ptr, c_int, c_int, c_int]
+    lib.l2l_host_step.argtypes = [ctypes.POINTER(_Scalars), c_i64, ctypes.POINTER(_Buffers), c_int, c_int,
+                                  ctypes.POINTER(_Codebooks), c_int, c_int, c_int]
     lib.l2l_host_step.restype = c_int
-    lib.l2l_host_stream.argtypes = [c_i64, ptr, ptr, ptr, ptr, ptr, c_int, c_int]
+    lib.l2l_host_stream.argtypes = [c_i64, ctypes.POINTER(_Stream), c_int, c_int]
     lib.l2l_host_stream.restype = c_int
-    for name in ("l2l_host_tile", "l2l_host_best_isa"):
+    for name in ("l2l_host_tile", "l2l_host_block", "l2l_host_best_isa"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = [], c_int
     lib.l2l_host_isa_supported.argtypes, lib.l2l_host_isa_supported.restype = [c_int], c_int
     lib.l2l_host_caller_mxcsr.argtypes, lib.l2l_host_caller_mxcsr.restype = [], ctypes.c_uint
+    if lib.l2l_host_block() != golden.QUANT_BLOCK:
+        raise HostKernelMissing(f"the host kernel library is stale: its 8-bit block is {lib.l2l_host_block()} "
+                                f"elements, golden.QUANT_BLOCK is {golden.QUANT_BLOCK}; rebuild it: {BUILD_HINT}")
     _lib = lib
     return lib
 
@@ -109,7 +150,8 @@ def caller_mxcsr() -> int:
     return library().l2l_host_caller_mxcsr()
 
 
-def _check_buffers(buffers: dict[str, torch.Tensor | None], n: int) -> None:
+def _check_buffers(buffers: dict[str, torch.Tensor | None], n: int, counts: dict[str, int] | None = None) -> None:
+    """Each buffer: a contiguous, element-aligned CPU tensor of `n` elements (or counts[name])."""
     for name, t in buffers.items():
         if t is None:
             continue
@@ -119,8 +161,10 @@ def _check_buffers(buffers: dict[str, torch.Tensor | None], n: int) -> None:
             raise ValueError(f"host kernel: {name} is on {t.device}; the kernel reads and writes CPU memory")
         if not t.is_contiguous():
             raise ValueError(f"host kernel: {name} is not contiguous (strides {t.stride()}); pass .contiguous()")
-        if t.numel() != n:
-            raise ValueError(f"host kernel: {name} has {t.numel()} elements; param has {n}")
+        want = (counts or {}).get(name, n)
+        if t.numel() != want:
+            raise ValueError(f"host kernel: {name} has {t.numel()} elements; "
+                             + (f"param has {n}" if want == n else f"{n} params need {want}"))
         if t.data_ptr() % t.element_size():
             raise ValueError(f"host kernel: {name} at address {t.data_ptr():#x} is not aligned to its "
                              f"{t.element_size()}-byte elements; the kernel needs element alignment")
@@ -149,39 +193,57 @@ def step(optimizer: str, scalars: StepScalars, grad: torch.Tensor, param: torch.
          m: torch.Tensor | None = None, v: torch.Tensor | None = None, *,
          param_out: torch.Tensor | None = None, m_out: torch.Tensor | None = None,
          v_out: torch.Tensor | None = None, working_out: torch.Tensor | None = None,
+         state: str = "fp32", m_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+         m_scale_out: torch.Tensor | None = None, v_scale_out: torch.Tensor | None = None,
          isa: str | None = None, threads: int | None = None) -> bool:
     """One update of one tensor; returns whether any gradient value times inv_scale is not finite.
 
     Outputs default to the inputs (in place). `m` is needed by Adam/AdamW and by SGD with
-    momentum, `v` by Adam/AdamW; `working_out` (bf16 or fp16) receives the working copy."""
+    momentum, `v` by Adam/AdamW; `working_out` (bf16 or fp16) receives the working copy.
+    `state` is the format of m and v (see the module docstring); with "8bit", m_scale and
+    v_scale (and their outputs) hold the block scales."""
     if optimizer not in OPTIMIZER_CODES:
         raise ValueError(f"host kernel: unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZER_CODES)}")
-    adam = optimizer != "sgd"
-    uses_m, uses_v = adam or scalars.momentum != 0, adam
-    for name, t, needed in (("m", m, uses_m), ("v", v, uses_v)):
-        if needed and t is None:
-            raise ValueError(f"host kernel: {optimizer} needs the state tensor {name}")
-    m, v = (m if uses_m else None), (v if uses_v else None)
-    param_out = param if param_out is None else param_out
-    m_out = (m if m_out is None else m_out) if uses_m else None
-    v_out = (v if v_out is None else v_out) if uses_v else None
     if not isinstance(param, torch.Tensor):
         raise TypeError(f"host kernel: param must be a torch.Tensor, got {type(param).__name__}")
     n = param.numel()
-    buffers = {"grad": grad, "param": param, "m": m, "v": v, "param_out": param_out, "m_out": m_out,
-               "v_out": v_out, "working_out": working_out}
-    _check_buffers(buffers, n)
+    pieces = golden.stored_pieces(state, "m", n)
+    adam = optimizer != "sgd"
+    uses_m, uses_v = adam or scalars.momentum != 0, adam
+    quantized = state == "8bit"
+    for name, t, needed in (("m", m, uses_m), ("v", v, uses_v), ("m_scale", m_scale, uses_m and quantized),
+                            ("v_scale", v_scale, uses_v and quantized)):
+        if needed and t is None:
+            raise ValueError(f"host kernel: {optimizer} needs the state tensor {name} ({state} state)")
+    m, v = (m if uses_m else None), (v if uses_v else None)
+    m_scale, v_scale = (m_scale if uses_m and quantized else None), (v_scale if uses_v and quantized else None)
+    param_out = param if param_out is None else param_out
+    m_out = (m if m_out is None else m_out) if uses_m else None
+    v_out = (v if v_out is None else v_out) if uses_v else None
+    m_scale_out = (m_scale if m_scale_out is None else m_scale_out) if m_scale is not None else None
+    v_scale_out = (v_scale if v_scale_out is None else v_scale_out) if v_scale is not None else None
+    buffers = {"grad": grad, "param": param, "m": m, "v": v, "m_scale": m_scale, "v_scale": v_scale,
+               "param_out": param_out, "m_out": m_out, "v_out": v_out, "m_scale_out": m_scale_out,
+               "v_scale_out": v_scale_out, "working_out": working_out}
+    blocks = pieces.get("m_scale", (None, n))[1]
+    _check_buffers(buffers, n, {name: blocks for name in ("m_scale", "v_scale", "m_scale_out", "v_scale_out")})
     if grad.dtype not in GRAD_CODES:
         raise TypeError(f"host kernel: grad has dtype {grad.dtype}; it takes float32, bfloat16 or float16")
-    for name in ("param", "m", "v", "param_out", "m_out", "v_out"):
-        if buffers[name] is not None and buffers[name].dtype != torch.float32:
-            raise TypeError(f"host kernel: {name} has dtype {buffers[name].dtype}; the state is float32")
+    want = {"param": torch.float32, "param_out": torch.float32}
+    for name in ("m", "v", "m_out", "v_out"):
+        want[name] = golden.STORED_DTYPES[state]
+    for name in ("m_scale", "v_scale", "m_scale_out", "v_scale_out"):
+        want[name] = torch.float32
+    for name, dtype in want.items():
+        if buffers[name] is not None and buffers[name].dtype != dtype:
+            raise TypeError(f"host kernel: {name} has dtype {buffers[name].dtype}; with {state} state it is {dtype}")
     if working_out is not None and working_out.dtype not in WORKING_CODES:
         raise TypeError(f"host kernel: working_out has dtype {working_out.dtype}; it takes bfloat16 or float16 "
                         f"(an fp32 working copy is param itself)")
-    sources = {k: buffers[k] for k in ("grad", "param", "m", "v") if buffers[k] is not None}
-    destinations = {k: (buffers[k], src) for k, src in (("param_out", "param"), ("m_out", "m"), ("v_out", "v"),
-                                                         ("working_out", None)) if buffers[k] is not None}
+    sources = {k: buffers[k] for k in ("grad", "param", "m", "v", "m_scale", "v_scale") if buffers[k] is not None}
+    destinations = {k: (buffers[k], src) for k, src in (
+        ("param_out", "param"), ("m_out", "m"), ("v_out", "v"), ("m_scale_out", "m_scale"),
+        ("v_scale_out", "v_scale"), ("working_out", None)) if buffers[k] is not None}
     _check_overlap(sources, destinations)
     threads = default_threads() if threads is None else threads
     if threads < 1:
@@ -189,26 +251,34 @@ def step(optimizer: str, scalars: StepScalars, grad: torch.Tensor, param: torch.
 
     s = _Scalars(OPTIMIZER_CODES[optimizer], int(scalars.nesterov), *(
         getattr(scalars, name) for name, _ in _Scalars._fields_[2:]))
-    addr = (lambda t: None if t is None else t.data_ptr())
+    b = _Buffers(*(None if buffers[name] is None else buffers[name].data_ptr() for name in (
+        "grad", "param", "param_out", "m", "v", "m_out", "v_out", "m_scale", "v_scale", "m_scale_out",
+        "v_scale_out", "working_out")))
     rc = library().l2l_host_step(
-        ctypes.byref(s), n, grad.data_ptr(), GRAD_CODES[grad.dtype], param.data_ptr(), param_out.data_ptr(),
-        addr(m), addr(m_out), addr(v), addr(v_out), addr(working_out),
+        ctypes.byref(s), n, ctypes.byref(b), GRAD_CODES[grad.dtype], STATE_CODES[state], ctypes.byref(_CODEBOOKS),
         -1 if working_out is None else WORKING_CODES[working_out.dtype], ISAS.index(resolve_isa(isa)), threads)
     if rc < 0:
         raise RuntimeError(f"host kernel failed with code {rc}")
     return bool(rc)
 
 
-def stream(grad16: torch.Tensor, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, copy16: torch.Tensor, *,
-           isa: str | None = None, threads: int | None = None) -> None:
-    """The memory reference of `l2l bench eps`: the bytes of a bf16-gradient step with one
-    add per stream (read grad16, p, m, v; write p, m, v in place and copy16)."""
-    n = p.numel()
-    _check_buffers({"grad16": grad16, "p": p, "m": m, "v": v, "copy16": copy16}, n)
-    if grad16.element_size() != 2 or copy16.element_size() != 2 or {p.dtype, m.dtype, v.dtype} != {torch.float32}:
-        raise TypeError("host stream: grad16 and copy16 are 16-bit, p, m, v float32")
-    rc = library().l2l_host_stream(n, grad16.data_ptr(), p.data_ptr(), m.data_ptr(), v.data_ptr(),
-                                   copy16.data_ptr(), ISAS.index(resolve_isa(isa)),
+def stream(reads: list[torch.Tensor], updates: list[torch.Tensor], writes: list[torch.Tensor], *,
+           nontemporal: bool = False, isa: str | None = None, threads: int | None = None) -> None:
+    """The memory reference of `l2l bench eps`: moves the bytes of a step with no arithmetic.
+    Every tensor has the same number of elements n; `reads` are only read, `updates` read and
+    written in place (one integer add), `writes` only written. `nontemporal` uses streaming
+    stores (the tensors must then be 64-byte aligned)."""
+    tensors = [*reads, *updates, *writes]
+    if not tensors or len(tensors) > _STREAMS:
+        raise ValueError(f"host stream: 1 to {_STREAMS} tensors, got {len(tensors)}")
+    n = tensors[0].numel()
+    _check_buffers({f"stream {k}": t for k, t in enumerate(tensors)}, n)
+    if nontemporal and any(t.data_ptr() % 64 for t in tensors):
+        raise ValueError("host stream: non-temporal stores need 64-byte aligned tensors")
+    job = _Stream(len(reads), len(updates), len(writes), int(nontemporal),
+                  (ctypes.c_int32 * _STREAMS)(*(t.element_size() for t in tensors)),
+                  (ctypes.c_void_p * _STREAMS)(*(t.data_ptr() for t in tensors)))
+    rc = library().l2l_host_stream(n, ctypes.byref(job), ISAS.index(resolve_isa(isa)),
                                    default_threads() if threads is None else threads)
     if rc < 0:
         raise RuntimeError(f"host stream failed with code {rc}")

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from l2l_hw.distributed import comm_device, guarded
-from l2l_hw.eps.base import EPS
+from l2l_hw.eps.base import EPS, StateEntry
 
 
 def shard_sizes(shapes: dict[str, torch.Size], world: int) -> dict[str, int]:
@@ -56,16 +56,18 @@ def unpack(block: torch.Tensor, sizes: dict[str, int], shapes: dict[str, torch.S
 
 
 class ShardedEps(EPS):
-    """Holds this rank's slices in `inner` (any EPS backend); see the module docstring."""
+    """Holds this rank's slices in `inner` (any EPS backend, used through its public
+    interface only); see the module docstring."""
 
     name = "sharded"
+    sharded = True
 
     def __init__(self, inner: EPS, process_group=None):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("shard_state=True needs torch.distributed initialized first "
                                "(torch.distributed.init_process_group, or run under torchrun)")
         self.inner = inner
-        self.group = process_group
+        self.process_group = process_group
         self.world = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         self.comm_device = comm_device(process_group)
@@ -73,15 +75,16 @@ class ShardedEps(EPS):
         self.sizes: dict[str, dict[str, int]] = {}
 
     # The backend keeps the per-step state; these read and write through to it.
-    working_dtype = property(lambda self: self.inner.working_dtype,
-                             lambda self, v: setattr(self.inner, "working_dtype", v))
+    working_dtype = property(lambda self: self.inner.working_dtype, lambda self, v: None)
     step = property(lambda self: self.inner.step, lambda self, v: setattr(self.inner, "step", v))
     double_buffer = property(lambda self: self.inner.double_buffer, lambda self, v: None)
     found_nonfinite = property(lambda self: self.inner.found_nonfinite,
                                lambda self, v: setattr(self.inner, "found_nonfinite", v))
 
-    def enable_double_buffer(self) -> None:
-        self.inner.enable_double_buffer()
+    def configure(self, working_dtype=None, double_buffer=None, defer_updates=None, device=None) -> None:
+        self.inner.configure(working_dtype=working_dtype, double_buffer=double_buffer, device=device)
+        if defer_updates is not None:  # deferred here, whole; the backend gets them at commit
+            self.defer_updates = bool(defer_updates)
 
     def lr_at(self, step: int) -> float:
         return self.inner.lr_at(step)
@@ -106,9 +109,11 @@ class ShardedEps(EPS):
     def _push(self, key: str, grads: dict[str, torch.Tensor], inv_scale: float) -> None:
         self.inner.push_grads(key, grads, inv_scale)
 
-    def wait(self) -> None:
-        self.inner._settle()  # the slices are read below the inner EPS's public methods
+    def _wait(self) -> None:
         self.inner.wait()
+
+    def _swap(self) -> None:
+        """Never called: commit_step hands the commit to the backend, which swaps its own buffers."""
 
     def commit_step(self, grad_scale: float = 1.0, skip_nonfinite: bool = False, wait: bool = True) -> bool:
         self._run_deferred(grad_scale)
@@ -117,8 +122,8 @@ class ShardedEps(EPS):
             return self.inner.commit_step(wait=False)
         self.inner.wait()
         flag = torch.tensor([float(self.inner.found_nonfinite)], device=self.comm_device)
-        guarded(self.group, "agreeing on non-finite gradients at commit", dist.all_reduce, flag,
-                op=dist.ReduceOp.MAX, group=self.group)
+        guarded(self.process_group, "agreeing on non-finite gradients at commit", dist.all_reduce, flag,
+                op=dist.ReduceOp.MAX, group=self.process_group)
         self.inner.found_nonfinite = bool(flag.item())
         self._pushed.clear()
         return self.inner.commit_step(skip_nonfinite=skip_nonfinite)
@@ -133,18 +138,19 @@ class ShardedEps(EPS):
                 async_op: bool = False):
         """Whole tensors from every rank's `slices` of group `key`: on every rank, or on `root`
         only (None elsewhere); with async_op, a PendingGather to wait on."""
+        group = self.process_group
         sizes = {n: self.sizes[key][n] for n in slices}
         row = torch.cat([slices[n].reshape(-1) for n in sizes]).to(self.comm_device)
         flat = torch.empty(self.world * row.numel(), dtype=row.dtype, device=self.comm_device)
         if root is None:
             what = f"all-gather of {key}"
-            work = guarded(self.group, what, dist.all_gather_single, flat, row, group=self.group, async_op=async_op)
+            work = guarded(group, what, dist.all_gather_single, flat, row, group=group, async_op=async_op)
         else:
             what = f"gather of {key} on rank {root}"
-            work = guarded(self.group, what, dist.gather, row, list(flat.chunk(self.world)) if self.rank == root
-                           else None, group_dst=root, group=self.group, async_op=async_op)
+            work = guarded(group, what, dist.gather, row, list(flat.chunk(self.world)) if self.rank == root
+                           else None, group_dst=root, group=group, async_op=async_op)
         pending = PendingGather(flat, work, lambda: unpack(flat.view(self.world, -1), sizes, self.shapes[key]),
-                                self.group, what)
+                                group, what)
         if async_op:
             return pending
         return pending.wait() if root is None or self.rank == root else None
@@ -156,8 +162,8 @@ class ShardedEps(EPS):
         """fetch() whose all-gather runs while the caller goes on (the relay's weight prefetch)."""
         return self._gather(key, self.inner.fetch(key, previous=previous), async_op=True)
 
-    def _tensors(self, key: str, name: str) -> dict[str, torch.Tensor]:
-        return {s: self._gather(key, {name: t})[name] for s, t in self.inner._tensors(key, name).items()}
+    def read_state(self, key: str, name: str) -> dict[str, torch.Tensor]:
+        return {s: self._gather(key, {name: t})[name] for s, t in self.inner.read_state(key, name).items()}
 
     def master(self, key: str) -> dict[str, torch.Tensor]:
         self.wait()
@@ -168,8 +174,8 @@ class ShardedEps(EPS):
         self.wait()
         out = {"step": torch.tensor(self.step, dtype=torch.int64)}
         for key, sizes in self.sizes.items():
-            for slot in self._slots():
-                whole = self._gather(key, {n: self.inner._tensors(key, n)[slot] for n in sizes}, root=0)
+            for slot in self.slots():
+                whole = self._gather(key, {n: self.inner.read_state(key, n)[slot] for n in sizes}, root=0)
                 if whole is not None:
                     out.update({f"{key}/{n}/{slot}": t.to("cpu", copy=True) for n, t in whole.items()})
             if self.double_buffer:  # the version one commit back (PipeDream-2BW computes on it), as base does
@@ -178,16 +184,22 @@ class ShardedEps(EPS):
                     out.update({f"{key}/{n}/previous": t.to("cpu", torch.float32, copy=True) for n, t in whole.items()})
         return out
 
-    def _load(self, key: str, name: str, slots: dict[str, torch.Tensor]) -> None:
-        size = self.sizes[key][name]
-        self.inner._load(key, name, {s: self._mine(t, size) for s, t in slots.items()})
+    def state_entries(self) -> dict[str, StateEntry]:
+        """Gathered whole on rank 0 (a collective): a sharded checkpoint is not streamed."""
+        return {name: StateEntry(t.shape, t.dtype, lambda t=t: t) for name, t in self.state_dict().items()}
 
-    def _load_previous(self, key: str, name: str, working: torch.Tensor) -> None:
-        self.inner._load_previous(key, name, self._mine(working, self.sizes[key][name]))
+    def load_tensor(self, key: str, name: str, slots: dict[str, torch.Tensor],
+                    previous: torch.Tensor | None = None) -> None:
+        size = self.sizes[key][name]
+        self.inner.load_tensor(key, name, {s: self._mine(t, size) for s, t in slots.items()},
+                               None if previous is None else self._mine(previous, size))
 
 
 class PendingGather:
-    """An all-gather under way: `held()` is the buffer it fills, `wait()` the whole tensors."""
+    """An all-gather under way: `held()` is the buffer it fills, `wait()` the whole tensors
+    (the PendingFetch interface of l2l_hw/eps/base.py)."""
+
+    ready = False
 
     def __init__(self, flat: torch.Tensor, work, unpack_fn, group, what: str):
         self.flat, self._work, self._unpack, self._group, self._what = flat, work, unpack_fn, group, what

@@ -50,7 +50,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from l2l_hw.eps.worker import UpdateError
 from l2l_hw.hw import regs
 
 # Wall-clock limit of one run on a board. A run moves at most a few hundred MiB at
@@ -68,6 +67,7 @@ CYCLES_FIXED_LIMIT = 100_000
 # microseconds.
 MIN_CHUNK_ELEMENTS = 4096
 NARROWEST_ELEMENT_BYTES = 2  # bf16 / fp16 gradient and working copy; fp32 streams are 4
+BOARD_POLL_S = 20e-6  # between CTRL polls on a board: a layer's update takes ~0.1-10 ms there
 
 
 @dataclass
@@ -79,8 +79,9 @@ class DeviceBuffer:
     handle: object = None
 
 
-class KernelError(UpdateError):
-    """The kernel failed on one tensor; the message names it and the status registers."""
+class KernelError(RuntimeError):
+    """The kernel failed on one tensor; the message names it and the status registers. (An
+    update that raises it reaches the relay as the EPS's UpdateError, this error its cause.)"""
 
     def __init__(self, message: str, layer: str = "", status: int = 0, ctrl: int = 0):
         super().__init__(message)

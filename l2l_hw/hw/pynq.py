@@ -23,9 +23,8 @@ import os
 import time
 from pathlib import Path
 
-from l2l_hw.hw.driver import DeviceBuffer
+from l2l_hw.hw.driver import BOARD_POLL_S, DeviceBuffer
 
-POLL_S = 20e-6  # between CTRL polls: a layer's update takes ~0.1-10 ms on a board
 KERNEL_NAMES = ("l2l_optim",)  # IP name prefix: block design l2l_optim_0, Vitis l2l_optim_1
 
 
@@ -52,7 +51,7 @@ class _ControlPort:
         self.mmio.write(offset, value & 0xFFFFFFFF)
 
     def advance(self, max_cycles: int) -> int:
-        time.sleep(POLL_S)
+        time.sleep(BOARD_POLL_S)
         return 0  # a board does not count clocks for us: the driver's wall-clock limit applies
 
     def recover(self) -> bool:

@@ -54,8 +54,7 @@ from pynq.buffer import PynqBuffer
 from pynq.pl_server.hwh_parser import get_hwh_name
 
 from l2l_hw.hw import regs, verilator
-from l2l_hw.hw.driver import DeviceBuffer
-from l2l_hw.hw.pynq import POLL_S
+from l2l_hw.hw.driver import BOARD_POLL_S, DeviceBuffer
 
 ENV = "L2L_PYNQ_SIM"  # "1": pynq's device probe finds the simulated device
 # After every Device class PYNQ 3.1 / 4.0 ships (versal 40, embedded 50, remote 100, XRT
@@ -72,7 +71,7 @@ KERNEL_RANGE = 0x1_0000
 # Kernel clocks per register read while a run is under way: PynqTransport's poll interval
 # at the 200 MHz PL clock of hdl/board/build_bd.tcl (4000).
 KERNEL_CLOCK_HZ = 200e6
-CLOCKS_PER_READ = round(POLL_S * KERNEL_CLOCK_HZ)
+CLOCKS_PER_READ = round(BOARD_POLL_S * KERNEL_CLOCK_HZ)
 MARKER = b"l2l_hw simulated overlay: not a bitstream. Load it only with L2L_PYNQ_SIM=1 (l2l_hw/hw/pynq_sim.py).\n"
 REGS_JSON = verilator.HDL / "l2l_optim_regs.json"
 _ACCESS = {"rw": "read-write", "ro": "read-only", "cor": "read-only", "tow": "read-write"}

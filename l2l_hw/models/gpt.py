@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from l2l_hw.approx import FewBitGELU, RandomProjectionLinear
 
 VOCAB_SIZE = 256  # one token per byte: no tokenizer, nothing to download
+GELUS = ("exact", "fewbit")  # the MLP's GELU backward: exact, or l2l_hw.approx.FewBitGELU
 
 
 @dataclass
@@ -67,8 +68,8 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        if cfg.gelu not in ("exact", "fewbit"):
-            raise ValueError(f"gelu must be 'exact' or 'fewbit', got {cfg.gelu!r}")
+        if cfg.gelu not in GELUS:
+            raise ValueError(f"gelu must be one of {', '.join(GELUS)}, got {cfg.gelu!r}")
         # Approximate backwards (issue 7): same parameters and init, less saved for backward.
         linear = partial(RandomProjectionLinear, ratio=cfg.linear_projection) if cfg.linear_projection > 0 else nn.Linear
         self.c_fc = linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)  # (B, T, 4C)

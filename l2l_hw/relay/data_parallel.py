@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from l2l_hw.distributed import comm_device, guarded
-from l2l_hw.eps.sharded import ShardedEps, pack, shard_sizes
+from l2l_hw.eps.sharded import pack, shard_sizes
 
 
 @dataclass
@@ -44,7 +44,7 @@ class GradReducer:
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.sharded = isinstance(eps, ShardedEps)
+        self.sharded = eps.sharded
         self.comm_device = comm_device(group)
         self.device = device
         self.overlap = overlap  # False: wait for each collective at once (the benchmark's baseline)

@@ -22,15 +22,15 @@ once, after its last use in the backward sweep.
 from __future__ import annotations
 
 import copy
+import numbers
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 from torch.func import functional_call
 
-from l2l_hw.eps.base import EPS
-from l2l_hw.eps.sharded import ShardedEps
+from l2l_hw.eps.base import EPS, StateEntry, check_number, tensor_of
 from l2l_hw.relay.data_parallel import GradReducer
 from l2l_hw.relay.memory import DeviceMemory
 from l2l_hw.relay.precision import LossScaler, compute_dtype
@@ -90,6 +90,58 @@ def _set_rng_state(device: torch.device, state) -> None:
         torch.cuda.set_rng_state(state[1], device)
 
 
+def _usable_device(device) -> torch.device:
+    """`device` as a torch.device this machine has; one clear error otherwise."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device {device!r} is not a device torch knows ({exc}); use cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()):
+        raise ValueError(f"device {str(device)!r} is not available here: torch sees "
+                         f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} CUDA device(s); use cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {str(device)!r}: the relay runs on cpu or cuda")
+    return device
+
+
+def _replace_tensors(module: nn.Module, make: Callable[[str, torch.Tensor], torch.Tensor],
+                     which: Callable[[torch.Tensor], bool]) -> None:
+    """Swap every parameter and buffer of `module` that `which` selects for `make(name, old)`,
+    at every place it is registered (a tied tensor in two submodules)."""
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        for table in (sub._parameters, sub._buffers):
+            for name, t in list(table.items()):
+                if t is not None and which(t):
+                    table[name] = make(f"{prefix}.{name}" if prefix else name, t)
+
+
+def _filled(i: int, name: str, meta: torch.Tensor, values: dict | None) -> torch.Tensor:
+    """The real tensor for meta tensor `name` of layer i, from init's `values`, checked."""
+    if values is None or name not in values:
+        raise ValueError(f"init(i={i}, module) gave no tensor for {name!r}, which is on the meta device; "
+                         f"it gave {sorted(values or {})}")
+    t = torch.as_tensor(tensor_of(values[name]))
+    if t.shape != meta.shape:
+        raise ValueError(f"init(i={i}, module) gave {name!r} the shape {tuple(t.shape)}; "
+                         f"the module has {tuple(meta.shape)}")
+    t = t.to("cpu", meta.dtype)
+    return nn.Parameter(t, requires_grad=meta.requires_grad) if isinstance(meta, nn.Parameter) else t
+
+
+def init_from_state(state) -> Callable[[int, nn.Module], dict[str, torch.Tensor]]:
+    """An `init` for Relay that fills meta-device layers from a relay state (`Relay.state_dict()`,
+    or a checkpoint opened lazily): EPS masters `eps/layer{i}/{name}/param` and buffers
+    `buffers/{i}/{name}`. A tied parameter takes its values from the first layer that uses it."""
+    def init(i: int, module: nn.Module) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, _ in (*module.named_parameters(), *module.named_buffers()):
+            for key in (f"eps/layer{i}/{name}/param", f"buffers/{i}/{name}"):
+                if key in state:
+                    out[name] = state[key]
+        return out
+    return init
+
+
 class Relay:
     """Train `layers` with their weights in `eps`, one layer at a time on `device`."""
 
@@ -98,7 +150,8 @@ class Relay:
                  activations: str = "device", layer_drop: float | Callable[[int], float] = 0.0,
                  droppable: Sequence[int] | None = None, layer_drop_seed: int = 0,
                  clip_grad_norm: float | None = None, clip_mode: str = "layer", precision: str = "fp32",
-                 pipedream_2bw: bool = False, process_group=None):
+                 pipedream_2bw: bool = False, process_group=None, skip_nonfinite: bool = False,
+                 init: Callable[[int, nn.Module], dict[str, torch.Tensor]] | None = None):
         self.layers = list(layers)
         if not self.layers:
             raise ValueError("Relay needs at least one layer")
@@ -107,11 +160,17 @@ class Relay:
                 raise TypeError(f"layer {i} is a {type(layer).__name__}; layers must be torch.nn.Module instances")
         if not isinstance(eps, EPS):
             raise TypeError(f"eps must be an EPS from l2l_hw.make_eps(...), got {type(eps).__name__}")
-        if int(micro_batches) < 1:
-            raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
+        if isinstance(micro_batches, bool) or not isinstance(micro_batches, numbers.Integral) or micro_batches < 1:
+            raise ValueError(f"micro_batches must be >= 1 and an integer, got {micro_batches!r}")
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be a callable loss_fn(output, targets), got {type(loss_fn).__name__}")
+        for name, flag in (("recompute", recompute), ("pipedream_2bw", pipedream_2bw),
+                           ("skip_nonfinite", skip_nonfinite)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be True or False, got {flag!r}")
         self.loss_fn = loss_fn
         self.eps = eps
-        self.device = torch.device(device)
+        self.device = _usable_device(device)
         self.micro_batches = int(micro_batches)
         self.recompute = bool(recompute)
         if activations == "host" and not self.recompute:
@@ -119,12 +178,16 @@ class Relay:
                              "graphs keep every layer's intermediates on the device")
         self.stash = ActivationStash(activations, self.device)
         self.memory = DeviceMemory(self.device)
-        self.layer_drop, self.layer_drop_seed = layer_drop, layer_drop_seed
+        if not callable(layer_drop):
+            layer_drop = check_number("layer_drop", layer_drop, low=0.0, high=1.0, high_open=True)
+        self.layer_drop, self.layer_drop_seed = layer_drop, check_number("layer_drop_seed", layer_drop_seed, integer=True)
         self.droppable = set(range(1, len(self.layers) - 1) if droppable is None else droppable)
+        if not all(isinstance(i, numbers.Integral) and 0 <= i < len(self.layers) for i in self.droppable):
+            raise ValueError(f"droppable must be layer indices in [0, {len(self.layers)}), got {sorted(self.droppable)}")
         if clip_mode not in ("layer", "global"):
             raise ValueError(f"clip_mode must be 'layer' or 'global', got {clip_mode!r}")
-        if clip_grad_norm is not None and not clip_grad_norm > 0:
-            raise ValueError(f"clip_grad_norm must be > 0, got {clip_grad_norm}")
+        if clip_grad_norm is not None and check_number("clip_grad_norm", clip_grad_norm, low=0.0) == 0:
+            raise ValueError(f"clip_grad_norm must be > 0 (a finite number), got {clip_grad_norm}")
         self.clip_norm = clip_grad_norm
         self.clip_mode = clip_mode if clip_grad_norm is not None else None
         self.precision = precision
@@ -132,17 +195,20 @@ class Relay:
         if eps.shapes and eps.working_dtype != precision:
             raise ValueError(f"precision={precision!r} needs an EPS whose working copy is {precision}; this "
                              f"one already holds groups with working_dtype={eps.working_dtype!r}")
-        eps.working_dtype = precision  # the EPS rounds its fp32 masters to what the layers compute in
-        # fp16 overflows are discarded after eager updates already ran: the EPS must double-buffer.
         self.scaler = LossScaler() if precision == "fp16" else None
         # PipeDream-2BW: step t+1 computes on the weights without step t's update (the EPS's
         # previous buffer), so no layer waits for its update: W(t+1) = W(t) - lr * grad(W(t-1)).
         self.pipedream_2bw = bool(pipedream_2bw)
-        if self.scaler is not None or self.pipedream_2bw:
-            eps.enable_double_buffer()
+        # A step with a non-finite gradient is discarded whole: always for fp16 (the loss scale
+        # overflowed), on request otherwise (torch.optim lets non-finite values propagate).
+        self.skip_nonfinite = self.scaler is not None or bool(skip_nonfinite)
+        # The EPS rounds its fp32 masters to what the layers compute in; discarding a step after
+        # eager updates ran, or reading the version one step back, needs its double buffers.
+        eps.configure(working_dtype=precision, double_buffer=self.skip_nonfinite or self.pipedream_2bw,
+                      defer_updates=self.clip_mode == "global", device=self.device)
         self.dp = self._data_parallel(process_group)
         self._pending = []  # gradient reductions under way, oldest first
-        self.plans = self._plan()
+        self.plans = self._plan(init)
         self.weights = WeightStream(eps, self.device, previous=self.pipedream_2bw)
         self.groups = sorted({key for plan in self.plans for key in plan.groups})
 
@@ -151,23 +217,38 @@ class Relay:
         """The gradient reducer when running data parallel; every rank starts from rank 0's weights."""
         import torch.distributed as dist
 
-        if isinstance(self.eps, ShardedEps):
-            if group is not None and group is not self.eps.group:
+        if self.eps.sharded:
+            if group is not None and group is not self.eps.process_group:
                 raise ValueError("process_group differs from the sharded EPS's; pass the same group to both")
-            group = self.eps.group
+            group = self.eps.process_group
         elif group is None:
             if not (dist.is_available() and dist.is_initialized()):
                 return None
         dp = GradReducer(group, self.eps, self.device)
         if dp.world > 1:
-            dp.broadcast_([t for m in self.layers for t in (*m.parameters(), *m.buffers())],
+            dp.broadcast_([t for m in self.layers for t in (*m.parameters(), *m.buffers()) if not t.is_meta],
                           "broadcasting rank 0's initial weights")
         return dp
 
-    def _plan(self) -> list[LayerPlan]:
-        owner: dict[int, tuple[str, str]] = {}  # id(parameter) -> (EPS group, name)
+    def _plan(self, init) -> list[LayerPlan]:
+        """Register each layer's own trainable parameters in the EPS, one layer at a time, then
+        keep only the modules' structure: their trainable parameters move to the meta device,
+        so the EPS holds the only copy of the weights. A layer built on the meta device gets
+        its values from `init(i, module)` just before its registration; its trainable
+        parameters stay on meta, and only frozen parameters and buffers are filled in."""
+        owner: dict[int, tuple[str, str]] = {}  # id(parameter) -> (EPS group, name); ids of the modules' own
+        released: dict[int, nn.Parameter] = {}  # id(parameter) -> its meta stand-in (one for a tied one)
+        trainable = (lambda t: isinstance(t, nn.Parameter) and t.requires_grad)
         plans = []
         for i, module in enumerate(self.layers):
+            values = None
+            if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+                if init is None:
+                    raise ValueError(f"layer {i} ({type(module).__name__}) has tensors on the meta device; "
+                                     f"pass init=fn, fn(i, module) -> {{name: tensor}}, to fill them")
+                values = init(i, module)
+            _replace_tensors(module, lambda name, t: _filled(i, name, t, values),
+                             lambda t: t.is_meta and not trainable(t))
             plan = LayerPlan(module)
             own: dict[str, torch.Tensor] = {}
             for name, p in module.named_parameters():
@@ -176,11 +257,14 @@ class Relay:
                     continue
                 if id(p) not in owner:
                     owner[id(p)] = (f"layer{i}", name)
-                    own[name] = p
+                    own[name] = _filled(i, name, p, values) if p.is_meta else p
                 plan.bindings[name] = owner[id(p)]
             plan.buffers = {name: b for name, b in module.named_buffers()}
             if own:
                 self.eps.register(f"layer{i}", own)
+            del own
+            _replace_tensors(module, lambda name, p: released.setdefault(id(p), nn.Parameter(
+                torch.empty_like(p, device="meta"))), lambda t: trainable(t) and not t.is_meta)
             plans.append(plan)
         return plans
 
@@ -295,7 +379,6 @@ class Relay:
         # recompute), or the forward graph (without recompute).
         rng, buffer_snapshots, graphs = {}, {}, {}
         self._sq_norm = torch.zeros((), dtype=torch.float32)  # for global-norm clipping
-        self.eps.defer_updates = self.clip_mode == "global"
         meter = self.memory
         acts = xs
         try:
@@ -307,7 +390,7 @@ class Relay:
                     self.stash.put(i, acts)
                 rng[i], buffer_snapshots[i], graphs[i] = [], [], []
                 outs = []
-                with torch.set_grad_enabled(not self.recompute), meter.saving():
+                with torch.set_grad_enabled(not self.recompute), meter.saving(i):
                     for j in range(u):
                         if self.recompute:
                             rng[i].append(_rng_state(self.device))
@@ -323,7 +406,7 @@ class Relay:
                         self._sample(live, acts, outs)
                 if self.recompute:
                     self._release(i, live, users, backward=False)
-                    meter.drop_saved()  # nothing was saved: no graph
+                    meter.drop_saved(i)  # nothing was saved: no graph
                 acts = outs
 
             # Last layer: forward, loss and backward together, micro-batch by micro-batch.
@@ -336,15 +419,15 @@ class Relay:
             for j in range(u):
                 x = self._grad_leaf(acts[j])
                 bufs = self._device_buffers(last)
-                with meter.saving():
+                with meter.saving(last):
                     loss = self._loss(_to_float(self._call(last, x, params, bufs)), ts[j])
                 self._store_buffers(last, bufs)
                 self._sample(live, acts, grads_in)
                 (loss * (weights[j] * self.loss_scale)).backward()
                 total += loss.detach().float() * weights[j]
                 grads_in.append(self._input_grads(x))
-                if self.recompute:
-                    meter.drop_saved()
+                meter.drop_saved(last)  # its graph is consumed
+            acts = None  # the last layer's inputs are done with
             self._release(last, live, users, backward=True)
 
             # Backward, reverse layer order, recomputing each layer per micro-batch.
@@ -361,7 +444,7 @@ class Relay:
                         saved = _rng_state(self.device)
                         _set_rng_state(self.device, rng[i][j])
                         try:
-                            with meter.saving():
+                            with meter.saving(i):
                                 out = self._call(i, x, params, self._device_buffers(i, buffer_snapshots[i][j]))
                         finally:
                             _set_rng_state(self.device, saved)
@@ -372,9 +455,12 @@ class Relay:
                     if pairs:
                         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
                     grads_in.append(self._input_grads(x))
+                    grads_out[j] = None  # micro-batch j of this layer is done with
                     if self.recompute:
-                        meter.drop_saved()
+                        inputs_i[j] = None
+                        meter.drop_saved(i)
                 graphs[i] = inputs_i = None  # this layer's inputs are done with
+                meter.drop_saved(i)  # without recompute: what its forward graph saved
                 self._release(i, live, users, backward=True)
             self._push_reduced()
         except BaseException as exc:
@@ -391,8 +477,8 @@ class Relay:
         meter.drop_saved()
         # PipeDream-2BW: the next step computes on the version this one replaces, so it need
         # not wait for this step's last updates (unless fp16 must first learn of an overflow).
-        found = self.eps.commit_step(grad_scale=self._global_clip_factor(), skip_nonfinite=self.scaler is not None,
-                                     wait=not self.pipedream_2bw or self.scaler is not None)
+        found = self.eps.commit_step(grad_scale=self._global_clip_factor(), skip_nonfinite=self.skip_nonfinite,
+                                     wait=not self.pipedream_2bw or self.skip_nonfinite)
         if self.scaler is not None:
             self.scaler.update(found)
         if self.dp is not None:
@@ -489,12 +575,19 @@ class Relay:
         for m in self.layers:
             m.train(False)
         live: dict[str, dict[str, torch.Tensor]] = {}
+        last_use = {key: i for i, plan in enumerate(self.plans) for key in plan.groups}
         try:
             with self.weights.newest():
                 acts = xs
                 for i in range(len(self.layers)):
                     params = self._params(i, live)
+                    if i + 1 < len(self.layers):
+                        self._prefetch(i + 1, live)
                     acts = [self._call(i, a, params, self._device_buffers(i)) for a in acts]
+                    self._sample(live, acts)
+                    for key in self.plans[i].groups:  # as in training, a layer's weights leave after their last use
+                        if last_use[key] == i:
+                            live.pop(key)
             total = sum(float(self._loss(_to_float(a), t)) * w for a, t, w in zip(acts, ts, weights))
         finally:
             for m, mode in zip(self.layers, modes):
@@ -502,28 +595,43 @@ class Relay:
         return self.dp.mean(total, n, "averaging the evaluation loss") if self.dp is not None else total
 
     def materialize(self) -> nn.Sequential:
-        """The trained model as an nn.Sequential on the CPU with the fp32 master weights."""
-        model = copy.deepcopy(nn.Sequential(*self.layers)).to("cpu")
-        masters = {key: self.eps.master(key) for key in self.groups}
+        """The trained model as an nn.Sequential on the CPU with the fp32 master weights (a new
+        model: the relay's own modules hold no weights, only the structure)."""
+        model = copy.deepcopy(nn.Sequential(*self.layers))  # trainable parameters are on meta: cheap
+        made: dict[int, nn.Parameter] = {}  # one Parameter per tied one
+        masters: dict[str, dict[str, torch.Tensor]] = {}
         for layer, plan in zip(model, self.plans):
-            for name, p in layer.named_parameters():
-                if name in plan.bindings:
+            def master(name, meta, plan=plan):
+                if id(meta) not in made:
                     key, gname = plan.bindings[name]
-                    p.data.copy_(masters[key][gname])
+                    if key not in masters:
+                        masters[key] = self.eps.master(key)
+                    made[id(meta)] = nn.Parameter(masters[key][gname])
+                return made[id(meta)]
+            _replace_tensors(layer, master, lambda t: t.is_meta)
         return model
 
     # -- checkpoints -----------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
-        state = {f"eps/{k}": v for k, v in self.eps.state_dict().items()}
+        """The relay's state (EPS masters and optimizer state, module buffers) as copies."""
+        return {name: tensor_of(e).clone() for name, e in self.state_entries().items()}
+
+    def state_entries(self) -> dict[str, StateEntry]:
+        """The same, read one tensor at a time: what a checkpoint streams to its file
+        (`save_checkpoint(path, relay.state_entries(), meta)`) without a copy of the state."""
+        state = {f"eps/{k}": v for k, v in self.eps.state_entries().items()}
         for i, plan in enumerate(self.plans):
-            state.update({f"buffers/{i}/{n}": b.detach().clone() for n, b in plan.buffers.items()})
+            state.update({f"buffers/{i}/{n}": StateEntry(b.shape, b.dtype, lambda b=b: b.detach())
+                          for n, b in plan.buffers.items()})
         return state
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    def load_state_dict(self, state: Mapping[str, torch.Tensor | StateEntry]) -> None:
+        """Load a state_dict, or a checkpoint's mapping (open_checkpoint(...).view(prefix)),
+        one tensor at a time."""
         self.eps.load_state_dict({k[4:]: v for k, v in state.items() if k.startswith("eps/")})
         for i, plan in enumerate(self.plans):
             for n, b in plan.buffers.items():
                 name = f"buffers/{i}/{n}"
                 if name not in state:
                     raise KeyError(f"checkpoint has no buffer {name}; was it saved from another model?")
-                b.copy_(state[name])
+                b.copy_(tensor_of(state[name]))

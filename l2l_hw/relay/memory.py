@@ -36,11 +36,11 @@ class DeviceMemory:
     def __init__(self, device: torch.device):
         self.device = device
         self.peak_bytes = 0
-        self._saved: list[torch.Tensor] = []  # tensors autograd saved in the current graph(s)
+        self._saved: dict[object, list[torch.Tensor]] = {}  # tensors autograd saved, by layer
 
     def reset(self) -> None:
         self.peak_bytes = 0
-        self._saved = []
+        self._saved = {}
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
@@ -48,21 +48,28 @@ class DeviceMemory:
         """Record the bytes of `held` plus autograd's saved tensors as a candidate peak."""
         if self.device.type == "cuda":
             return  # the allocator keeps its own peak
-        storages = _storages(list(held) + self._saved, {})
+        storages = _storages(list(held) + [t for saved in self._saved.values() for t in saved], {})
         self.peak_bytes = max(self.peak_bytes, sum(storages.values()))
 
     @contextlib.contextmanager
-    def saving(self):
-        """Count what autograd saves for backward inside this block (until `drop_saved`)."""
+    def saving(self, layer=None):
+        """Count what autograd saves for backward inside this block, as `layer`'s (until
+        `drop_saved(layer)`)."""
+        saved = self._saved.setdefault(layer, [])
+
         def pack(t):
-            self._saved.append(t)
+            saved.append(t)
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield
 
-    def drop_saved(self) -> None:
-        self._saved = []
+    def drop_saved(self, layer=None) -> None:
+        """Forget what `layer`'s graph saved (its backward ran); every layer's without one."""
+        if layer is None:
+            self._saved = {}
+        else:
+            self._saved.pop(layer, None)
 
     def report(self) -> dict:
         if self.device.type == "cuda":

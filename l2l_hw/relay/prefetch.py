@@ -23,30 +23,29 @@ class WeightStream:
         self._inflight: dict[str, tuple[dict[str, torch.Tensor], object]] = {}
 
     def prefetch(self, keys: list[str]) -> None:
-        """Start moving the working copies of `keys` to the device (no-op if already under way)."""
+        """Start moving the working copies of `keys` to the device (no-op if already under way).
+        A fetch still under way (a sharded EPS's all-gather) is copied when it is waited for."""
         for key in keys:
-            if key in self._inflight:
-                continue
-            start = getattr(self.eps, "fetch_async", None)  # a sharded EPS all-gathers meanwhile
-            if self.copy_stream is None and start is not None:
-                self._inflight[key] = (start(key, previous=self.previous), None)
-                continue
-            host = self.eps.fetch(key, previous=self.previous)
-            if self.copy_stream is None:
-                self._inflight[key] = ({n: t.to(self.device) for n, t in host.items()}, None)
-                continue
-            with torch.cuda.stream(self.copy_stream):
-                dev = {n: t.to(self.device, non_blocking=True) for n, t in host.items()}
-                ready = torch.cuda.Event()
-                ready.record(self.copy_stream)
-            self._inflight[key] = (dev, ready)
+            if key not in self._inflight:
+                pending = self.eps.fetch_async(key, previous=self.previous)
+                self._inflight[key] = self._to_device(pending.wait()) if pending.ready else (pending, None)
+
+    def _to_device(self, host: dict[str, torch.Tensor]):
+        """The copies of `host` to the device, and the event that says they landed (CUDA)."""
+        if self.copy_stream is None:
+            return {n: t.to(self.device) for n, t in host.items()}, None
+        with torch.cuda.stream(self.copy_stream):
+            dev = {n: t.to(self.device, non_blocking=True) for n, t in host.items()}
+            ready = torch.cuda.Event()
+            ready.record(self.copy_stream)
+        return dev, ready
 
     def get(self, key: str) -> dict[str, torch.Tensor]:
         """The device tensors of `key`, once their copy has landed on the compute stream."""
         self.prefetch([key])
         dev, ready = self._inflight.pop(key)
-        if not isinstance(dev, dict):  # an all-gather under way
-            dev = {n: t.to(self.device) for n, t in dev.wait().items()}
+        if not isinstance(dev, dict):  # a fetch under way
+            dev, ready = self._to_device(dev.wait())
         if ready is not None:
             torch.cuda.current_stream(self.device).wait_event(ready)
             for t in dev.values():  # the allocator must not reuse them before compute is done

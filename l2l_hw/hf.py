@@ -1,0 +1,527 @@
+"""Hugging Face `transformers` models through the relay: split, load, save, fine-tuning data.
+
+    split(model)                  the model as relay layers, HF's own modules inside:
+                                  input embedding | one layer per decoder/encoder block | head
+    from_pretrained(dir, eps=)    the model's skeleton on the meta device; the safetensors
+                                  shards of `dir` stream into the EPS one layer at a time
+    save_pretrained(relay, dir)   config.json and sharded safetensors from the EPS masters,
+                                  layer by layer, that transformers' from_pretrained loads
+    finetune_batches(dir, file)   a local text file tokenized by the tokenizer in `dir`
+
+Layer contract. A layer takes the previous layer's output: the hidden states (B, T, C),
+or (hidden states, attention_mask) when the batch has a padding mask. The mask stays an
+integer tensor (B, T), so the relay gives it no gradient; every block rebuilds HF's 4-D
+mask and the rotary cos/sin from it with HF's own functions (create_causal_mask, the
+model's rotary embedding), exactly as the model's forward does once for all layers.
+
+Loss. HF's loss with `labels` is a mean over the tokens whose label is not -100 (after
+the causal shift for a causal LM), over the whole batch. The relay weights micro-batch
+j's loss by its share of the samples, n_j / B, so a per-micro-batch token mean matches
+HF only when every micro-batch holds the same number of counted tokens per sample.
+`loss_fn.targets(labels)` (what `batch()` and `finetune_batches` build) adds to the
+labels each sample's share of the batch's counted tokens, N / B; micro-batch j's loss
+is then its token sum / (n_j N / B), and sum_j (n_j / B) * that = token sum / N: HF's
+loss for any distribution of -100s. Plain `labels` as targets give the per-micro-batch
+mean (exact when u = 1).
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+import os
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+IGNORE_INDEX = -100  # HF's label for tokens that carry no loss
+SUPPORTED = ("GPT2LMHeadModel, BertForMaskedLM, and decoder-only causal LMs laid out as Llama "
+             "(model.embed_tokens, model.layers, model.norm, model.rotary_emb, lm_head: Llama, Mistral, "
+             "Qwen2, Qwen3, ...)")
+WEIGHTS_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model")
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ImportError("l2l_hw.hf needs the optional dependency transformers: "
+                          "pip install transformers (requirements.txt pins the tested version)") from exc
+    return transformers
+
+
+# ---------------------------------------------------------------------------- layers
+def _unpack(x) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return (x, None) if isinstance(x, torch.Tensor) else (x[0], x[1])
+
+
+def _pack(hidden: torch.Tensor, mask: torch.Tensor | None):
+    return hidden if mask is None else (hidden, mask)
+
+
+class Embedding(nn.Module):
+    """Relay layer 0: token ids (and the padding mask) -> hidden states (B, T, C).
+
+    kind "llama": embed_tokens(ids); "gpt2": wte(ids) + wpe(positions), dropout;
+    "bert": BertEmbeddings(ids) (word + position + token type, LayerNorm, dropout)."""
+
+    def __init__(self, kind: str, modules: dict[str, nn.Module]):
+        super().__init__()
+        self.kind = kind
+        self.parts = nn.ModuleDict(modules)
+
+    def forward(self, x):
+        ids, mask = _unpack(x)
+        p = self.parts
+        if self.kind == "llama":
+            hidden = p.embed_tokens(ids)
+        elif self.kind == "gpt2":
+            positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+            hidden = p.drop(p.wte(ids) + p.wpe(positions))
+        else:
+            hidden = p.embeddings(input_ids=ids)
+        return _pack(hidden, mask)
+
+
+class Block(nn.Module):
+    """One HF decoder (or encoder) layer. Rebuilds what the model's forward computes once for
+    all layers, with the same functions: positions arange(T), HF's 4-D attention mask of
+    this layer's kind ("full_attention", "sliding_attention" or "bidirectional") and, for
+    rotary models, the rotary (cos, sin) (B, T, head_dim)."""
+
+    def __init__(self, layer: nn.Module, config, attention: str, rotary_emb: nn.Module | None = None):
+        super().__init__()
+        self.layer = layer
+        self.rotary_emb = rotary_emb
+        self.config = config
+        self.attention = attention
+
+    def _mask(self, hidden, mask, positions):
+        from transformers import masking_utils as mu
+
+        if self.attention == "bidirectional":
+            return mu.create_bidirectional_mask(config=self.config, inputs_embeds=hidden, attention_mask=mask)
+        build = mu.create_sliding_window_causal_mask if self.attention == "sliding_attention" else mu.create_causal_mask
+        return build(config=self.config, inputs_embeds=hidden, attention_mask=mask, past_key_values=None,
+                     position_ids=positions)
+
+    def forward(self, x):
+        hidden, mask = _unpack(x)
+        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)  # (1, T)
+        extra = {}
+        if self.rotary_emb is not None:
+            extra["position_embeddings"] = self.rotary_emb(hidden, position_ids=positions)
+        out = self.layer(hidden, attention_mask=self._mask(hidden, mask, positions), position_ids=positions,
+                         **extra)
+        return _pack(out[0] if isinstance(out, tuple) else out, mask)
+
+
+class Head(nn.Module):
+    """Last relay layer: hidden states -> logits (B, T, vocab), HF's modules in order
+    (final norm, then the LM head)."""
+
+    def __init__(self, modules: dict[str, nn.Module]):
+        super().__init__()
+        self.parts = nn.ModuleDict(modules)
+
+    def forward(self, x):
+        hidden, _ = _unpack(x)
+        for module in self.parts.values():
+            hidden = module(hidden)
+        return hidden
+
+
+class TokenLoss:
+    """HF's `labels` loss: cross entropy over the tokens whose label is not -100, after the
+    causal shift (`shift=True`: position t predicts label t + 1) or without it (masked LM).
+
+    Targets are `labels` (B, T), whose loss is this micro-batch's token mean, or
+    `(labels, tokens_per_sample)` from `targets()`, whose loss is the token sum over this
+    micro-batch's expected count, sum(tokens_per_sample): the minibatch's token mean once
+    the relay weights micro-batches by their samples (module docstring)."""
+
+    def __init__(self, shift: bool):
+        self.shift = shift
+
+    def counted(self, labels: torch.Tensor) -> torch.Tensor:
+        """The labels that carry loss, aligned with the logits' positions."""
+        if self.shift:
+            return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+        return labels
+
+    def targets(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(labels, tokens_per_sample)`: the relay's loss then equals HF's for any micro-batching."""
+        count = (self.counted(labels) != IGNORE_INDEX).sum()
+        per_sample = count.double() / labels.shape[0]
+        return labels, per_sample.expand(labels.shape[0]).clone()
+
+    def __call__(self, logits: torch.Tensor, targets) -> torch.Tensor:
+        labels, per_sample = (targets, None) if isinstance(targets, torch.Tensor) else targets
+        labels = self.counted(labels)
+        total = F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=IGNORE_INDEX,
+                                reduction="sum")
+        count = (labels != IGNORE_INDEX).sum() if per_sample is None else per_sample.sum()
+        return total / count.to(total.dtype)
+
+
+def _llama_layout(model) -> bool:
+    base = getattr(model, "model", None)
+    return (isinstance(getattr(model, "lm_head", None), nn.Module) and base is not None
+            and all(isinstance(getattr(base, name, None), nn.Module)
+                    for name in ("embed_tokens", "layers", "norm", "rotary_emb"))
+            and isinstance(base.layers, nn.ModuleList) and len(base.layers) > 0
+            and "position_embeddings" in inspect.signature(base.layers[0].forward).parameters)
+
+
+def _causal_attention(config, i: int) -> str:
+    """Layer i's mask, as the model's forward picks it: per-layer types where the config
+    lists them (Qwen2, Qwen3, ...), else sliding whenever a window is set (Mistral)."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        if types[i] not in ("full_attention", "sliding_attention"):
+            raise ValueError(f"layer {i} has attention type {types[i]!r}; l2l_hw.hf supports "
+                             "'full_attention' and 'sliding_attention'")
+        return types[i]
+    return "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
+
+
+def _unsupported(model) -> ValueError:
+    return ValueError(f"{type(model).__name__} is not supported; l2l_hw.hf supports {SUPPORTED}")
+
+
+def split(model: nn.Module) -> tuple[list[nn.Module], TokenLoss]:
+    """Relay layers and loss of a transformers model; the layers share its modules and
+    parameters (a tied embedding and head are one Parameter in two layers)."""
+    name = type(model).__name__
+    config = model.config
+    for option in ("final_logit_softcapping", "logit_scale"):  # logits the head alone does not give
+        if getattr(config, option, None) not in (None, 1.0):
+            raise ValueError(f"{name} with {option}={getattr(config, option)} is not supported; "
+                             f"l2l_hw.hf supports {SUPPORTED}")
+    if name == "GPT2LMHeadModel":
+        t = model.transformer
+        layers = [Embedding("gpt2", {"wte": t.wte, "wpe": t.wpe, "drop": t.drop}),
+                  *[Block(block, config, "full_attention") for block in t.h],
+                  Head({"ln_f": t.ln_f, "lm_head": model.lm_head})]
+        loss = TokenLoss(shift=True)
+    elif name == "BertForMaskedLM":
+        b = model.bert
+        layers = [Embedding("bert", {"embeddings": b.embeddings}),
+                  *[Block(layer, config, "bidirectional") for layer in b.encoder.layer],
+                  Head({"cls": model.cls})]
+        loss = TokenLoss(shift=False)
+    elif name.endswith("ForCausalLM") and _llama_layout(model):
+        m = model.model
+        layers = [Embedding("llama", {"embed_tokens": m.embed_tokens}),
+                  *[Block(layer, config, _causal_attention(config, i), m.rotary_emb)
+                    for i, layer in enumerate(m.layers)],
+                  Head({"norm": m.norm, "lm_head": model.lm_head})]
+        loss = TokenLoss(shift=True)
+    else:
+        raise _unsupported(model)
+    _name_tensors(model, layers)
+    return layers, loss
+
+
+def _name_tensors(model: nn.Module, layers: list[nn.Module]) -> None:
+    """Give every layer `hf_keys`: its parameter/buffer name -> the model's state-dict names of
+    that tensor, the one HF saves first (a tied tensor is saved once, under its first name)."""
+    names: dict[int, list[str]] = {}
+    for key, t in model.state_dict(keep_vars=True).items():
+        names.setdefault(id(t), []).append(key)
+    for layer in layers:
+        layer.hf_keys = {n: names[id(t)] for n, t in (*layer.named_parameters(), *layer.named_buffers())
+                         if id(t) in names}
+        layer.config = model.config
+
+
+def batch(loss_fn: TokenLoss, input_ids: torch.Tensor, labels: torch.Tensor,
+          attention_mask: torch.Tensor | None = None) -> tuple:
+    """`(inputs, targets)` for relay.train_step: its loss then equals
+    `model(input_ids, attention_mask=..., labels=labels).loss`."""
+    inputs = input_ids if attention_mask is None else (input_ids, attention_mask.long())
+    return inputs, loss_fn.targets(labels)
+
+
+# ---------------------------------------------------------------------------- loading
+def _model_folder(path) -> Path:
+    folder = Path(path)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"model folder {folder} does not exist; give a local folder written by "
+                                "transformers' save_pretrained (config.json and *.safetensors)")
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder} has no config.json; give a local folder written by transformers' "
+                                "save_pretrained")
+    return folder
+
+
+def _weights(folder: Path) -> Path:
+    """The folder's shard index, or its one weights file."""
+    for name in (INDEX_FILE, WEIGHTS_FILE):
+        if (folder / name).is_file():
+            return folder / name
+    raise FileNotFoundError(f"{folder} has no weights: expected {WEIGHTS_FILE} or {INDEX_FILE} "
+                            "(safetensors, as transformers' save_pretrained writes them)")
+
+
+def _model_class(config):
+    transformers = _transformers()
+    architectures = getattr(config, "architectures", None) or []
+    for name in architectures:
+        if name in ("GPT2LMHeadModel", "BertForMaskedLM") or name.endswith("ForCausalLM"):
+            cls = getattr(transformers, name, None)
+            if cls is not None:
+                return cls
+    raise ValueError(f"architecture {', '.join(architectures) or 'unknown (config.json lists none)'} "
+                     f"is not supported; l2l_hw.hf supports {SUPPORTED}")
+
+
+def skeleton(path) -> nn.Module:
+    """The model of a local folder with every parameter on the meta device (no weights
+    allocated) and real non-persistent buffers (rotary inv_freq, BERT's position ids),
+    computed by the model's own initialization, as transformers' from_pretrained does."""
+    folder = _model_folder(path)
+    config = _transformers().AutoConfig.from_pretrained(folder, local_files_only=True)
+    cls = _model_class(config)
+    with torch.device("meta"):
+        model = cls(config)
+    for name, buffer in list(model.named_non_persistent_buffers()):
+        owner, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(owner), leaf, torch.empty_like(buffer, device="cpu"))
+    model.initialize_weights()  # meta parameters: nothing is allocated; buffers get their values
+    return model
+
+
+class Checkpoint:
+    """The safetensors weights of a local folder, read tensor by tensor. A shard is opened
+    when a tensor in it is first read and closed once every tensor `expect`ed from it is
+    read, so about one shard is mapped while the model streams in layer by layer."""
+
+    def __init__(self, folder: Path):
+        from safetensors import safe_open
+
+        self._open = safe_open
+        weights = _weights(folder)
+        if weights.name == INDEX_FILE:
+            weight_map = json.loads(weights.read_text())["weight_map"]
+            self.shard_of = {key: folder / file for key, file in weight_map.items()}
+        else:
+            with safe_open(weights, framework="pt") as f:
+                self.shard_of = {key: weights for key in f.keys()}
+        self.left: dict[Path, set[str]] = {}  # per shard, the tensors still to read
+        self.handles: dict[Path, object] = {}
+
+    def expect(self, keys: set[str]) -> None:
+        for key in keys:
+            self.left.setdefault(self.shard_of[key], set()).add(key)
+
+    def find(self, names: list[str]) -> str | None:
+        return next((n for n in names if n in self.shard_of), None)
+
+    def read(self, key: str) -> torch.Tensor:
+        shard = self.shard_of[key]
+        if shard not in self.handles:
+            self.handles[shard] = self._open(shard, framework="pt")
+        tensor = self.handles[shard].get_tensor(key)
+        left = self.left.get(shard, set())
+        left.discard(key)
+        if not left:
+            self.handles.pop(shard).__exit__(None, None, None)
+        return tensor
+
+    def close(self) -> None:
+        for handle in self.handles.values():
+            handle.__exit__(None, None, None)
+        self.handles.clear()
+
+
+def _aliases(name: str, model: nn.Module) -> list[str]:
+    """A state-dict name and its form without the base-model prefix (checkpoints of the
+    bare model, such as the original GPT-2's `h.0.attn...`)."""
+    prefix = getattr(model, "base_model_prefix", "") + "."
+    return [name, name[len(prefix):]] if prefix != "." and name.startswith(prefix) else [name]
+
+
+class LayerInit:
+    """`init(i, layer)` for the relay: layer i's meta-device tensors, read from the checkpoint,
+    as real CPU tensors by the layer's own names. A tensor shared with an earlier layer (a
+    tied embedding and head) was given by that layer's call and is not read again."""
+
+    def __init__(self, folder: Path, model: nn.Module, layers: list[nn.Module]):
+        self.folder = folder
+        self.checkpoint = Checkpoint(folder)
+        # layer -> its tensor's name -> the checkpoint's name for it (None: not in the checkpoint)
+        self.keys = {i: {n: self.checkpoint.find([a for key in keys for a in _aliases(key, model)])
+                         for n, keys in layer.hf_keys.items()} for i, layer in enumerate(layers)}
+        self.checkpoint.expect({key for names in self.keys.values() for key in names.values() if key})
+        self.given: set[int] = set()
+
+    def __call__(self, i: int, module: nn.Module) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, t in (*module.named_parameters(), *module.named_buffers()):
+            if not t.is_meta or id(t) in self.given:
+                continue
+            key = self.keys[i].get(name)
+            if key is None:
+                raise ValueError(f"{self.folder}: the weights have no tensor for layer {i}'s {name} "
+                               f"({module.hf_keys.get(name, ['a tensor transformers does not save'])[0]})")
+            tensor = self.checkpoint.read(key)
+            if tensor.shape != t.shape:
+                raise ValueError(f"{self.folder}: {key} has shape {tuple(tensor.shape)}; the config's model "
+                                 f"needs {tuple(t.shape)}")
+            out[name] = tensor.to(t.dtype)
+            self.given.add(id(t))
+        if i == len(self.keys) - 1:
+            self.checkpoint.close()
+        return out
+
+
+def from_pretrained(path, eps, **relay_options):
+    """A Relay holding the model of a local transformers folder: the skeleton on the meta device,
+    the safetensors streamed into `eps` layer by layer (this holds one layer and the shard it
+    reads). The relay's loss_fn is the model's `TokenLoss` (`batch()` gives exact HF losses)."""
+    from l2l_hw.relay import Relay
+
+    folder = _model_folder(path)
+    model = skeleton(folder)
+    layers, loss_fn = split(model)
+    return Relay(layers, loss_fn, eps=eps, init=LayerInit(folder, model, layers), **relay_options)
+
+
+# ---------------------------------------------------------------------------- saving
+def write_weights(tensors: Iterable[tuple[str, torch.Tensor]], path, max_shard_size: int | str = "2GB") -> list[Path]:
+    """Write `(name, tensor)` pairs, in order, as transformers' safetensors: one
+    model.safetensors, or shards of at most `max_shard_size` (bytes or "200MB") named
+    model-0000k-of-0000n.safetensors plus model.safetensors.index.json. Holds one shard."""
+    from safetensors.torch import save_file
+    from transformers.utils.hub import convert_file_size_to_int
+
+    limit = convert_file_size_to_int(max_shard_size)
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    for old in [*folder.glob("model*.safetensors"), folder / INDEX_FILE]:
+        old.unlink(missing_ok=True)
+    shards: list[tuple[Path, list[str]]] = []
+    shard: dict[str, torch.Tensor] = {}
+    size = total = 0
+
+    def flush():
+        if shard:
+            name = folder / f"part-{len(shards):05d}.safetensors"  # renamed once the count is known
+            save_file(shard, name, metadata={"format": "pt"})
+            shards.append((name, list(shard)))
+            shard.clear()
+
+    for key, t in tensors:
+        t = t.detach().to("cpu").contiguous()
+        if shard and size + t.nbytes > limit:
+            flush()
+            size = 0
+        shard[key] = t
+        size += t.nbytes
+        total += t.nbytes
+    flush()
+    files, weight_map = [], {}
+    for k, (name, keys) in enumerate(shards):
+        final = folder / (WEIGHTS_FILE if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors")
+        os.replace(name, final)
+        files.append(final)
+        weight_map.update({key: final.name for key in keys})
+    if len(shards) > 1:
+        (folder / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                    indent=2, sort_keys=True))
+    return files
+
+
+def _relay_tensors(relay) -> Iterator[tuple[str, torch.Tensor]]:
+    """The relay's tensors by HF name, layer by layer: fp32 masters fetched from the EPS one
+    group at a time, host buffers; a tied tensor once, under the first name HF saves it by."""
+    written, group = set(), {}
+    for i, layer in enumerate(relay.layers):
+        plan = relay.plans[i]
+        for name, keys in layer.hf_keys.items():
+            if keys[0] in written:
+                continue
+            written.add(keys[0])
+            if name in plan.bindings:
+                key, gname = plan.bindings[name]
+                if key not in group:
+                    group = {key: relay.eps.master(key)}
+                yield keys[0], group[key][gname]
+            else:
+                yield keys[0], plan.frozen[name] if name in plan.frozen else plan.buffers[name]
+
+
+def save_pretrained(relay, path, max_shard_size: int | str = "2GB", tokenizer=None) -> Path:
+    """Write the relay's model as a transformers folder: config.json and fp32 safetensors
+    shards, streamed layer by layer from the EPS masters (write_weights). `tokenizer`
+    (optional) is saved alongside."""
+    folder = Path(path)
+    write_weights(_relay_tensors(relay), folder, max_shard_size)
+    config = copy.deepcopy(relay.layers[0].config)
+    config.dtype = torch.float32
+    config.save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    return folder
+
+
+# ---------------------------------------------------------------------------- data
+def load_tokenizer(path):
+    """The tokenizer saved in a local model folder (nothing is downloaded)."""
+    folder = _model_folder(path)
+    if not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        raise FileNotFoundError(f"{folder} has no tokenizer (one of {', '.join(TOKENIZER_FILES)}); save it "
+                                "there with tokenizer.save_pretrained")
+    return _transformers().AutoTokenizer.from_pretrained(folder, local_files_only=True)
+
+
+def finetune_batches(path, data_file, batch_size: int, seq_len: int, seed: int = 0,
+                     mask_fraction: float = 0.15) -> list[tuple]:
+    """One epoch of `(inputs, targets)` minibatches for relay.train_step from a local text file,
+    tokenized by the tokenizer in the model folder `path`.
+
+    The text (lines joined by the tokenizer's EOS token where it has one) is cut into
+    sequences of `seq_len` tokens, shuffled with `seed`, `batch_size` per minibatch (the
+    last, shorter group dropped). Causal LMs: labels are the input ids (the loss shifts).
+    Masked LMs (BERT): `mask_fraction` of the tokens are replaced by the mask token and
+    are the only labelled ones. Targets carry the token count (`TokenLoss.targets`)."""
+    folder = _model_folder(path)
+    config = _transformers().AutoConfig.from_pretrained(folder, local_files_only=True)
+    masked = _model_class(config).__name__ == "BertForMaskedLM"
+    _weights(folder)
+    tokenizer = load_tokenizer(folder)
+    data = Path(data_file)
+    if not data.is_file():
+        raise FileNotFoundError(f"data file {data} does not exist; give a local UTF-8 text file")
+    if batch_size < 1 or seq_len < 2:
+        raise ValueError(f"batch_size must be >= 1 and seq_len >= 2, got {batch_size} and {seq_len}")
+    ids = []
+    for line in data.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            ids += tokenizer(line, add_special_tokens=False)["input_ids"]
+            if tokenizer.eos_token_id is not None:
+                ids.append(tokenizer.eos_token_id)
+    n_seq = len(ids) // seq_len
+    if n_seq < batch_size:
+        raise ValueError(f"{data} gives {len(ids)} tokens: fewer than one minibatch of {batch_size} x {seq_len}")
+    tokens = torch.tensor(ids[:n_seq * seq_len]).view(n_seq, seq_len)
+    g = torch.Generator().manual_seed(seed)
+    tokens = tokens[torch.randperm(n_seq, generator=g)]
+    loss_fn = TokenLoss(shift=not masked)
+    batches = []
+    for start in range(0, n_seq - batch_size + 1, batch_size):
+        input_ids = tokens[start:start + batch_size].clone()
+        labels = input_ids.clone()
+        if masked:
+            if tokenizer.mask_token_id is None:
+                raise ValueError(f"the tokenizer in {folder} has no mask token; a masked LM needs one")
+            chosen = torch.rand(input_ids.shape, generator=g) < mask_fraction
+            labels[~chosen] = IGNORE_INDEX
+            input_ids[chosen] = tokenizer.mask_token_id
+        batches.append(batch(loss_fn, input_ids, labels))
+    return batches

@@ -1,0 +1,634 @@
+"""The training loop: one TrainConfig, the relay built from it, and train().
+
+    cfg = TrainConfig(steps=200, out="runs/latest")
+    result = train(cfg)                                  # the reference byte-level GPT
+    result = train(cfg, layers=my_layers, loss_fn=my_loss, data=my_batches, val_data=my_val)
+    result = train(cfg, relay=relay, data=my_batches)    # a relay built elsewhere (finetuning)
+
+train() runs `cfg.steps` relay steps on the batches of `data` (an iterable of
+(inputs, targets) global minibatches; under torchrun each rank cuts its own shard),
+and every `cfg.eval_every` steps and at the end validates on `val_data` and writes an
+atomic checkpoint into `cfg.out`, after that step's metrics row. `cfg.resume`
+continues from that checkpoint bit-exactly: master weights, optimizer state, every
+RNG state and the data position (the data's own `state_dict()` when it has one,
+else the first `step` batches of a fresh pass are skipped). It returns a TrainResult:
+the relay, the metrics rows (the `history`, also handed to each callback as it is
+made) and the last validation loss.
+
+Files in `cfg.out` (rank 0 only; nothing when out is None):
+  metrics.jsonl            one JSON object per step (step, loss, lr, tokens_per_s,
+                           elapsed; val_loss at eval points)
+  loss.png                 train and validation loss curves
+  checkpoint.safetensors   relay state, config and every RNG state (l2l_hw.checkpoint)
+  tensorboard/             event files, with cfg.tensorboard (torch.utils.tensorboard)
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+
+from l2l_hw.checkpoint import Checkpoint, open_checkpoint, remove_stale_temporaries, save_checkpoint
+from l2l_hw.distributed import Ranks, join_torchrun, leave_torchrun, rank_shard
+from l2l_hw.eps import known_backends, make_eps
+from l2l_hw.eps.base import OPTIMIZERS, SCHEDULES
+from l2l_hw.models import Corpus, GPTConfig, build_gpt, generate, lm_loss
+from l2l_hw.models.gpt import GELUS
+from l2l_hw.relay import Relay, init_from_state
+from l2l_hw.relay.precision import COMPUTE_DTYPES
+from l2l_hw.relay.stash import POLICIES
+from l2l_hw.version import __version__
+
+CHECKPOINT, METRICS, PLOT, TENSORBOARD = "checkpoint.safetensors", "metrics.jsonl", "loss.png", "tensorboard"
+EVAL_BATCHES = 4  # validation minibatches per eval point of the reference corpus; the same windows every time
+SAMPLE_PROMPT, SAMPLE_BYTES = b"def ", 200
+# What --resume may change: the step target (a longer one also stretches a cosine schedule)
+# and where the run happens. Every other field of the run is the checkpoint's.
+RESUME_MAY_CHANGE = ("steps", "device", "eps_backend", "shard_state")
+
+
+class ConfigError(ValueError):
+    """A TrainConfig value, or a file or checkpoint the run needs, cannot be used; the message says
+    which. With `field`: "field=value: what is allowed" (the CLI names the flag instead)."""
+
+    def __init__(self, message: str, field: str | None = None, value=None):
+        self.field, self.value, self.rule = field, value, message
+        super().__init__(f"{field}={value!r}: {message}" if field else message)
+
+
+CLIP_MODES = ("layer", "global")  # Relay's clip_mode
+INT_AT_LEAST_1 = ("layers", "width", "heads", "context", "batch_size", "micro_batches", "steps", "eval_every")
+BOOLS = ("tie_weights", "recompute", "shard_state", "pipedream_2bw", "resume", "tensorboard", "verbose")
+FLOAT_RANGES = {  # field -> (lowest, highest, whether the highest itself is allowed); every value finite
+    "lr": (0.0, math.inf, False), "momentum": (0.0, 1.0, False), "weight_decay": (0.0, math.inf, False),
+    "dropout": (0.0, 1.0, False), "layer_drop": (0.0, 1.0, False), "linear_projection": (0.0, 1.0, True),
+}
+
+
+def choices() -> dict[str, tuple]:
+    return {"optimizer": OPTIMIZERS, "schedule": SCHEDULES, "precision": tuple(COMPUTE_DTYPES),
+            "activations": POLICIES, "clip_mode": CLIP_MODES, "gelu": GELUS, "eps_backend": tuple(known_backends())}
+
+
+def check_device(device: str) -> None:
+    """cpu, cuda or cuda:N, as this machine has them."""
+    if not isinstance(device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise ConfigError("must be cpu, cuda or cuda:N", "device", device)
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError("CUDA is not available on this machine (torch.cuda.is_available() is False); "
+                              "use cpu", "device", device)
+        index = int(device.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise ConfigError(f"this machine has {torch.cuda.device_count()} CUDA device(s): cuda:0 to "
+                              f"cuda:{torch.cuda.device_count() - 1}", "device", device)
+
+
+def check_config(cfg: "TrainConfig") -> None:
+    """Every field's type and range, and the rules between fields; ConfigError names the first bad one."""
+    for name in INT_AT_LEAST_1:
+        value = getattr(cfg, name)
+        if not _is_int(value) or value < 1:
+            raise ConfigError("must be a whole number >= 1", name, value)
+    for name in BOOLS:
+        if not isinstance(getattr(cfg, name), bool):
+            raise ConfigError("must be True or False", name, getattr(cfg, name))
+    for name, (low, high, high_ok) in FLOAT_RANGES.items():
+        value = getattr(cfg, name)
+        if not _is_real(value) or not (low <= value < high or (high_ok and value == high)) or not math.isfinite(value):
+            allowed = f">= {low:g}" if high == math.inf else f"in [{low:g}, {high:g}{']' if high_ok else ')'}"
+            raise ConfigError(f"must be a finite number {allowed}", name, value)
+    for name, allowed in choices().items():
+        if getattr(cfg, name) not in allowed:
+            raise ConfigError(f"must be one of {', '.join(allowed)}", name, getattr(cfg, name))
+    for name in ("clip_grad_norm", "dist_timeout"):
+        value = getattr(cfg, name)
+        if value is not None and (not _is_real(value) or not 0 < value < math.inf):
+            raise ConfigError("must be a finite number > 0", name, value)
+    if not _is_int(cfg.seed) or not 0 <= cfg.seed < 2**63:
+        raise ConfigError("must be a whole number in [0, 2^63)", "seed", cfg.seed)
+    if cfg.warmup is not None and (not _is_int(cfg.warmup) or not 0 <= cfg.warmup <= cfg.steps
+                                   or (cfg.schedule == "cosine" and cfg.warmup == cfg.steps)):
+        cosine = " (less with the cosine schedule)" if cfg.schedule == "cosine" else ""
+        raise ConfigError(f"must be a whole number from 0 to steps ({cfg.steps}){cosine}", "warmup", cfg.warmup)
+    if cfg.stop_after is not None and (not _is_int(cfg.stop_after) or cfg.stop_after < 1):
+        raise ConfigError("must be a whole number >= 1 (the step to stop at)", "stop_after", cfg.stop_after)
+    for name in ("data", "out", "overlay", "kernel"):
+        if getattr(cfg, name) is not None and not isinstance(getattr(cfg, name), (str, os.PathLike)):
+            raise ConfigError("must be a path (a str) or None", name, getattr(cfg, name))
+    if cfg.width % cfg.heads:
+        raise ConfigError(f"must divide width ({cfg.width}): {', '.join(map(str, _divisors(cfg.width)))}",
+                          "heads", cfg.heads)
+    if cfg.micro_batches > cfg.batch_size:
+        raise ConfigError(f"must be at most batch_size ({cfg.batch_size})", "micro_batches", cfg.micro_batches)
+    if cfg.activations == "host" and not cfg.recompute:
+        raise ConfigError("needs recompute (without it the forward graphs keep every layer's intermediates on "
+                          "the device)", "activations", cfg.activations)
+    if cfg.kernel is not None and cfg.overlay is None:
+        raise ConfigError("names an IP in an overlay: give --overlay too (the fpga-pynq EPS)", "kernel", cfg.kernel)
+    if (cfg.eps_backend == "fpga-pynq") != (cfg.overlay is not None):
+        if cfg.overlay is None:
+            raise ConfigError("needs an overlay (--overlay PATH: the .bit with its .hwh beside it, or an xclbin; "
+                              "docs/BOARD.md)", "eps_backend", cfg.eps_backend)
+        raise ConfigError(f"is for the fpga-pynq EPS, not {cfg.eps_backend}", "overlay", cfg.overlay)
+    check_device(cfg.device)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0][:12]
+
+
+@dataclass
+class TrainConfig:
+    """One training run. The defaults are `l2l train`'s: the reference GPT on the stdlib corpus.
+
+    The default run: 0.9 M parameters, 4096 tokens a step, 200 steps. Measured with the
+    relay on 2 CPU cores shared with other jobs: 250 steps took 147 s (val loss 2.22); 300
+    steps at batch 16 reached 2.39 (lr 3e-3) and 2.52 (lr 6e-3). 200 steps keep the run
+    inside 1 to 3 minutes with room for a slower machine.
+    """
+
+    # model: the reference GPT, its defaults declared once in GPTConfig; unused when train()
+    # is given layers or a relay
+    layers: int = GPTConfig.n_layer
+    width: int = GPTConfig.n_embd
+    heads: int = GPTConfig.n_head
+    context: int = GPTConfig.block_size
+    dropout: float = GPTConfig.dropout
+    tie_weights: bool = GPTConfig.tie_weights
+    gelu: str = GPTConfig.gelu  # "fewbit": 3-bit GELU' in backward (l2l_hw.approx)
+    linear_projection: float = GPTConfig.linear_projection  # > 0: MLP Linears keep a random sketch of rows
+    # data: the reference corpus (a text file or folder; None: this Python's stdlib sources)
+    data: str | None = None
+    batch_size: int = 32
+    seed: int = 1337  # the weights, dropout and batches
+    # optimizer and schedule (l2l_hw.eps.OptimConfig)
+    optimizer: str = "adamw"
+    lr: float = 2e-3
+    momentum: float = 0.0
+    weight_decay: float = 0.1
+    steps: int = 200
+    schedule: str = "cosine"
+    warmup: int | None = None  # None: a tenth of steps
+    # relay and EPS (l2l_hw.Relay, l2l_hw.make_eps)
+    micro_batches: int = 4
+    eps_backend: str = "cpu"
+    device: str = "cpu"
+    recompute: bool = True
+    activations: str = "device"
+    layer_drop: float = 0.0
+    clip_grad_norm: float | None = None
+    clip_mode: str = "layer"
+    shard_state: bool = False
+    pipedream_2bw: bool = False
+    # precision
+    precision: str = "fp32"
+    # evaluation and checkpointing
+    eval_every: int = 50  # steps between validation and checkpoint
+    # output and run control: not part of the run's identity (not compared on resume)
+    out: str | None = "runs/latest"
+    resume: bool = False
+    stop_after: int | None = None  # checkpoint and stop at this step; steps stays the schedule's length
+    tensorboard: bool = False
+    verbose: bool = True  # banner, progress bar, summary (and a sample of the reference GPT)
+    overlay: str | None = None  # --eps fpga-pynq: the overlay (where the EPS runs, not what it computes)
+    kernel: str | None = None
+    dist_timeout: float = 300.0  # under torchrun: seconds a rank waits for the others
+
+    def __post_init__(self):
+        check_config(self)
+
+    def run_config(self) -> dict:
+        """The fields that define the run's numbers: saved in the checkpoint, compared on resume."""
+        cfg = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in CONTROL_FIELDS}
+        if cfg["warmup"] is None:
+            cfg["warmup"] = self.steps // 10
+        cfg["data"] = str(Path(cfg["data"]).expanduser().resolve()) if cfg["data"] else None
+        return cfg
+
+    def model_config(self) -> GPTConfig:
+        return GPTConfig(n_layer=self.layers, n_embd=self.width, n_head=self.heads, block_size=self.context,
+                         dropout=self.dropout, tie_weights=self.tie_weights, gelu=self.gelu,
+                         linear_projection=self.linear_projection)
+
+
+CONTROL_FIELDS = ("out", "resume", "stop_after", "tensorboard", "verbose", "overlay", "kernel", "dist_timeout")
+
+
+def resume_config(out: str | os.PathLike, **given) -> TrainConfig:
+    """The config of the run checkpointed in `out`, with `given` fields: those of
+    RESUME_MAY_CHANGE and the control fields may differ, any other must agree."""
+    meta = open_checkpoint(Path(out) / CHECKPOINT).meta
+    saved = _saved_config(meta, Path(out) / CHECKPOINT)
+    if given.get("data"):  # as the checkpoint holds it
+        given["data"] = str(Path(given["data"]).expanduser().resolve())
+    clash = {k: v for k, v in given.items() if k in saved and k not in RESUME_MAY_CHANGE and v != saved[k]}
+    if clash:
+        raise ConfigError("--resume: the checkpoint's run differs from what is given: " + ", ".join(
+            f"{k} is {saved[k]!r} in the checkpoint, {v!r} given" for k, v in clash.items()))
+    return TrainConfig(**{**saved, **given, "out": str(out), "resume": True})
+
+
+def _saved_config(meta: dict, path: Path) -> dict:
+    """The checkpoint's run config, checked as a TrainConfig (a checkpoint of another version may differ)."""
+    known = {f.name for f in dataclasses.fields(TrainConfig)} - set(CONTROL_FIELDS)
+    saved = meta.get("config") if isinstance(meta, dict) else None
+    if not isinstance(saved, dict) or not set(saved) <= known or not _is_int(meta.get("step")) \
+            or not _is_real(meta.get("elapsed")):
+        raise ConfigError(f"{path}: its metadata is not what this l2l-hw writes (config, step, elapsed)")
+    try:
+        TrainConfig(**{**saved, "device": "cpu", "eps_backend": "cpu", "out": None})  # wherever it resumes
+    except ConfigError as e:
+        raise ConfigError(f"{path}: its config is not usable: {e}") from e
+    return saved
+
+
+def build_eps(cfg: TrainConfig, shard_state: bool | None = None):
+    """The EPS of `cfg`: optimizer, schedule and backend."""
+    placement = {"overlay": cfg.overlay, "kernel": cfg.kernel} if cfg.overlay else {}
+    return make_eps(
+        cfg.eps_backend, optimizer=cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum,
+        schedule=cfg.schedule, warmup_steps=cfg.run_config()["warmup"], total_steps=cfg.steps,
+        min_lr=cfg.lr / 10,  # floor at lr/10, as nanoGPT
+        shard_state=cfg.shard_state if shard_state is None else shard_state, **placement)
+
+
+def relay_options(cfg: TrainConfig, device: str | None = None) -> dict:
+    """The Relay keyword options of `cfg`."""
+    return dict(device=device or cfg.device, micro_batches=cfg.micro_batches, recompute=cfg.recompute,
+                precision=cfg.precision, pipedream_2bw=cfg.pipedream_2bw, activations=cfg.activations,
+                layer_drop=cfg.layer_drop, clip_grad_norm=cfg.clip_grad_norm, clip_mode=cfg.clip_mode)
+
+
+def build_relay(cfg: TrainConfig, layers=None, loss_fn: Callable | None = None, *, device: str | None = None,
+                shard_state: bool | None = None, init: Callable | None = None) -> Relay:
+    """The relay of `cfg`: its EPS around `layers` and `loss_fn`, the reference GPT and its
+    loss when not given. Seeds torch with cfg.seed first. `init` fills layers on the meta
+    device (Relay's init=)."""
+    torch.manual_seed(cfg.seed)
+    if layers is None:
+        layers, loss_fn = build_gpt(cfg.model_config()), lm_loss
+    return Relay(layers, loss_fn, eps=build_eps(cfg, shard_state), init=init, **relay_options(cfg, device))
+
+
+class OutputError(OSError):
+    """A file of the run could not be written (read-only, missing, full); the message names it."""
+
+
+class CorpusBatches:
+    """The reference corpus as an endless iterable of random (x, y) training windows,
+    drawn from a generator seeded with `seed`; its state resumes exactly."""
+
+    def __init__(self, corpus: Corpus, batch_size: int, context: int, seed: int):
+        self.corpus, self.batch_size, self.context = corpus, batch_size, context
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __iter__(self):
+        while True:
+            yield self.corpus.batch("train", self.batch_size, self.context, self.generator)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.generator.set_state(state["generator"])
+
+
+def corpus_val_batches(corpus: Corpus, cfg: TrainConfig) -> list:
+    """The validation windows of the reference corpus: EVAL_BATCHES minibatches from their
+    own generator (seed + 1), the same at every eval point; training RNG never moves."""
+    rng = torch.Generator().manual_seed(cfg.seed + 1)
+    return [corpus.batch("val", cfg.batch_size, cfg.context, rng) for _ in range(EVAL_BATCHES)]
+
+
+@dataclass
+class TrainResult:
+    relay: Relay
+    history: list[dict] = field(default_factory=list)  # the metrics rows, resumed ones included
+    val_loss: float | None = None  # the last validation
+    elapsed: float = 0.0  # seconds in train steps, over every resumed segment
+
+
+def train(cfg: TrainConfig | None = None, *, layers=None, loss_fn: Callable | None = None,
+          data: Iterable | None = None, val_data: Iterable | None = None, relay=None,
+          callbacks: Iterable[Callable[[dict], None]] = ()) -> TrainResult:
+    """Train per `cfg` (see the module docstring); every callback gets each metrics row."""
+    cfg = cfg or TrainConfig()
+    if not isinstance(cfg, TrainConfig):
+        raise ConfigError(f"train() takes a TrainConfig, not a {type(cfg).__name__}")
+    if (layers is not None or relay is not None) and data is None:
+        raise ConfigError("train() with your own layers or relay needs data= (an iterable of (inputs, targets))")
+    if layers is not None and (loss_fn is None or relay is not None):
+        raise ConfigError("train(layers=...) needs loss_fn= and no relay=")
+    checkpoint = _load_for_resume(cfg) if cfg.resume else None
+    if checkpoint is not None and cfg.warmup is None:  # "a tenth of steps" was settled when the run began
+        cfg = dataclasses.replace(cfg, warmup=checkpoint[1]["config"]["warmup"])
+    ranks = join_torchrun(cfg.device, cfg.dist_timeout)
+    try:
+        try:  # set-up: what fails here is a value or a file of the config, named in the message
+            loop, corpus = _set_up(cfg, ranks, layers, loss_fn, data, val_data, relay, checkpoint)
+        except ConfigError:
+            raise
+        except (ValueError, TypeError, OSError) as e:
+            raise ConfigError(str(e)) from e
+        loop.callbacks = list(callbacks)
+        if cfg.verbose and ranks.lead:
+            print(_banner(cfg, loop.relay, ranks, corpus))
+        result = loop.run()
+        if cfg.verbose:  # every rank: the report gathers the weights (a collective when sharded)
+            loop.report(result, sample=corpus is not None)
+        return result
+    finally:
+        leave_torchrun(ranks)
+
+
+def _set_up(cfg: TrainConfig, ranks: Ranks, layers, loss_fn, data, val_data, relay, checkpoint):
+    if cfg.out is not None and ranks.lead:
+        prepare_out(cfg)
+    corpus = None
+    if layers is None and relay is None:  # the reference GPT on the reference corpus
+        corpus = load_corpus(cfg)
+        data = CorpusBatches(corpus, cfg.batch_size, cfg.context, cfg.seed)
+        val_data = corpus_val_batches(corpus, cfg)
+    if relay is None:  # resuming, layers on the meta device (or a relay's, which keep only structure) are filled
+        init = init_from_state(checkpoint[0].view("relay.")) if checkpoint is not None else None  # from the file
+        relay = build_relay(cfg, layers, loss_fn, device=ranks.device, shard_state=sharded(cfg, ranks), init=init)
+    loop = _Loop(cfg, relay, data, val_data, ranks)
+    if checkpoint is not None:  # after building: construction draws from the RNGs restored now
+        loop.restore(*checkpoint)
+    return loop, corpus
+
+
+def prepare_out(cfg: TrainConfig) -> None:
+    """The output folder exists and takes files; what an interrupted checkpoint write left is removed."""
+    out = Path(cfg.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(out / CHECKPOINT)
+        with open(out / METRICS, "a"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"cannot write there ({e.strerror or e})", "out", str(cfg.out)) from e
+
+
+def load_corpus(cfg: TrainConfig) -> Corpus:
+    """The reference corpus of cfg.data, with room for a context window in each split."""
+    try:
+        corpus = Corpus.load(cfg.data)
+    except (ValueError, OSError) as e:
+        raise ConfigError(str(e), "data", cfg.data) from e
+    for split in ("train", "val"):
+        size = len(getattr(corpus, split))
+        if size < cfg.context + 1:
+            raise ConfigError(f"its {split} split has {size} bytes, fewer than context + 1 = {cfg.context + 1} "
+                              "(a file's last tenth is validation)", "data", cfg.data)
+    return corpus
+
+
+def sharded(cfg: TrainConfig, ranks: Ranks) -> bool:
+    """Sharding needs ranks to share with: a sharded run resumed on one process is replicated."""
+    return cfg.shard_state and ranks.world > 1
+
+
+def _load_for_resume(cfg: TrainConfig):
+    if cfg.out is None:
+        raise ConfigError("resume needs out= (the folder holding the checkpoint)")
+    checkpoint = open_checkpoint(Path(cfg.out) / CHECKPOINT)  # checked whole, read lazily: no copy of the state
+    tensors, meta = checkpoint, checkpoint.meta
+    saved, run = _saved_config(meta, Path(cfg.out) / CHECKPOINT), cfg.run_config()
+    if cfg.warmup is None:  # as train() takes it
+        run["warmup"] = saved["warmup"]
+    clash = [k for k in saved if k not in RESUME_MAY_CHANGE and saved[k] != run.get(k)]
+    if clash:
+        raise ConfigError(f"resume: {cfg.out}/{CHECKPOINT} is a different run: " + ", ".join(
+            f"{k} is {saved[k]!r} there, {run.get(k)!r} in the config" for k in clash))
+    if cfg.steps < meta["step"]:
+        raise ConfigError(f"is below the checkpoint's step {meta['step']}; give at least that many", "steps",
+                          cfg.steps)
+    return tensors, meta
+
+
+def _banner(cfg: TrainConfig, relay, ranks: Ranks, corpus: Corpus | None) -> str:
+    model = (f"{cfg.layers} layers x {cfg.width} wide, context {cfg.context}, " if corpus is not None
+             else f"{len(relay.layers)} layers, ")
+    data = f"corpus {corpus.source} ({len(corpus.train):,} train bytes), " if corpus is not None else ""
+    return (f"l2l train: {model}batch {cfg.batch_size} in {cfg.micro_batches} micro-batches"
+            f"{f' on each of {ranks.world} ranks' if ranks.world > 1 else ''}, EPS {cfg.eps_backend}"
+            f"{' (state sharded)' if sharded(cfg, ranks) else ''}, device {ranks.device or cfg.device}, "
+            f"{data}out {cfg.out}")
+
+
+class _Loop:
+    """The state of one train() call between steps: the relay, the data position, the rows."""
+
+    def __init__(self, cfg: TrainConfig, relay, data: Iterable, val_data: Iterable | None, ranks: Ranks):
+        self.cfg, self.relay, self.data, self.val_data, self.ranks = cfg, relay, data, val_data, ranks
+        self.callbacks: list[Callable[[dict], None]] = []
+        self.out = Path(cfg.out) if cfg.out is not None else None
+        self.files = self.out is not None and ranks.lead  # rank 0 alone writes files
+        self.history: list[dict] = []
+        self.elapsed = 0.0
+        self.skip = 0  # batches of a fresh pass over `data` already trained on (resume without a data state)
+
+    def restore(self, checkpoint: Checkpoint, meta: dict) -> None:
+        self.relay.load_state_dict(checkpoint.view("relay."))  # streamed, one tensor at a time
+        restore_rng({k: checkpoint[k].read() for k in checkpoint if k.startswith("rng.")})
+        data_state = {k: e.read() for k, e in checkpoint.view("data.").items()}
+        if hasattr(self.data, "load_state_dict"):
+            self.data.load_state_dict(data_state)
+        else:
+            self.skip = self.relay.step
+        self.elapsed = meta["elapsed"]
+        if self.out is not None:
+            self.history = read_metrics(self.out / METRICS, self.relay.step)
+
+    def evaluate(self) -> float | None:
+        if self.val_data is None:
+            return None
+        losses = [self.relay.evaluate(*rank_shard(batch, self.ranks.rank, self.ranks.world))
+                  for batch in self.val_data]
+        return sum(losses) / len(losses)
+
+    def save(self) -> None:
+        if self.out is None:  # the same on every rank
+            return
+        # Streamed to the file, read one tensor at a time; every rank: a collective if sharded.
+        tensors = {f"relay.{k}": v for k, v in self.relay.state_entries().items()}
+        if not self.files:
+            return
+        tensors.update(rng_tensors())
+        if hasattr(self.data, "state_dict"):
+            tensors.update({f"data.{k}": v for k, v in self.data.state_dict().items()})
+        meta = {"config": self.cfg.run_config(), "step": self.relay.step, "elapsed": self.elapsed,
+                "l2l_hw_version": __version__}
+        try:
+            save_checkpoint(self.out / CHECKPOINT, tensors, meta)
+        except OSError as e:
+            raise OutputError(f"{self.out / CHECKPOINT}: cannot write the checkpoint ({e}); the previous "
+                              "checkpoint is unchanged") from e
+
+    def write_rows(self, metrics, rows: list[dict], rewrite: bool = False) -> None:
+        try:
+            if rewrite:
+                metrics.seek(0)
+                metrics.truncate()
+            metrics.writelines(json.dumps(r) + "\n" for r in rows)
+            metrics.flush()
+        except OSError as e:
+            raise OutputError(f"{self.out / METRICS}: cannot write the metrics ({e.strerror or e})") from e
+
+    def run(self) -> TrainResult:
+        from tqdm import tqdm
+
+        cfg, relay = self.cfg, self.relay
+        stop = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
+        if self.files:
+            self.out.mkdir(parents=True, exist_ok=True)
+        board = _tensorboard(self.out, relay.step) if cfg.tensorboard and self.files else None
+        batches = iter(self.data)
+        for skipped in range(self.skip):
+            if next(batches, None) is None:
+                raise ConfigError(f"the data ends after {skipped} batches, before the checkpoint's step {self.skip}")
+        val_loss = None
+        bar = tqdm(total=stop, initial=relay.step, unit="step", desc="train", dynamic_ncols=True,
+                   disable=not (cfg.verbose and self.ranks.lead))
+        # the bar closes (ends its line) before an error is reported; metrics.jsonl is rewritten: rows past the
+        with bar, open(self.out / METRICS if self.files else os.devnull, "w") as metrics:
+            self.write_rows(metrics, self.history)  # checkpoint are dropped
+            while relay.step < stop:
+                batch = next(batches, None)
+                if batch is None:  # a finite iterable ran out: validate and checkpoint where it ended
+                    if self.history and "val_loss" not in self.history[-1]:
+                        val_loss = self.history[-1]["val_loss"] = self.evaluate()
+                        if self.files:  # the last row again, with its val_loss
+                            self.write_rows(metrics, self.history, rewrite=True)
+                        self.save()
+                    break
+                row = self.step(batch)
+                evaluate = relay.step % cfg.eval_every == 0 or relay.step == stop
+                if evaluate:
+                    val_loss = row["val_loss"] = self.evaluate()
+                if self.files:
+                    self.write_rows(metrics, [row])
+                if evaluate:  # after the row: a checkpoint never runs ahead of its metrics
+                    self.save()
+                self.history.append(row)
+                for callback in self.callbacks:
+                    callback(row)
+                if board is not None:
+                    for name, value in row.items():
+                        if name != "step" and value is not None:
+                            board.add_scalar(name, value, row["step"])
+                bar.update(1)
+                bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}")
+        if board is not None:
+            board.close()
+        if val_loss is None:  # nothing left to train: report the checkpoint as it is
+            val_loss = self.evaluate()
+        if self.files and self.history:
+            plot(self.history, self.out / PLOT)
+        return TrainResult(relay, self.history, val_loss, self.elapsed)
+
+    def step(self, batch) -> dict:
+        inputs, targets = rank_shard(batch, self.ranks.rank, self.ranks.world)
+        lr = self.relay.eps.lr_at(self.relay.step + 1)  # 1-based: the step about to run
+        t0 = time.perf_counter()
+        loss = self.relay.train_step(inputs, targets)
+        dt = time.perf_counter() - t0
+        self.elapsed += dt
+        targets = batch[1][0] if isinstance(batch[1], (tuple, list)) else batch[1]  # HF: (labels, counts)
+        tokens = targets.numel()  # the global minibatch's targets: B x T for a language model
+        return {"step": self.relay.step, "loss": loss, "lr": lr, "tokens_per_s": tokens / dt, "elapsed": self.elapsed}
+
+    def report(self, result: TrainResult, sample: bool) -> None:
+        model = result.relay.materialize()  # every rank: with a sharded EPS the weights are gathered
+        if not self.ranks.lead:
+            return
+        cfg = self.cfg
+        val = f"  final val loss {result.val_loss:.4f}" if result.val_loss is not None else ""
+        print(f"step {result.relay.step}/{cfg.steps}{val}  ({result.elapsed:.1f} s training)")
+        if self.files:
+            print(f"wrote {self.out / METRICS}, {self.out / PLOT}, {self.out / CHECKPOINT}")
+        if sample:
+            text = generate(model, SAMPLE_PROMPT, SAMPLE_BYTES, temperature=0.8, top_k=40, block_size=cfg.context,
+                            generator=torch.Generator().manual_seed(cfg.seed))
+            print("sample:\n" + (SAMPLE_PROMPT + text).decode("utf-8", errors="replace"))
+
+
+def rng_tensors() -> dict[str, torch.Tensor]:
+    """Every global RNG state that a step draws from (dropout, layer drop), for a checkpoint."""
+    rng = {"rng.torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i, state in enumerate(torch.cuda.get_rng_state_all()):
+            rng[f"rng.cuda.{i}"] = state
+    return rng
+
+
+def restore_rng(tensors: dict) -> None:
+    torch.set_rng_state(tensors["rng.torch"])
+    cuda = sorted((k for k in tensors if k.startswith("rng.cuda.")), key=lambda k: int(k.rsplit(".", 1)[1]))
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([tensors[k] for k in cuda[: torch.cuda.device_count()]])
+
+
+def read_metrics(path: Path, up_to_step: int | None = None) -> list[dict]:
+    """The rows of a metrics.jsonl up to a step. A torn last line (a kill during its write) is
+    dropped; any other line that is not a metrics row is an error naming the file and line."""
+    if not path.exists():
+        return []
+    lines = path.read_text(errors="replace").splitlines()
+    rows = []
+    for number, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict) or not _is_int(row.get("step")):
+                raise ValueError("no step")
+        except ValueError:
+            if number == len(lines):
+                break
+            raise ConfigError(f"{path}: line {number} is not a metrics row; move the file away to resume") from None
+        rows.append(row)
+    return [r for r in rows if up_to_step is None or r["step"] <= up_to_step]
+
+
+def _tensorboard(out: Path, step: int):
+    """A SummaryWriter in out/tensorboard; events past `step` (a run resumed from there) are purged."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        raise ConfigError("--tensorboard needs the tensorboard package (pip install tensorboard)") from e
+    return SummaryWriter(str(out / TENSORBOARD), purge_step=step + 1 if step else None)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train", lw=1)
+    val = [r for r in rows if r.get("val_loss") is not None]
+    ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation")
+    ax.set(xlabel="step", ylabel="loss", title="l2l train")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
