@@ -6,7 +6,6 @@ prints what is usable here; `l2l bench NAME` runs one benchmark of l2l_hw.bench.
 import argparse
 import importlib
 import importlib.metadata
-import json
 import platform
 import sys
 from pathlib import Path

@@ -1,5 +1,4 @@
 """The update rule: CPU EPS bit-identical to golden; golden within 2 ulp of torch.optim."""
-import math
 
 import numpy as np
 import pytest

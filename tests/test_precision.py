@@ -1,7 +1,6 @@
 """Mixed precision: low-precision compute, fp32 masters, overflow discards the whole step."""
 import pytest
 import torch
-from torch import nn
 
 import l2l_hw
 from l2l_hw.models.gpt import lm_loss

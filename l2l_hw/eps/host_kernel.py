@@ -102,7 +102,7 @@ def library() -> ctypes.CDLL:
         raise HostKernelMissing(f"the fused host optimizer kernel is not built (no {package}/_host_kernel*.so); "
                                 f"the CPU EPS needs it: {BUILD_HINT}")
     lib = ctypes.CDLL(str(found[0]))
-    c_int, c_i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+    c_int, c_i64 = ctypes.c_int, ctypes.c_int64
     lib.l2l_host_step.argtypes = [ctypes.POINTER(_Scalars), c_i64, ctypes.POINTER(_Buffers), c_int, c_int,
                                   ctypes.POINTER(_Codebooks), c_int, c_int, c_int]
     lib.l2l_host_step.restype = c_int
