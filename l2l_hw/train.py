@@ -28,7 +28,6 @@ import dataclasses
 import json
 import math
 import os
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +41,7 @@ from l2l_hw.eps import known_backends, make_eps
 from l2l_hw.eps.base import OPTIMIZERS, SCHEDULES
 from l2l_hw.models import Corpus, GPTConfig, build_gpt, generate, lm_loss
 from l2l_hw.models.gpt import GELUS
-from l2l_hw.relay import Relay, init_from_state
+from l2l_hw.relay import Relay, device_problem, init_from_state
 from l2l_hw.relay.precision import COMPUTE_DTYPES
 from l2l_hw.relay.stash import POLICIES
 from l2l_hw.version import __version__
@@ -78,18 +77,11 @@ def choices() -> dict[str, tuple]:
             "activations": POLICIES, "clip_mode": CLIP_MODES, "gelu": GELUS, "eps_backend": tuple(known_backends())}
 
 
-def check_device(device: str) -> None:
-    """cpu, cuda or cuda:N, as this machine has them."""
-    if not isinstance(device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", device):
-        raise ConfigError("must be cpu, cuda or cuda:N", "device", device)
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ConfigError("CUDA is not available on this machine (torch.cuda.is_available() is False); "
-                              "use cpu", "device", device)
-        index = int(device.partition(":")[2] or 0)
-        if index >= torch.cuda.device_count():
-            raise ConfigError(f"this machine has {torch.cuda.device_count()} CUDA device(s): cuda:0 to "
-                              f"cuda:{torch.cuda.device_count() - 1}", "device", device)
+def check_device(device) -> None:
+    """cpu, cuda or cuda:N, as this machine has them (the relay's own check)."""
+    problem = device_problem(device) if isinstance(device, str) else "must be cpu, cuda or cuda:N"
+    if problem is not None:
+        raise ConfigError(problem, "device", device)
 
 
 def check_config(cfg: "TrainConfig") -> None:

@@ -158,15 +158,16 @@ def train_and_checkpoint(config: str, width: int, depth: int, out: str, resume: 
             "peak_rss_bytes": rss_bytes("VmHWM"), "checkpoint_bytes": path.stat().st_size}
 
 
-def _in_fresh_process(function: str, *args) -> dict:
-    """Run one measurement in a fresh interpreter: RSS figures must not see another's memory."""
+def in_fresh_process(module: str, function: str, *args) -> dict:
+    """`module.function(*args)` in a fresh interpreter, its JSON result: RSS figures must not see
+    another measurement's memory (glibc's mmap threshold fixed, see the module docstring)."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD), OMP_NUM_THREADS=os.environ.get(
         "OMP_NUM_THREADS", str(len(os.sched_getaffinity(0)))))
-    code = f"import json, sys; from l2l_hw.bench import capacity; print(json.dumps(capacity.{function}(*{args!r})))"
+    code = f"import json, {module}; print(json.dumps({module}.{function}(*{args!r})))"
     res = subprocess.run([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True)
     if res.returncode != 0:
-        raise RuntimeError(f"capacity.{function}{args} failed (exit {res.returncode}): {res.stderr.strip()[-2000:]}")
+        raise RuntimeError(f"{function}{args} failed (exit {res.returncode}): {res.stderr.strip()[-2000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
@@ -179,14 +180,14 @@ def run(configs=tuple(CONFIGS), width: int = 2048, measure_depth: int = 6, train
     memory_bytes = memory_bytes or mem_total_bytes()
     rows = []
     for config in configs:
-        row = _in_fresh_process("measure_bytes_per_param", config, width, measure_depth)
+        row = in_fresh_process(__name__, "measure_bytes_per_param", config, width, measure_depth)
         depth = largest_depth(row["bytes_per_param"], width, memory_bytes)
         row.update(largest_depth=depth, largest_params=gpt_params(width, depth))
         if config in train:
             depth = train_depth or depth
             with tempfile.TemporaryDirectory(prefix="l2l-capacity-", dir=os.environ.get("TMPDIR", "/var/tmp")) as out:
-                row["train"] = _in_fresh_process("train_and_checkpoint", config, width, depth, out, False)
-                row["resume"] = _in_fresh_process("train_and_checkpoint", config, width, depth, out, True)
+                row["train"] = in_fresh_process(__name__, "train_and_checkpoint", config, width, depth, out, False)
+                row["resume"] = in_fresh_process(__name__, "train_and_checkpoint", config, width, depth, out, True)
         rows.append(row)
     return {"width": width, "memory_bytes": memory_bytes, "overhead_bytes": OVERHEAD_BYTES, "configs": rows}
 

@@ -24,17 +24,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
 from l2l_hw.bench import print_report
-from l2l_hw.bench.capacity import MMAP_THRESHOLD, rss_bytes
+from l2l_hw.bench.capacity import in_fresh_process, rss_bytes
 
 MARGIN = 1.15  # the acceptance's allowance over the EPS plus one shard
 MODES = ("l2l", "transformers", "transformers+relay")
@@ -93,18 +89,6 @@ def load_peak(mode: str, folder: str, eps_options: dict) -> dict:
             "held_bytes": rss_bytes() - baseline, "eps_state_bytes": state_bytes}
 
 
-def _in_fresh_process(mode: str, folder: str, eps_options: dict) -> dict:
-    """load_peak in a new interpreter, so that its peak is its own."""
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD))
-    code = (f"import json; from l2l_hw.bench import hf; "
-            f"print(json.dumps(hf.load_peak({mode!r}, {folder!r}, {eps_options!r})))")
-    res = subprocess.run([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True)
-    if res.returncode != 0:
-        raise RuntimeError(f"loading with {mode} failed (exit {res.returncode}): {res.stderr.strip()[-2000:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
-
-
 def run(layers: int = LLAMA["num_hidden_layers"], max_shard_size: str = "200MB", optimizer: str = "adamw",
         checkpoint_dtype: str = "fp32", modes=MODES, folder: str | None = None) -> dict:
     eps_options = {"optimizer": optimizer, "lr": 1e-4}
@@ -116,7 +100,7 @@ def run(layers: int = LLAMA["num_hidden_layers"], max_shard_size: str = "200MB",
                   "checkpoint_bytes": sum(f.stat().st_size for f in shards),
                   "largest_shard_bytes": max(f.stat().st_size for f in shards), "margin": MARGIN}
         for mode in modes:
-            report[mode] = _in_fresh_process(mode, tmp, eps_options)
+            report[mode] = in_fresh_process(__name__, "load_peak", mode, tmp, eps_options)  # its peak its own
     if "l2l" in report:
         eps = report["l2l"]["held_bytes"]
         report["eps_bytes"] = eps

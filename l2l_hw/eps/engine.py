@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from l2l_hw.eps import golden
-from l2l_hw.eps.base import EPS, GRAD_DTYPES, STATE_SLOTS, WORKING_DTYPES, OptimConfig
+from l2l_hw.eps.base import EPS, STATE_SLOTS, WORKING_DTYPES, OptimConfig
 from l2l_hw.eps.golden import step_scalars
 from l2l_hw.eps.worker import UpdateWorker
 
@@ -200,12 +200,8 @@ class AsyncEps(EPS):
     def _update(self, key: str, grads: dict[str, torch.Tensor], s) -> bool:
         """Update thread: the group's gradients to the host first (all that can fail), then
         one run per tensor, in place or into the spare buffers."""
-        host = {}
-        for name, grad in grads.items():
-            g = grad.detach().to("cpu").contiguous()  # fp32, bf16 or fp16 as it came: the backend widens it
-            if g.dtype not in GRAD_DTYPES or g.shape != self.shapes[key][name]:
-                raise TypeError(f"gradient {key}/{name} is {g.dtype} {tuple(g.shape)} on the host")
-            host[name] = g
+        # fp32, bf16 or fp16 as they came (push_grads checked shapes and dtypes): the backend widens them
+        host = {name: grad.detach().to("cpu").contiguous() for name, grad in grads.items()}
         found = False
         for name, g in host.items():
             b = self.buffers[key][name]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import numbers
+import re
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
@@ -90,18 +91,20 @@ def _set_rng_state(device: torch.device, state) -> None:
         torch.cuda.set_rng_state(state[1], device)
 
 
-def _usable_device(device) -> torch.device:
-    """`device` as a torch.device this machine has; one clear error otherwise."""
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"device {device!r} is not a device torch knows ({exc}); use cpu, cuda or cuda:N") from None
-    if device.type == "cuda" and not (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()):
-        raise ValueError(f"device {str(device)!r} is not available here: torch sees "
-                         f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} CUDA device(s); use cpu")
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"device {str(device)!r}: the relay runs on cpu or cuda")
-    return device
+def device_problem(device) -> str | None:
+    """What is wrong with `device` for the relay on this machine (None: nothing): cpu, cuda or
+    cuda:N, as torch sees them. The one check, for Relay and TrainConfig alike."""
+    name = str(device)
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", name):
+        return "must be cpu, cuda or cuda:N"
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            return ("is not available here: CUDA is not available on this machine "
+                    "(torch.cuda.is_available() is False); use cpu")
+        count = torch.cuda.device_count()
+        if int(name.partition(":")[2] or 0) >= count:
+            return f"is not available here: this machine has {count} CUDA device(s): cuda:0 to cuda:{count - 1}"
+    return None
 
 
 def _replace_tensors(module: nn.Module, make: Callable[[str, torch.Tensor], torch.Tensor],
@@ -170,7 +173,10 @@ class Relay:
                 raise ValueError(f"{name} must be True or False, got {flag!r}")
         self.loss_fn = loss_fn
         self.eps = eps
-        self.device = _usable_device(device)
+        problem = device_problem(device)
+        if problem is not None:
+            raise ValueError(f"device {str(device)!r} {problem}")
+        self.device = torch.device(device)
         self.micro_batches = int(micro_batches)
         self.recompute = bool(recompute)
         if activations == "host" and not self.recompute:
