@@ -19,11 +19,13 @@
  *     afterwards, so a caller that enabled flush-to-zero (torch.set_flush_denormal(True)
  *     sets FTZ|DAZ on its thread) still gets subnormals kept;
  *   - fp16 conversions: F16C/AVX-512 vcvtps2ph with imm8 = round-to-nearest-even, and
- *     exact integer code on the scalar path; bf16 by integer round-to-nearest-even.
+ *     exact integer code on the scalar path; bf16 by integer round-to-nearest-even, or on
+ *     an AVX512_BF16 CPU by vcvtneps2bf16 (the same rounding) for vectors without a
+ *     subnormal (which it would read as zero).
  *
- * ISA: scalar, AVX2 (+F16C) and AVX-512F, each compiled with a per-function target
- * attribute and chosen at run time (__builtin_cpu_supports); nothing here needs
- * -march=native.
+ * ISA: scalar, AVX2 (+F16C) and AVX-512 (F, DQ, BW, VL), each compiled with a
+ * per-function target attribute and chosen at run time (__builtin_cpu_supports);
+ * nothing here needs -march=native.
  *
  * Threads: a small pthread pool of its own, NOT OpenMP. PyTorch runs its intra-op work
  * on an OpenMP team; a second OpenMP runtime (or nested use of torch's) in this library
@@ -43,6 +45,10 @@
 
 enum { L2L_ADAMW = 0, L2L_ADAM = 1, L2L_SGD = 2 };
 enum { L2L_DT_NONE = -1, L2L_DT_F32 = 0, L2L_DT_BF16 = 1, L2L_DT_F16 = 2 };
+/* The AVX-512 path's bf16 working copy by the CPU's own conversion (AVX512_BF16), which
+ * rounds to nearest even as bf16_round16 does but reads subnormals as zero: vectors with
+ * a subnormal are converted by bf16_round16. Chosen at run time; never passed in. */
+enum { L2L_DT_BF16_NATIVE = 3 };
 enum { L2L_ISA_SCALAR = 0, L2L_ISA_AVX2 = 1, L2L_ISA_AVX512 = 2 };
 enum { L2L_STATE_F32 = 0, L2L_STATE_BF16 = 1, L2L_STATE_8BIT = 2 };
 enum { L2L_OK = 0, L2L_E_ARG = -1, L2L_E_ISA = -2, L2L_E_THREAD = -3 };
@@ -72,6 +78,7 @@ typedef struct {
     uint32_t man_bits, drop, rebase, smallest_normal, max_magnitude, mag_mask, sign_mask;
     float sub_scale, sub_unit; /* 2^subnormal_shift and its inverse */
     float unbias;              /* 2^(127 - bias): (magnitude code << drop) as float32 bits, times this, is its value */
+    uint32_t bias;
 } l2l_code;
 
 /* One call: what every tile needs. m/v are float32, bf16 bits or 8-bit codes by `format`;
@@ -140,7 +147,7 @@ static inline float load_grad(const l2l_job *j, int64_t i) {
 }
 
 static inline void store_working(const l2l_job *j, int64_t i, float p) {
-    if (j->w_dtype == L2L_DT_BF16) ((uint16_t *)j->w_dst)[i] = f32_to_bf16(p);
+    if (j->w_dtype == L2L_DT_BF16 || j->w_dtype == L2L_DT_BF16_NATIVE) ((uint16_t *)j->w_dst)[i] = f32_to_bf16(p);
     else if (j->w_dtype == L2L_DT_F16) ((uint16_t *)j->w_dst)[i] = f32_to_f16(p);
 }
 
@@ -204,7 +211,7 @@ static l2l_code make_code(l2l_codebook b) {
     uint32_t bias = (1u << b.exp_bits) - 1, man_bits = (uint32_t)b.man_bits, shift = bias - 1 + man_bits;
     return (l2l_code){man_bits, 23 - man_bits, (127 - bias) << 23, (128 - bias) << 23,
                       (1u << (b.exp_bits + man_bits)) - 1, b.is_signed ? 0x7Fu : 0xFFu, b.is_signed ? 0x80u : 0,
-                      u2f((127 + shift) << 23), u2f((127 - shift) << 23), u2f((254 - bias) << 23)};
+                      u2f((127 + shift) << 23), u2f((127 - shift) << 23), u2f((254 - bias) << 23), bias};
 }
 
 /* golden.block_exponent: k of the scale 2^k from the block's largest |x| bits. */
@@ -501,9 +508,9 @@ AVX2 INLINE int state_loop_avx2(const l2l_job *j, int64_t begin, int64_t end, in
     return bad;
 }
 
-/* ---------------------------------------------------------------- AVX-512F path */
+/* ---------------------------------------------------------------- AVX-512 path (F, DQ, BW, VL) */
 
-#define AVX512 __attribute__((target("avx512f")))
+#define AVX512 __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl")))
 
 typedef struct {
     __m512 inv_scale, lr, wd, decay, b1c, b2, b2c, step_size, bc2, eps, mom, damp_c;
@@ -541,7 +548,12 @@ AVX512 INLINE __m256i bf16_round16(__m512 x) { /* x canonical */
 }
 
 AVX512 INLINE void store_w16(void *w, int64_t i, __m512 p, int w_dtype) {
-    if (w_dtype == L2L_DT_BF16) _mm256_storeu_si256((__m256i *)((uint16_t *)w + i), bf16_round16(p));
+    if (w_dtype == L2L_DT_BF16_NATIVE && !_mm512_fpclass_ps_mask(p, 0x20 /* subnormal */)) {
+        __m256i h;
+        __asm__("vcvtneps2bf16 %1, %0" : "=v"(h) : "v"(p)); /* no target attribute needed for the pool's callers */
+        _mm256_storeu_si256((__m256i *)((uint16_t *)w + i), h);
+    } else if (w_dtype == L2L_DT_BF16 || w_dtype == L2L_DT_BF16_NATIVE)
+        _mm256_storeu_si256((__m256i *)((uint16_t *)w + i), bf16_round16(p));
     else if (w_dtype == L2L_DT_F16) _mm256_storeu_si256((__m256i *)((uint16_t *)w + i), _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT));
 }
 
@@ -593,45 +605,66 @@ AVX512 INLINE int step_loop_avx512(const l2l_job *j, int64_t begin, int64_t end,
 }
 
 typedef struct {
-    __m512i mag_mask, rebase, smallest_normal, half_m1, max_mag;
-    __m512 sub_scale, unbias;
+    __m512i code_mask, exp_min, round_base, offset, max_mag;
+    __m512 unbias;
     __m128i drop;
+    uint32_t bias;
 } code16_k;
 
 AVX512 INLINE code16_k code16_k_of(const l2l_code *c) {
-    return (code16_k){_mm512_set1_epi32((int)c->mag_mask), _mm512_set1_epi32((int)c->rebase),
-                      _mm512_set1_epi32((int)c->smallest_normal), _mm512_set1_epi32((int)((1u << (c->drop - 1)) - 1)),
-                      _mm512_set1_epi32((int)c->max_magnitude), _mm512_set1_ps(c->sub_scale),
-                      _mm512_set1_ps(c->unbias), _mm_cvtsi32_si128((int)c->drop)};
+    return (code16_k){_mm512_set1_epi32((int)(c->sign_mask ? 0x80000000u | (c->mag_mask << c->drop) : 0xFFFFFFFFu)),
+                      _mm512_set1_epi32((int)c->smallest_normal), _mm512_set1_epi32((int)(c->drop << 23)),
+                      _mm512_set1_epi32((int)(c->smallest_normal >> c->drop)), _mm512_set1_epi32((int)c->max_magnitude),
+                      _mm512_set1_ps(c->unbias), _mm_cvtsi32_si128((int)c->drop), c->bias};
 }
 
-/* The sign of a signed code (bit 7) into bit 31 of x. */
-#define SIGN_FROM_CODE16(x, code) \
-    _mm512_ternarylogic_epi32(x, _mm512_slli_epi32(code, 24), _mm512_set1_epi32((int)0x80000000), 0xF8) /* x | (b & c) */
+/* One block's decode factors: the code's value (exact) times the scale (one rounding) is
+ * one multiply by 2^(127 - bias + k) when the scale is a power of two 2^k with k <= bias
+ * (the factor is then a normal float: the same rounding), or by NaN for a NaN scale;
+ * otherwise two multiplies, by 2^(127 - bias) and by the scale. */
+typedef struct { __m512 first, second; int two; } block16_k;
 
-/* codes -> values: the magnitude code shifted into place is a float32 whose exponent
- * field is the code's e (a subnormal float32 for e = 0), so one multiply by 2^(127 - bias)
- * gives the code's value exactly, subnormal codes included; then times the scale. */
-AVX512 INLINE __m512 decode16(const code16_k *c, const uint8_t *codes, __m512 scale, int is_signed) {
-    __m512i code = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes));
-    __m512i mag = is_signed ? _mm512_and_si512(code, c->mag_mask) : code;
-    __m512 x = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_sll_epi32(mag, c->drop)), c->unbias);
-    if (is_signed) x = _mm512_castsi512_ps(SIGN_FROM_CODE16(_mm512_castps_si512(x), code));
-    return _mm512_mul_ps(x, scale);
+AVX512 INLINE block16_k block16_k_of(const code16_k *c, float scale) {
+    uint32_t bits = f2u(scale), e = bits >> 23;
+    if (scale != scale) return (block16_k){_mm512_set1_ps(scale), _mm512_set1_ps(scale), 0};
+    if ((bits & 0x007FFFFFu) == 0 && e >= 1 && e <= 127 + c->bias)
+        return (block16_k){_mm512_set1_ps(u2f((e + 127 - c->bias) << 23)), _mm512_set1_ps(scale), 0};
+    return (block16_k){c->unbias, _mm512_set1_ps(scale), 1};
 }
 
+/* codes -> values. The code shifted into place is a float32 whose exponent field is the
+ * code's e (a subnormal float32 for e = 0); a signed code is loaded sign-extended, so the
+ * shift puts copies of its sign above the magnitude, and the mask keeps the one in bit 31. */
+AVX512 INLINE __m512 decode16(const code16_k *c, const block16_k *b, const uint8_t *codes, int is_signed) {
+    __m128i raw = _mm_loadu_si128((const __m128i *)codes);
+    __m512i code = is_signed ? _mm512_cvtepi8_epi32(raw) : _mm512_cvtepu8_epi32(raw);
+    __m512i bits = _mm512_sll_epi32(code, c->drop);
+    if (is_signed) bits = _mm512_and_si512(bits, c->code_mask);
+    __m512 x = _mm512_mul_ps(_mm512_castsi512_ps(bits), b->first);
+    return b->two ? _mm512_mul_ps(x, b->second) : x;
+}
+
+/* values scaled into the code's range (y = x * 2^-k) -> codes, as golden.encode_codes: the
+ * float add |y| + M, M = 2^(E + drop) with E the exponent of |y| but at least the code's
+ * smallest normal exponent, rounds |y| to the code's grid there (round to nearest even),
+ * and bits(|y| + M) - bits(M) counts grid steps: 2^man_bits + f for a normal code, f for
+ * a subnormal one; the exponent of M gives the rest of the code. */
 AVX512 INLINE void encode16(const code16_k *c, __m512 x, __m512 inv, uint8_t *codes, int is_signed) {
-    const __m512i mag_mask = _mm512_set1_epi32(0x7FFFFFFF), one = _mm512_set1_epi32(1);
     __m512i bits = _mm512_castps_si512(_mm512_mul_ps(x, inv));
-    __m512i mag = _mm512_and_si512(bits, mag_mask);
-    __m512i sub = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_castsi512_ps(mag), c->sub_scale));
-    __m512i r = _mm512_sub_epi32(mag, c->rebase);
-    __m512i normal = _mm512_srl_epi32(_mm512_add_epi32(_mm512_add_epi32(r, c->half_m1),
-                                                       _mm512_and_si512(_mm512_srl_epi32(r, c->drop), one)), c->drop);
-    __m512i q = _mm512_mask_mov_epi32(normal, _mm512_cmplt_epu32_mask(mag, c->smallest_normal), sub);
+    __m512i mag = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF));
+    __m512i exp = _mm512_max_epu32(_mm512_and_si512(bits, _mm512_set1_epi32(0x7F800000)), c->exp_min);
+    __m512i base = _mm512_add_epi32(exp, c->round_base);
+    __m512i steps = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(mag),
+                                                                       _mm512_castsi512_ps(base))), base);
+    __m512i q = _mm512_add_epi32(steps, _mm512_sub_epi32(_mm512_srl_epi32(exp, c->drop), c->offset));
     q = _mm512_min_epu32(q, c->max_mag);
     if (is_signed) q = _mm512_ternarylogic_epi32(q, _mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80), 0xF8);
     _mm_storeu_si128((__m128i *)codes, _mm512_cvtepi32_epi8(q));
+}
+
+/* Largest |x| bits so far (integer order of |x| bits is the order of |x|; NaN above Inf). */
+AVX512 INLINE __m512i absmax16(__m512i acc, __m512 x) {
+    return _mm512_max_epu32(acc, _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7FFFFFFF)));
 }
 
 AVX512 INLINE float encode_block_avx512(const float *buf, int64_t len, uint32_t absmax, uint8_t *codes, float *scale,
@@ -646,48 +679,66 @@ AVX512 INLINE float encode_block_avx512(const float *buf, int64_t len, uint32_t 
     return inv;
 }
 
+AVX512 INLINE int nonfinite_block16(const void *g, int64_t b0, int64_t len, int g_dtype, __m512 inv_scale, int unscale) {
+    __mmask16 bad = 0;
+    int64_t b = 0;
+    for (; b + 16 <= len; b += 16) {
+        __m512 gv = load_g16(g, b0 + b, g_dtype);
+        bad |= nonfinite16(unscale ? _mm512_mul_ps(gv, inv_scale) : gv);
+    }
+    return bad != 0;
+}
+
 AVX512 INLINE int state_loop_avx512(const l2l_job *j, int64_t begin, int64_t end, int g_dtype, int w_dtype, int format) {
     const l2l_scalars s = j->s;
     const rule16_k k = rule16_k_of(&s);
     const code16_k mk = code16_k_of(&j->m_code), vk = code16_k_of(&j->v_code);
-    const __m512i mag_mask = _mm512_set1_epi32(0x7FFFFFFF);
     const int uses_m = j->uses_m, uses_v = j->uses_v, unscale = UNSCALE(s);
+    const int q8 = format == L2L_STATE_8BIT;
+    /* 8-bit state (always with m: l2l_host_step sends a step without state to the fp32
+     * loops): a gradient that is not finite makes m or v of its element not finite (v for
+     * Adam, m for SGD with momentum), so only a block whose state max is not finite has its
+     * gradients checked. */
+    const int check_each = !q8;
     float mbuf[L2L_BLOCK] __attribute__((aligned(64))), vbuf[L2L_BLOCK] __attribute__((aligned(64)));
     int bad = 0;
     for (int64_t b0 = begin; b0 < end; b0 += L2L_BLOCK) {
         int64_t len = end - b0 < L2L_BLOCK ? end - b0 : L2L_BLOCK, blk = b0 / L2L_BLOCK, b = 0;
-        const int q8 = format == L2L_STATE_8BIT;
         float ms = q8 && uses_m ? j->m_scale_src[blk] : 0, vs = q8 && uses_v ? j->v_scale_src[blk] : 0;
-        const __m512 ms16 = _mm512_set1_ps(ms), vs16 = _mm512_set1_ps(vs);
+        const block16_k mb = block16_k_of(&mk, ms), vb = block16_k_of(&vk, vs);
         __m512i mmax = _mm512_setzero_si512(), vmax = _mm512_setzero_si512();
         __mmask16 bad16 = 0;
         for (; b + 16 <= len; b += 16) {
             int64_t i = b0 + b;
             __m512 gv = load_g16(j->g, i, g_dtype);
             if (unscale) gv = _mm512_mul_ps(gv, k.inv_scale);
-            bad16 |= nonfinite16(gv);
+            if (check_each) bad16 |= nonfinite16(gv);
             __m512 m = _mm512_setzero_ps(), v = _mm512_setzero_ps();
-            if (uses_m) m = q8 ? decode16(&mk, (const uint8_t *)j->m_src + i, ms16, 1) : bf16_load16(j->m_src, i);
-            if (uses_v) v = q8 ? decode16(&vk, (const uint8_t *)j->v_src + i, vs16, 0) : bf16_load16(j->v_src, i);
+            if (uses_m) m = q8 ? decode16(&mk, &mb, (const uint8_t *)j->m_src + i, 1) : bf16_load16(j->m_src, i);
+            if (uses_v) v = q8 ? decode16(&vk, &vb, (const uint8_t *)j->v_src + i, 0) : bf16_load16(j->v_src, i);
             __m512 p = canon_nan16(rule16(&s, &k, gv, _mm512_loadu_ps(j->p_src + i), &m, &v));
             _mm512_storeu_ps(j->p_dst + i, p);
             store_w16(j->w_dst, i, p, w_dtype);
             if (q8) { /* a NaN needs no canonical form here: it makes its block NaN */
                 _mm512_store_ps(mbuf + b, m);
                 _mm512_store_ps(vbuf + b, v);
-                mmax = _mm512_max_epu32(mmax, _mm512_and_si512(_mm512_castps_si512(m), mag_mask));
-                vmax = _mm512_max_epu32(vmax, _mm512_and_si512(_mm512_castps_si512(v), mag_mask));
+                mmax = absmax16(mmax, m);
+                vmax = absmax16(vmax, v);
             } else {
                 if (uses_m) _mm256_storeu_si256((__m256i *)((uint16_t *)j->m_dst + i), bf16_round16(canon_nan16(m)));
                 if (uses_v) _mm256_storeu_si256((__m256i *)((uint16_t *)j->v_dst + i), bf16_round16(canon_nan16(v)));
             }
         }
-        bad |= bad16 != 0;
+        int64_t vec = b;
         for (; b < len; b++) bad |= state_one(j, b0, b, ms, vs, mbuf, vbuf);
-        if (q8 && uses_m) encode_block_avx512(mbuf, len, (uint32_t)_mm512_reduce_max_epu32(mmax), (uint8_t *)j->m_dst + b0,
-                                              j->m_scale_dst + blk, &j->m_code, 1);
-        if (q8 && uses_v) encode_block_avx512(vbuf, len, (uint32_t)_mm512_reduce_max_epu32(vmax), (uint8_t *)j->v_dst + b0,
-                                              j->v_scale_dst + blk, &j->v_code, 0);
+        bad |= bad16 != 0;
+        if (q8) {
+            uint32_t m_abs = (uint32_t)_mm512_reduce_max_epu32(mmax), v_abs = (uint32_t)_mm512_reduce_max_epu32(vmax);
+            if (!check_each && (m_abs >= 0x7F800000u || v_abs >= 0x7F800000u))
+                bad |= nonfinite_block16(j->g, b0, vec, g_dtype, k.inv_scale, unscale);
+            if (uses_m) encode_block_avx512(mbuf, len, m_abs, (uint8_t *)j->m_dst + b0, j->m_scale_dst + blk, &j->m_code, 1);
+            if (uses_v) encode_block_avx512(vbuf, len, v_abs, (uint8_t *)j->v_dst + b0, j->v_scale_dst + blk, &j->v_code, 0);
+        }
     }
     return bad;
 }
@@ -720,15 +771,24 @@ AVX2 static int state_range_avx2(const void *ctx, int64_t begin, int64_t end) {
     DTYPE_CASES(state_loop_avx2, L2L_STATE_8BIT)
 }
 
+/* The AVX-512 loops also take the native bf16 working copy. */
+#define DTYPE_CASES_512(LOOP, ...)                                                      \
+    if (j->w_dtype == L2L_DT_BF16_NATIVE) switch (j->g_dtype) {                         \
+        case L2L_DT_F32: return LOOP(j, begin, end, L2L_DT_F32, L2L_DT_BF16_NATIVE, ##__VA_ARGS__); \
+        case L2L_DT_BF16: return LOOP(j, begin, end, L2L_DT_BF16, L2L_DT_BF16_NATIVE, ##__VA_ARGS__); \
+        default: return LOOP(j, begin, end, L2L_DT_F16, L2L_DT_BF16_NATIVE, ##__VA_ARGS__); \
+    }                                                                                   \
+    DTYPE_CASES(LOOP, ##__VA_ARGS__)
+
 AVX512 static int step_range_avx512(const void *ctx, int64_t begin, int64_t end) {
     const l2l_job *j = ctx;
-    DTYPE_CASES(step_loop_avx512)
+    DTYPE_CASES_512(step_loop_avx512)
 }
 
 AVX512 static int state_range_avx512(const void *ctx, int64_t begin, int64_t end) {
     const l2l_job *j = ctx;
-    if (j->format == L2L_STATE_BF16) { DTYPE_CASES(state_loop_avx512, L2L_STATE_BF16) }
-    DTYPE_CASES(state_loop_avx512, L2L_STATE_8BIT)
+    if (j->format == L2L_STATE_BF16) { DTYPE_CASES_512(state_loop_avx512, L2L_STATE_BF16) }
+    DTYPE_CASES_512(state_loop_avx512, L2L_STATE_8BIT)
 }
 
 /* ---------------------------------------------------------------- memory stream
@@ -965,7 +1025,8 @@ EXPORT int l2l_host_isa_supported(int isa) {
     switch (isa) {
     case L2L_ISA_SCALAR: return 1;
     case L2L_ISA_AVX2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-    case L2L_ISA_AVX512: return __builtin_cpu_supports("avx512f");
+    case L2L_ISA_AVX512: return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+                                __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
     default: return 0;
     }
 }
@@ -1016,6 +1077,8 @@ EXPORT int l2l_host_step(const l2l_scalars *s, int64_t n, const l2l_buffers *b, 
     l2l_job job = {*s, g_dtype, w_dtype, state_format, uses_m, uses_v, b->g, b->p_src, b->p_dst, b->w_dst,
                    b->m_src, b->v_src, b->m_dst, b->v_dst, b->m_scale_src, b->v_scale_src, b->m_scale_dst,
                    b->v_scale_dst, {0}, {0}};
+    if (isa == L2L_ISA_AVX512 && w_dtype == L2L_DT_BF16 && __builtin_cpu_supports("avx512bf16"))
+        job.w_dtype = L2L_DT_BF16_NATIVE;
     if (state_format == L2L_STATE_8BIT) {
         job.m_code = make_code(codes->m);
         job.v_code = make_code(codes->v);

@@ -14,6 +14,7 @@ import torch
 
 import l2l_hw
 from l2l_hw.checkpoint import CheckpointError
+from l2l_hw.eps.golden import STATE_FORMATS
 from l2l_hw.train import CONTROL_FIELDS, ConfigError, TrainConfig, build_eps, relay_options, resume_config, train
 
 # ---------------------------------------------------------------------------- train
@@ -179,6 +180,8 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer", choices=["adamw", "adam", "sgd"], help=f"(default {d.optimizer})")
     p.add_argument("--momentum", type=float, help=f"SGD momentum (default {d.momentum})")
     p.add_argument("--weight-decay", type=float, help=f"(default {d.weight_decay})")
+    p.add_argument("--optimizer-state", choices=list(STATE_FORMATS),
+                   help=f"how the EPS keeps m and v: fp32, bf16 or block-wise 8bit (default {d.optimizer_state})")
     p.add_argument("--eps-backend", "--eps", dest="eps_backend", help=f"EPS backend (default {d.eps_backend})")
     p.add_argument("--overlay", metavar="PATH", help="--eps fpga-pynq: the overlay to load (.bit with its .hwh, "
                    "or .xclbin; docs/BOARD.md)")

@@ -39,6 +39,7 @@ from l2l_hw.checkpoint import Checkpoint, open_checkpoint, remove_stale_temporar
 from l2l_hw.distributed import Ranks, join_torchrun, leave_torchrun, rank_shard
 from l2l_hw.eps import known_backends, make_eps
 from l2l_hw.eps.base import OPTIMIZERS, SCHEDULES
+from l2l_hw.eps.golden import STATE_FORMATS
 from l2l_hw.models import Corpus, GPTConfig, build_gpt, generate, lm_loss
 from l2l_hw.models.gpt import GELUS
 from l2l_hw.relay import Relay, device_problem, init_from_state
@@ -74,7 +75,8 @@ FLOAT_RANGES = {  # field -> (lowest, highest, whether the highest itself is all
 
 def choices() -> dict[str, tuple]:
     return {"optimizer": OPTIMIZERS, "schedule": SCHEDULES, "precision": tuple(COMPUTE_DTYPES),
-            "activations": POLICIES, "clip_mode": CLIP_MODES, "gelu": GELUS, "eps_backend": tuple(known_backends())}
+            "activations": POLICIES, "clip_mode": CLIP_MODES, "gelu": GELUS, "eps_backend": tuple(known_backends()),
+            "optimizer_state": STATE_FORMATS}
 
 
 def check_device(device) -> None:
@@ -124,6 +126,9 @@ def check_config(cfg: "TrainConfig") -> None:
     if cfg.activations == "host" and not cfg.recompute:
         raise ConfigError("needs recompute (without it the forward graphs keep every layer's intermediates on "
                           "the device)", "activations", cfg.activations)
+    if cfg.shard_state and cfg.optimizer_state != "fp32":
+        raise ConfigError("shard_state keeps fp32 optimizer state only; drop one of them", "optimizer_state",
+                          cfg.optimizer_state)
     if cfg.kernel is not None and cfg.overlay is None:
         raise ConfigError("names an IP in an overlay: give --overlay too (the fpga-pynq EPS)", "kernel", cfg.kernel)
     if (cfg.eps_backend == "fpga-pynq") != (cfg.overlay is not None):
@@ -175,6 +180,7 @@ class TrainConfig:
     lr: float = 2e-3
     momentum: float = 0.0
     weight_decay: float = 0.1
+    optimizer_state: str = "fp32"  # m and v in the EPS: fp32, bf16 or block-wise 8bit (golden.STATE_FORMATS)
     steps: int = 200
     schedule: str = "cosine"
     warmup: int | None = None  # None: a tenth of steps
@@ -253,12 +259,14 @@ def _saved_config(meta: dict, path: Path) -> dict:
 
 def build_eps(cfg: TrainConfig, shard_state: bool | None = None):
     """The EPS of `cfg`: optimizer, schedule and backend."""
-    placement = {"overlay": cfg.overlay, "kernel": cfg.kernel} if cfg.overlay else {}
+    backend_options = {"overlay": cfg.overlay, "kernel": cfg.kernel} if cfg.overlay else {}
+    if cfg.optimizer_state != "fp32":  # a backend registered without state formats still takes the default
+        backend_options["state"] = cfg.optimizer_state
     return make_eps(
         cfg.eps_backend, optimizer=cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum,
         schedule=cfg.schedule, warmup_steps=cfg.run_config()["warmup"], total_steps=cfg.steps,
         min_lr=cfg.lr / 10,  # floor at lr/10, as nanoGPT
-        shard_state=cfg.shard_state if shard_state is None else shard_state, **placement)
+        shard_state=cfg.shard_state if shard_state is None else shard_state, **backend_options)
 
 
 def relay_options(cfg: TrainConfig, device: str | None = None) -> dict:

@@ -52,12 +52,19 @@ def _assert_same_checkpoints(a, b):
     assert [(r["loss"], r["lr"], r.get("val_loss")) for r in ra] == [(r["loss"], r["lr"], r.get("val_loss")) for r in rb]
 
 
-def test_resume_10_plus_10_steps_is_bit_identical_to_20_straight_with_dropout_and_cosine(tmp_path):
+@pytest.mark.parametrize("state", ["fp32", "8bit"])
+def test_resume_10_plus_10_steps_is_bit_identical_to_20_straight_with_dropout_and_cosine(tmp_path, state):
     # dropout draws from the torch RNG and the batches from the data generator: both must resume exactly
-    opts = ["--dropout", "0.1", "--schedule", "cosine", "--warmup", "3", "--eval-every", "5", "--steps", "20"]
+    opts = ["--dropout", "0.1", "--schedule", "cosine", "--warmup", "3", "--eval-every", "5", "--steps", "20",
+            "--optimizer-state", state]
     _train(tmp_path / "straight", *opts)
     _train(tmp_path / "split", *opts, "--stop-after", "10")
-    assert load_checkpoint(tmp_path / "split" / "checkpoint.safetensors")[1]["step"] == 10
+    tensors, meta = load_checkpoint(tmp_path / "split" / "checkpoint.safetensors")
+    assert meta["step"] == 10 and meta["config"]["optimizer_state"] == state
+    # the state is stored as the EPS keeps it: 8-bit codes and one scale per block
+    assert {t.dtype for k, t in tensors.items() if k.endswith(("/m", "/v"))} == \
+        {torch.uint8 if state == "8bit" else torch.float32}
+    assert any(k.endswith("/m_scale") for k in tensors) == (state == "8bit")
     assert main(["train", "--resume", "--out", str(tmp_path / "split")]) == 0
     _assert_same_checkpoints(tmp_path / "straight", tmp_path / "split")
 

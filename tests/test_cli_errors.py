@@ -79,6 +79,8 @@ BAD_FLAGS = [  # (flags, the words the one line must hold)
     (["--eps", "fpga-pynq"], ["--eps fpga-pynq", "needs an overlay"]),
     (["--overlay", "x.bit"], ["--overlay x.bit", "fpga-pynq"]),
     (["--activations", "host", "--no-recompute"], ["--activations host", "recompute"]),
+    (["--shard-state", "--optimizer-state", "8bit"], ["--optimizer-state 8bit", "fp32 optimizer state only"]),
+    (["--eps", "fpga-sim", "--optimizer-state", "bf16"], ["fpga-sim EPS", "state='bf16'", "cpu or golden"]),
     (["--out", "/proc/x"], ["--out /proc/x", "cannot write"]),
     (["--out", "/sys/l2l_out"], ["--out /sys/l2l_out", "cannot write"]),
 ]

@@ -117,10 +117,11 @@ def test_unknown_state_format_is_refused():
 # ---------------------------------------------------------------------------- kernel == golden
 
 def initial_state(n, seed, optimizer, state):
-    """p, stored m/v (as golden encodes them from spread fp32 values) and a gradient, with a
-    block of all zeros (state and gradient) where the size allows."""
+    """p (a few subnormal), stored m/v (as golden encodes them from spread fp32 values) and a
+    gradient, with a block of all zeros (state and gradient) where the size allows."""
     rng = np.random.default_rng(seed)
     p = (rng.standard_normal(n) * 10.0 ** rng.uniform(-6, 2, n)).astype(np.float32)
+    p[5::97] = np.float32(-3e-39)  # subnormal weights: their working copy is rounded, not read as zero
     g = (rng.standard_normal(n) * 10.0 ** rng.uniform(-4, 2, n) * 1024).astype(np.float32)
     fp32 = {"m": (rng.standard_normal(n) * 10.0 ** rng.uniform(-7, 0, n)).astype(np.float32)}
     if optimizer != "sgd":
@@ -141,10 +142,14 @@ def as_numpy_bits(t: torch.Tensor) -> np.ndarray:
     return t.numpy().view(np.uint32) if t.dtype == torch.float32 else t.numpy()
 
 
-def check(config, state, isa, n, grad_dtype=torch.bfloat16, in_place=True, threads=2, seed=0, poison=()):
+def check(config, state, isa, n, grad_dtype=torch.bfloat16, in_place=True, threads=2, seed=0, poison=(),
+          scales=None):
     cfg = OptimConfig(**OPTIMIZERS[config])
     s = golden.step_scalars(cfg, 3, 1 / 1024)
     p, stored, g = initial_state(n, seed, cfg.optimizer, state)
+    for name, values in (scales or {}).items():  # block scales replaced, as a loaded state may hold them
+        if name in stored:
+            stored[name][: len(values)] = values
     grad = torch.from_numpy(g).to(grad_dtype)
     for i, value in poison:
         grad[i] = value
@@ -202,6 +207,15 @@ def test_nan_and_inf_gradients_with_compressed_state(isa, state):
     poison = ((3, float("nan")), (2 * BLOCK + 8, float("inf")), (n - 1, -float("inf")))
     for config in ("adamw", "sgd-momentum"):
         check(config, state, isa, n, grad_dtype=torch.float32, poison=poison, seed=2)
+
+
+@pytest.mark.parametrize("isa", ISA_PARAMS)
+def test_8bit_blocks_of_any_scale_decode_as_golden(isa):
+    # 2^20 and 2^40 lie above each code's bias (no single-multiply decode), 3 is not a power
+    # of two, then a subnormal scale and zero: none comes from the encoder, a checkpoint may hold them
+    odd = np.array([2.0**20, 2.0**40, 3.0, 2.0**-140, 0.0, 2.0**-126], np.float32)
+    for config in ("adamw", "sgd-momentum"):
+        check(config, "8bit", isa, 6 * BLOCK + 5, scales={"m_scale": odd, "v_scale": odd[::-1].copy()})
 
 
 def test_compressed_state_buffers_are_checked():

@@ -30,12 +30,15 @@ import torch
 
 from l2l_hw.bench import print_report
 
-# name -> (working copy, PipeDream-2BW): the relay options each configuration stands for.
+# name -> (working copy, PipeDream-2BW, optimizer state): the relay and EPS options each
+# configuration stands for.
 CONFIGS = {
-    "exact-fp32": ("fp32", False),  # fp32 compute, fp32 working copy: param, m, v
-    "exact-bf16": ("bf16", False),  # + a bf16 working copy
-    "fp16-double-buffered": ("fp16", False),  # loss scaling: a step with an overflow is discarded whole
-    "2bw-bf16": ("bf16", True),  # PipeDream-2BW: the previous version is read
+    "exact-fp32": ("fp32", False, "fp32"),  # fp32 compute, fp32 working copy: param, m, v
+    "exact-bf16": ("bf16", False, "fp32"),  # + a bf16 working copy
+    "fp16-double-buffered": ("fp16", False, "fp32"),  # loss scaling: a step with an overflow is discarded whole
+    "2bw-bf16": ("bf16", True, "fp32"),  # PipeDream-2BW: the previous version is read
+    "bf16-state": ("bf16", False, "bf16"),  # exact-bf16 with m and v in bf16
+    "8bit-state": ("bf16", False, "8bit"),  # exact-bf16 with block-wise 8-bit m and v
 }
 MMAP_THRESHOLD = 1 << 16  # bytes: larger allocations are mmapped, and unmapped when freed
 # Left for everything but the EPS when sizing the largest model (measured: the interpreter
@@ -84,12 +87,12 @@ def measure_bytes_per_param(config: str, width: int, depth: int) -> dict:
     """In this process: RSS around registering a GPT's groups in a cpu EPS and one step."""
     import l2l_hw
 
-    working, pipedream = CONFIGS[config]
+    working, pipedream, state = CONFIGS[config]
     from l2l_hw.models import build_gpt
 
     with torch.device("meta"):
         layers = build_gpt(gpt_config(width, depth))
-    eps = l2l_hw.make_eps("cpu", working_dtype=working, double_buffer=working == "fp16" or pipedream)
+    eps = l2l_hw.make_eps("cpu", working_dtype=working, double_buffer=working == "fp16" or pipedream, state=state)
     base = rss_bytes()
     n = 0
     for i, layer in enumerate(layers):
@@ -131,11 +134,11 @@ def train_and_checkpoint(config: str, width: int, depth: int, out: str, resume: 
     from l2l_hw.models import build_gpt, lm_loss
     from l2l_hw.relay import init_from_state
 
-    working, pipedream = CONFIGS[config]
+    working, pipedream, state = CONFIGS[config]
     cfg = gpt_config(width, depth)
     with torch.device("meta"):
         layers = build_gpt(cfg)
-    eps = l2l_hw.make_eps("cpu", lr=1e-4)
+    eps = l2l_hw.make_eps("cpu", lr=1e-4, state=state)
     path = Path(out) / "checkpoint.safetensors"
     t0 = time.perf_counter()
     ckpt = open_checkpoint(path) if resume else None

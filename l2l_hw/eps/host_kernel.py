@@ -172,19 +172,15 @@ def _check_buffers(buffers: dict[str, torch.Tensor | None], n: int, counts: dict
 
 def _check_overlap(sources: dict[str, torch.Tensor], destinations: dict[str, tuple[torch.Tensor, str | None]]):
     """A destination may be exactly its own source; any other overlap is refused."""
-    def span(t):
-        return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
-
-    others = [(name, t) for name, t in sources.items()] + [(name, t) for name, (t, _) in destinations.items()]
-    for dst_name, (dst, own_source) in destinations.items():
-        lo, hi = span(dst)
+    spans = {name: (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for name, t in sources.items()}
+    spans.update({name: (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+                  for name, (t, _) in destinations.items()})
+    for dst_name, (_, own_source) in destinations.items():
+        lo, hi = spans[dst_name]
         if lo == hi:
             continue
-        for name, t in others:
-            if name == dst_name:
-                continue
-            a, b = span(t)
-            if a < hi and lo < b and not (name == own_source and (a, b) == (lo, hi)):
+        for name, (a, b) in spans.items():
+            if name != dst_name and a < hi and lo < b and not (name == own_source and (a, b) == (lo, hi)):
                 raise ValueError(f"host kernel: {dst_name} overlaps {name}; a destination must be exactly its own "
                                  f"source (in place) or disjoint from every other buffer")
 
