@@ -16,7 +16,7 @@ def test_bench_reports_every_comparison_with_its_stream_limit():
     sf = r["state_formats"]
     assert [sf[s]["bytes_per_element"] for s in golden.STATE_FORMATS] == [28, 20, 16 + 4 * 4 / golden.QUANT_BLOCK]
     assert sf["fp32"]["elements_vs_fp32_state"] == 1.0
-    assert all(sf[s]["resident_gelem_s"] > 0 and sf[s]["stream_gelem_s"] > 0 for s in golden.STATE_FORMATS)
+    assert all(sf[s]["stream_gelem_s"] > 0 for s in golden.STATE_FORMATS)
     assert "deepspeed" in bench_eps.format_report(r)  # the note says it was skipped
 
 
