@@ -67,6 +67,25 @@ def test_fpga_sim_training_is_bit_identical_to_cpu_eps_every_step(model, optimiz
     assert relays["fpga-sim"].eps.driver.runs > 0
 
 
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+@pytest.mark.parametrize("model", list(MODELS))
+def test_fpga_sim_8bit_state_training_is_bit_identical_to_cpu_eps_every_step(model, optimizer):
+    """state="8bit": the kernel reads and writes golden's block-wise 8-bit m and v (codes and
+    block scales in device DRAM); every stored piece equals the cpu EPS's (the host kernel)."""
+    build, batches, loss_fn = MODELS[model]
+    data = batches(STEPS, batch=4)
+    relays = {b: l2l_hw.Relay(build(), loss_fn, eps=l2l_hw.make_eps(b, state="8bit", **OPTIMIZERS[optimizer]),
+                              micro_batches=2, precision="bf16") for b in ("cpu", "fpga-sim")}
+    for step, (x, y) in enumerate(data, 1):
+        losses = {b: r.train_step(x, y) for b, r in relays.items()}
+        assert losses["cpu"] == losses["fpga-sim"], f"step {step}"
+        state = {b: r.eps.state_dict() for b, r in relays.items()}
+        assert any(k.endswith("m_scale") for k in state["cpu"]), "8-bit state keeps block scales"
+        assert_bit_identical(state["cpu"], state["fpga-sim"], f"step {step}")
+    for key in relays["cpu"].eps.shapes:
+        assert_bit_identical(relays["cpu"].eps.fetch(key), relays["fpga-sim"].eps.fetch(key), f"fetch {key}")
+
+
 def test_fpga_sim_pipedream_2bw_is_bit_identical_to_cpu_eps_every_step():
     # double-buffered state, the version one step back, and commits that do not wait
     test_fpga_sim_training_is_bit_identical_to_cpu_eps_every_step("mlp", "adamw", "bf16", pipedream_2bw=True)
@@ -156,6 +175,19 @@ def test_two_compute_units_update_bit_identical_to_cpu_eps_every_step(precision)
         assert_bit_identical(eps["cpu"].fetch("g"), eps["fpga-sim"].fetch("g"), f"fetch after step {step + 1}")
     # both simulated kernels were clocked through runs, not only the first
     assert all(unit.cycles - before > SPLIT_N // 8 for unit, before in zip(eps["fpga-sim"].transport.units, idle))
+
+
+def test_two_compute_units_update_8bit_state_bit_identical_to_cpu_eps():
+    """The split of a run keeps whole blocks per unit: each unit's codes and scales start a
+    block (and a bus word) and the encoding is the golden one."""
+    eps = {b: two_unit_group(b, working_dtype="bf16", state="8bit") for b in ("cpu", "fpga-sim")}
+    assert len(eps["fpga-sim"].driver.chunks(SPLIT_N, regs.mode("adamw", state="8bit"))) == 2
+    for step in range(3):
+        g = split_grads(step, torch.bfloat16)
+        for e in eps.values():
+            e.push_grads("g", g, inv_scale=0.5)
+            e.commit_step()
+        assert_bit_identical(eps["cpu"].state_dict(), eps["fpga-sim"].state_dict(), f"step {step + 1}")
 
 
 @pytest.mark.parametrize("fault", ["slverr in unit 1", "both units hang"])
