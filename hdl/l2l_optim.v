@@ -312,8 +312,7 @@ wire [6*(FIFO_AW+1)-1:0] wr_count;
 wire wr_idle, wr_error;
 
 l2l_optim_writer #(
-    .DATA_WIDTH(DATA_WIDTH), .ADDR_WIDTH(ADDR_WIDTH), .ID_WIDTH(ID_WIDTH), .FIFO_DEPTH(FIFO_DEPTH),
-    .BURST_BEATS(TILE_BEATS)
+    .DATA_WIDTH(DATA_WIDTH), .ADDR_WIDTH(ADDR_WIDTH), .ID_WIDTH(ID_WIDTH), .FIFO_DEPTH(FIFO_DEPTH)
 ) writer_inst (
     .clk(clk), .rst(rst),
     .start(run_start), .abort(abort),
@@ -321,6 +320,11 @@ l2l_optim_writer #(
     .stream_beats({beats_s, beats_s, beats16, q8 ? beats8 : beats32, q8 ? beats8 : beats32, beats32}),
     .stream_last_strb({strb_s, strb_s, strb16, q8 ? strb8 : strb32, q8 ? strb8 : strb32, strb32}),
     .stream_enable({en_vs, en_ms, en_c, en_v, en_m, 1'b1}),
+    // half a tile (a quarter for the 8-bit codes): the issue credit keeps room in each FIFO
+    // for what the groups in flight may still push (up to PIPE_LATENCY/RATIO + 2 beats, ~77 at
+    // one group per clock and RATIO 2; codes: ~85 with the blocks l2l_optim_quant holds), so
+    // a burst must fit in the rest, or the issue waits for the pipeline to drain
+    .stream_burst({TILE16, TILE16, TILE16, q8 ? TILE8 : TILE16, q8 ? TILE8 : TILE16, TILE16}),
     .idle(wr_idle), .error(wr_error),
     .push(wr_push), .push_data(wr_data), .count(wr_count),
     .m_axi_awid(m_axi_awid), .m_axi_awaddr(m_axi_awaddr), .m_axi_awlen(m_axi_awlen),

@@ -5,7 +5,7 @@
 // Streams 0..5 = param, m, v, working copy, m scales, v scales (the last two
 // with the 8-bit state). The datapath pushes result beats;
 // the engine visits the enabled streams round robin and requests a burst of
-// min(BURST_BEATS, beats left, beats to the next 4 KiB boundary) as soon as
+// min(stream_burst[s], beats left, beats to the next 4 KiB boundary) as soon as
 // the stream FIFO holds that many beats not yet promised to an earlier burst.
 // The W beats follow the AW order (a queue of {stream, length}); W data is
 // always already in the FIFO, so an issued burst always completes. The last
@@ -25,7 +25,6 @@ module l2l_optim_writer #
     parameter ADDR_WIDTH = 64,
     parameter ID_WIDTH = 1,
     parameter FIFO_DEPTH = 128,
-    parameter BURST_BEATS = 64,
     parameter QUEUE_DEPTH = 8,
     parameter STREAMS = 6,
     parameter STRB_WIDTH = (DATA_WIDTH/8),
@@ -41,6 +40,9 @@ module l2l_optim_writer #
     input  wire [STREAMS*32-1:0]       stream_beats,
     input  wire [STREAMS*STRB_WIDTH-1:0] stream_last_strb,
     input  wire [STREAMS-1:0]          stream_enable,
+    // longest burst per stream (1..256): a stream whose FIFO may not fill (the 8-bit codes,
+    // whose issue credit reserves room for the blocks l2l_optim_quant holds) bursts shorter
+    input  wire [STREAMS*9-1:0]        stream_burst,
     output wire                        idle,
     output wire                        error,
 
@@ -105,7 +107,7 @@ assign m_axi_bready = 1'b1;
 // ---------------------------------------------------------------- AW
 wire [ADDR_WIDTH-1:0] cur_addr = addr_reg[s_reg];
 // Each stream's next burst is planned in registers, two clocks deep (timing: one carry
-// chain per clock): its length (4 KiB page, BURST_BEATS, beats left), then whether its
+// chain per clock): its length (4 KiB page, stream_burst, beats left), then whether its
 // FIFO holds all of it. A plan is used only once the stream's state has been stable for
 // two clocks (settle_reg); in between, the FIFO only fills, so a stale "ready" is
 // conservative.
@@ -171,7 +173,8 @@ for (k = 0; k < STREAMS; k = k + 1) begin : g_stream
     assign count[(FIFO_AW+1)*k +: FIFO_AW+1] = fifo_count[k];
 
     wire [12:0] page_beats_left = (13'd4096 - {1'b0, addr_reg[k][11:0]}) >> BYTE_SHIFT;
-    wire [12:0] cap = (page_beats_left < BURST_BEATS) ? page_beats_left : BURST_BEATS;
+    wire [12:0] burst_max = {4'd0, stream_burst[9*k +: 9]};
+    wire [12:0] cap = (page_beats_left < burst_max) ? page_beats_left : burst_max;
     wire [15:0] avail = {{(15-FIFO_AW){1'b0}}, fifo_count[k]} - committed_reg[k];
 
     always @(posedge clk) begin
