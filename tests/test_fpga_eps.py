@@ -1,6 +1,6 @@
 """FPGA EPS with the RTL in the loop (fpga-sim): the Verilated l2l_optim and a C++ DRAM
 model do every update. Proves: bit identity with the CPU EPS through the relay (two
-models, AdamW and SGD with momentum, fp32 and bf16 gradients), and the failure contract
+models, AdamW and SGD with momentum, fp32 and bf16 gradients, fp32 and 8-bit state), and the failure contract
 of the driver (timeout, AXI error, wrong ID/version) with the committed state intact.
 
 The first test builds the simulation (~30 s on 2 cores, then cached, see
