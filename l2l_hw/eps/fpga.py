@@ -16,6 +16,10 @@ once all have ended; every unit writes only its share of the spare copies, so th
 contract above holds whichever unit fails. The working copy of loaded weights is made by
 the kernel too (the engine's zero-step SGD run), so every bit the accelerator fetches
 came out of the RTL.
+
+Optimizer state: fp32 m and v, or (state="8bit") golden's block-wise 8-bit codes with one
+fp32 scale per block, which the kernel decodes and encodes itself (MODE.STATE, the m/v
+scale pointers); the driver splits such a run at block boundaries.
 """
 from __future__ import annotations
 
