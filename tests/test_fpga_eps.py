@@ -232,7 +232,7 @@ class WrongHardware:
         raise AssertionError("the driver wrote to hardware it should have refused")
 
 
-@pytest.mark.parametrize("ident,version", [(0x12345678, regs.VERSION_VALUE), (regs.ID_VALUE, 0x00020000)])
+@pytest.mark.parametrize("ident,version", [(0x12345678, regs.VERSION_VALUE), (regs.ID_VALUE, 0x00010000)])  # 1.0: before the 8-bit state
 def test_wrong_id_or_version_makes_eps_refuse_naming_expected_version(ident, version):
     for backend in ("fpga-sim", "fpga-pynq"):
         with pytest.raises(KernelVersionError, match=f"VERSION 0x{regs.VERSION_VALUE:08X}.*will not run"):
