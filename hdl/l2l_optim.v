@@ -26,6 +26,15 @@
 //
 // Streams per optimizer: param and grad always; m for Adam/AdamW and for SGD
 // with momentum != 0; v for Adam/AdamW; the copy when COPY_DTYPE != none.
+//
+// 8-bit state (MODE.STATE 8bit; golden.quantize, docs/NUMERICS.md): m and v
+// are streams of 1-byte codes (a beat holds 4*RATIO groups) plus one stream
+// of fp32 block scales each (one per QUANT_BLOCK elements; the reader runs
+// that stream ahead). Before the lanes, l2l_optim_dequant turns code and
+// block scale into fp32 (DEQUANT_LATENCY; p and g wait in delay lines, in
+// both formats, so the lanes' schedule is one); after the lanes, one
+// l2l_optim_quant per slot collects each block, finds its scale and encodes
+// it while the next block fills (the issue credit counts the groups it holds).
 // The "!= 0" tests of the rule (weight_decay, momentum) are evaluated on the
 // register values: magnitude bits [30:0] non-zero, so -0.0 counts as zero
 // and NaN as non-zero, as Python's `!= 0` does.
@@ -129,10 +138,21 @@ module l2l_optim #
 // (l2l_optim_lane's LATENCY is the same localparam); the side band is delayed by it.
 `include "fp_latency.vh"
 `include "l2l_optim_lane_schedule.vh"
+`include "l2l_optim_state8.vh"
 localparam ISSUE_STAGES = 1;  // the lanes' input register (see "issue")
+// issue to lane output: the input register, the decode of the 8-bit state, the lane
+localparam PIPE_LATENCY = ISSUE_STAGES + DEQUANT_LATENCY + LANE_LATENCY;
 localparam BEAT_LANES = DATA_WIDTH/32;          // fp32 elements per beat
 localparam RATIO = BEAT_LANES/LANES;            // groups per fp32 beat
-localparam SUB_W = $clog2(RATIO) + 1;           // group index in a 16-bit beat
+localparam SUB_W = $clog2(RATIO) + 2;           // group index in an 8-bit beat
+// the groups of a beat, less one: fp32, 16-bit and 8-bit streams
+localparam integer SUB32_I = RATIO - 1, SUB16_I = 2*RATIO - 1, SUB8_I = 4*RATIO - 1;
+localparam [SUB_W-1:0] SUB32 = SUB32_I[SUB_W-1:0], SUB16 = SUB16_I[SUB_W-1:0], SUB8 = SUB8_I[SUB_W-1:0];
+localparam integer BLOCK_GROUPS = QUANT_BLOCK / LANES;   // groups per block of the 8-bit state
+localparam integer BGW = $clog2(BLOCK_GROUPS);
+localparam integer LAST_BLOCK_GROUP_I = BLOCK_GROUPS - 1;
+localparam [BGW-1:0] LAST_BLOCK_GROUP = LAST_BLOCK_GROUP_I[BGW-1:0];
+localparam integer BSW = (BEAT_SHIFT > 0) ? BEAT_SHIFT : 1;  // block scale index in a beat
 localparam LANE_SHIFT = $clog2(LANES);
 localparam BEAT_SHIFT = $clog2(BEAT_LANES);
 localparam GROUP_BITS = 32*LANES;
@@ -150,12 +170,12 @@ initial begin
         $error("Error: LANES must be a power of two, 1 <= LANES <= DATA_WIDTH/32 (instance %m)");
         $finish;
     end
-    if (ISSUE_STAGES + LANE_LATENCY > 254) begin
-        $error("Error: LANE_LATENCY %0d does not fit the 8-bit in-flight count (instance %m)", LANE_LATENCY);
+    if (PIPE_LATENCY > 254) begin
+        $error("Error: PIPE_LATENCY %0d does not fit the 8-bit in-flight count (instance %m)", PIPE_LATENCY);
         $finish;
     end
-    if (TILE_BEATS < 2 || TILE_BEATS > 256 || FIFO_DEPTH < 2*TILE_BEATS) begin
-        $error("Error: need 2 <= TILE_BEATS <= 256 and FIFO_DEPTH >= 2*TILE_BEATS (instance %m)");
+    if (TILE_BEATS < 4 || TILE_BEATS > 256 || FIFO_DEPTH < 2*TILE_BEATS) begin
+        $error("Error: need 4 <= TILE_BEATS <= 256 and FIFO_DEPTH >= 2*TILE_BEATS (instance %m)");
         $finish;
     end
 end
@@ -168,6 +188,7 @@ reg [2:0] status_reg;  // bits STATUS_*_BIT of the register map
 reg [63:0] cycles_reg;
 
 wire [64*8-1:0] arg_pointers;
+wire [64*4-1:0] arg_scale_pointers;
 wire [31:0] arg_n, arg_mode;
 wire [32*13-1:0] arg_scalars;
 
@@ -185,17 +206,18 @@ l2l_optim_ctrl #(
     .s_axil_rready(s_axil_rready),
     .interrupt(interrupt),
     .ap_start(ap_start), .ap_idle(state_reg == ST_IDLE), .ap_done(ap_done_reg), .ap_ready(ap_done_reg),
-    .pointers(arg_pointers), .n(arg_n), .mode(arg_mode), .scalars(arg_scalars),
+    .pointers(arg_pointers), .scale_pointers(arg_scale_pointers), .n(arg_n), .mode(arg_mode), .scalars(arg_scalars),
     .status({29'd0, status_reg}), .cycles(cycles_reg)
 );
 
 // arguments latched at ap_start
-reg [64*8-1:0] ptr_reg;
+reg [64*12-1:0] ptr_reg;
 reg [31:0] n_reg;
 reg [1:0] opt_reg;
 reg nesterov_reg;
 reg [1:0] grad_dtype_reg, copy_dtype_reg;
 reg mom_nonzero_reg, wd_nonzero_reg;
+reg state8_reg;  // m and v as 8-bit codes and block scales
 
 wire [30:0] s_weight_decay = arg_scalars[32*2 +: 31];
 wire [30:0] s_momentum = arg_scalars[32*11 +: 31];
@@ -206,6 +228,9 @@ wire en_m = !mode_sgd || mom_nonzero_reg;
 wire en_v = !mode_sgd;
 wire en_c = (copy_dtype_reg != MODE_COPY_DTYPE_NONE);
 wire grad16 = (grad_dtype_reg != MODE_GRAD_DTYPE_FP32);
+wire q8 = state8_reg;
+wire en_ms = en_m && q8;  // the block-scale streams
+wire en_vs = en_v && q8;
 
 // groups of LANES elements; beats: BEAT_LANES fp32 elements, 2*BEAT_LANES 16-bit ones
 /* verilator lint_off UNUSEDSIGNAL */
@@ -215,19 +240,30 @@ wire [32:0] beats32_w = ({1'b0, n_reg} + (BEAT_LANES - 1)) >> BEAT_SHIFT;
 wire [31:0] beats32 = beats32_w[31:0];
 wire [32:0] beats16_w = ({1'b0, n_reg} + (2*BEAT_LANES - 1)) >> (BEAT_SHIFT + 1);
 wire [31:0] beats16 = beats16_w[31:0];
+wire [32:0] beats8_w = ({1'b0, n_reg} + (4*BEAT_LANES - 1)) >> (BEAT_SHIFT + 2);
+wire [31:0] beats8 = beats8_w[31:0];
+wire [32:0] blocks_w = ({1'b0, n_reg} + (QUANT_BLOCK - 1)) >> $clog2(QUANT_BLOCK);
+wire [31:0] blocks = blocks_w[31:0];
+wire [32:0] beats_s_w = ({1'b0, blocks} + (BEAT_LANES - 1)) >> BEAT_SHIFT;
+wire [31:0] beats_s = beats_s_w[31:0];
 /* verilator lint_on UNUSEDSIGNAL */
+wire [BEAT_SHIFT+2:0] rem8 = {1'b0, n_reg[BEAT_SHIFT+1:0]};
+wire [BEAT_SHIFT:0] rem_s = {1'b0, blocks[BEAT_SHIFT-1:0]};
 wire [BEAT_SHIFT:0] rem32 = {1'b0, n_reg[BEAT_SHIFT-1:0]};
 wire [BEAT_SHIFT+1:0] rem16 = {1'b0, n_reg[BEAT_SHIFT:0]};
 wire [31:0] rem_lane = n_reg & (LANES - 1);
 wire [STRB_WIDTH-1:0] strb32 = (rem32 == 0) ? {STRB_WIDTH{1'b1}} : ~({STRB_WIDTH{1'b1}} << (4*rem32));
 wire [STRB_WIDTH-1:0] strb16 = (rem16 == 0) ? {STRB_WIDTH{1'b1}} : ~({STRB_WIDTH{1'b1}} << (2*rem16));
+wire [STRB_WIDTH-1:0] strb8 = (rem8 == 0) ? {STRB_WIDTH{1'b1}} : ~({STRB_WIDTH{1'b1}} << rem8);
+wire [STRB_WIDTH-1:0] strb_s = (rem_s == 0) ? {STRB_WIDTH{1'b1}} : ~({STRB_WIDTH{1'b1}} << (4*rem_s));
 
 // pointers: 0 PARAM_SRC 1 M_SRC 2 V_SRC 3 GRAD_SRC 4 PARAM_DST 5 M_DST 6 V_DST 7 COPY_DST
-wire [7:0] ptr_used = {en_c, en_v, en_m, 1'b1, 1'b1, en_v, en_m, 1'b1};
-reg [7:0] ptr_misaligned;
+// 8 M_SCALE_SRC 9 V_SCALE_SRC 10 M_SCALE_DST 11 V_SCALE_DST
+wire [11:0] ptr_used = {en_vs, en_ms, en_vs, en_ms, en_c, en_v, en_m, 1'b1, 1'b1, en_v, en_m, 1'b1};
+reg [11:0] ptr_misaligned;
 integer pi;
 always @* begin
-    for (pi = 0; pi < 8; pi = pi + 1) begin
+    for (pi = 0; pi < 12; pi = pi + 1) begin
         ptr_misaligned[pi] = ptr_used[pi] && (ptr_reg[64*pi +: BYTE_SHIFT] != 0);
     end
 end
@@ -235,17 +271,18 @@ end
 wire run_start = (state_reg == ST_SETUP) && (ptr_misaligned == 0) && (n_reg != 0);
 wire abort = status_reg[STATUS_AXI_ERROR_BIT];
 
-wire [ADDR_WIDTH-1:0] ptr_a [0:7];
+wire [ADDR_WIDTH-1:0] ptr_a [0:11];
 genvar k;
 generate
-for (k = 0; k < 8; k = k + 1) begin : g_ptr
+for (k = 0; k < 12; k = k + 1) begin : g_ptr
     assign ptr_a[k] = ptr_reg[64*k +: ADDR_WIDTH];
 end
 endgenerate
 
 // ---------------------------------------------------------------- read side
-wire [3:0] rd_pop, rd_empty;
-wire [4*DATA_WIDTH-1:0] rd_head;
+wire [5:0] rd_pop, rd_empty;
+wire [6*DATA_WIDTH-1:0] rd_head;
+localparam [8:0] TILE32 = TILE_BEATS, TILE16 = TILE_BEATS / 2, TILE8 = TILE_BEATS / 4;
 wire rd_idle, rd_error;
 
 l2l_optim_reader #(
@@ -253,10 +290,11 @@ l2l_optim_reader #(
 ) reader_inst (
     .clk(clk), .rst(rst),
     .start(run_start), .abort(abort),
-    .stream_addr({ptr_a[3], ptr_a[2], ptr_a[1], ptr_a[0]}),
-    .stream_beats({grad16 ? beats16 : beats32, beats32, beats32, beats32}),
-    .stream_tile({grad16 ? TILE_BEATS[9:1] : TILE_BEATS[8:0], TILE_BEATS[8:0], TILE_BEATS[8:0], TILE_BEATS[8:0]}),
-    .stream_enable({1'b1, en_v, en_m, 1'b1}),
+    .stream_addr({ptr_a[9], ptr_a[8], ptr_a[3], ptr_a[2], ptr_a[1], ptr_a[0]}),
+    .stream_beats({beats_s, beats_s, grad16 ? beats16 : beats32, q8 ? beats8 : beats32, q8 ? beats8 : beats32, beats32}),
+    .stream_tile({9'd1, 9'd1, grad16 ? TILE16 : TILE32, q8 ? TILE8 : TILE32, q8 ? TILE8 : TILE32, TILE32}),
+    .stream_enable({en_vs, en_ms, 1'b1, en_v, en_m, 1'b1}),
+    .stream_ahead(6'b110000),
     .idle(rd_idle), .error(rd_error),
     .pop(rd_pop), .head(rd_head), .empty(rd_empty),
     .m_axi_arid(m_axi_arid), .m_axi_araddr(m_axi_araddr), .m_axi_arlen(m_axi_arlen),
@@ -268,21 +306,25 @@ l2l_optim_reader #(
 );
 
 // ---------------------------------------------------------------- write side
-wire [3:0] wr_push;
-wire [4*DATA_WIDTH-1:0] wr_data;
-wire [4*(FIFO_AW+1)-1:0] wr_count;
+wire [5:0] wr_push;
+wire [6*DATA_WIDTH-1:0] wr_data;
+wire [6*(FIFO_AW+1)-1:0] wr_count;
 wire wr_idle, wr_error;
 
 l2l_optim_writer #(
-    .DATA_WIDTH(DATA_WIDTH), .ADDR_WIDTH(ADDR_WIDTH), .ID_WIDTH(ID_WIDTH), .FIFO_DEPTH(FIFO_DEPTH),
-    .BURST_BEATS(TILE_BEATS)
+    .DATA_WIDTH(DATA_WIDTH), .ADDR_WIDTH(ADDR_WIDTH), .ID_WIDTH(ID_WIDTH), .FIFO_DEPTH(FIFO_DEPTH)
 ) writer_inst (
     .clk(clk), .rst(rst),
     .start(run_start), .abort(abort),
-    .stream_addr({ptr_a[7], ptr_a[6], ptr_a[5], ptr_a[4]}),
-    .stream_beats({beats16, beats32, beats32, beats32}),
-    .stream_last_strb({strb16, strb32, strb32, strb32}),
-    .stream_enable({en_c, en_v, en_m, 1'b1}),
+    .stream_addr({ptr_a[11], ptr_a[10], ptr_a[7], ptr_a[6], ptr_a[5], ptr_a[4]}),
+    .stream_beats({beats_s, beats_s, beats16, q8 ? beats8 : beats32, q8 ? beats8 : beats32, beats32}),
+    .stream_last_strb({strb_s, strb_s, strb16, q8 ? strb8 : strb32, q8 ? strb8 : strb32, strb32}),
+    .stream_enable({en_vs, en_ms, en_c, en_v, en_m, 1'b1}),
+    // half a tile (a quarter for the 8-bit codes): the issue credit keeps room in each FIFO
+    // for what the groups in flight may still push (up to PIPE_LATENCY/RATIO + 2 beats, ~77 at
+    // one group per clock and RATIO 2; codes: ~85 with the blocks l2l_optim_quant holds), so
+    // a burst must fit in the rest, or the issue waits for the pipeline to drain
+    .stream_burst({TILE16, TILE16, TILE16, q8 ? TILE8 : TILE16, q8 ? TILE8 : TILE16, TILE16}),
     .idle(wr_idle), .error(wr_error),
     .push(wr_push), .push_data(wr_data), .count(wr_count),
     .m_axi_awid(m_axi_awid), .m_axi_awaddr(m_axi_awaddr), .m_axi_awlen(m_axi_awlen),
@@ -302,14 +344,19 @@ l2l_optim_writer #(
 reg [31:0] left_reg;       // groups not yet issued
 reg more_reg;              // left_reg != 0
 reg last_reg;              // left_reg == 1: the group issued now is the last
-reg [SUB_W-1:0] sub_reg;   // groups issued, modulo 2*RATIO
+reg [SUB_W-1:0] sub_reg;   // groups issued, modulo 4*RATIO
+reg [BGW-1:0] bgi_reg;     // 8-bit state: the issued group's place in its block
+reg [BSW-1:0] bsub_reg;    // 8-bit state: its block's scale in the scale beat
 reg credit_reg;
 reg [7:0] in_flight_reg;  // groups issued whose results have not left the lanes
+reg [15:0] q_flight_reg;  // 8-bit state: groups issued whose codes have not left l2l_optim_quant
 
 wire [FIFO_AW:0] wc_p = wr_count[0 +: FIFO_AW+1];
 wire [FIFO_AW:0] wc_m = wr_count[(FIFO_AW+1) +: FIFO_AW+1];
 wire [FIFO_AW:0] wc_v = wr_count[2*(FIFO_AW+1) +: FIFO_AW+1];
 wire [FIFO_AW:0] wc_c = wr_count[3*(FIFO_AW+1) +: FIFO_AW+1];
+wire [FIFO_AW:0] wc_ms = wr_count[4*(FIFO_AW+1) +: FIFO_AW+1];
+wire [FIFO_AW:0] wc_vs = wr_count[5*(FIFO_AW+1) +: FIFO_AW+1];
 // credit_reg is computed one clock before it is used, when one more group may still be
 // issued: count that one as in flight.
 wire [FIFO_AW+1:0] flight = {{(FIFO_AW+2-8){1'b0}}, in_flight_reg} + 1'b1;
@@ -323,46 +370,82 @@ localparam [FIFO_AW+1:0] RATIO_W = RATIO_32[FIFO_AW+1:0];
 localparam RATIO_SHIFT = $clog2(RATIO);
 wire [FIFO_AW+1:0] due32 = (RATIO == 1) ? flight + 1 : ((flight + RATIO_W) >> RATIO_SHIFT) + 1;
 wire [FIFO_AW+1:0] due16 = ((flight + 2*RATIO_W) >> (RATIO_SHIFT + 1)) + 1;
+// 8-bit state: the codes of the groups up to l2l_optim_quant's output push a beat every
+// 4*RATIO groups and at the last; the scales at most one beat per block (+ both ends)
+wire [16:0] q_flight = {1'b0, q_flight_reg} + 17'd1;
+localparam integer GROUPS8_I = 4*RATIO;
+localparam [16:0] GROUPS8 = GROUPS8_I[16:0];
+wire [16:0] due8 = ((q_flight + GROUPS8) >> (RATIO_SHIFT + 2)) + 17'd1;
+wire [16:0] due_s = (q_flight >> BGW) + 17'd3;
+wire [16:0] wc_m17 = {{(16-FIFO_AW){1'b0}}, wc_m};
+wire [16:0] wc_v17 = {{(16-FIFO_AW){1'b0}}, wc_v};
+wire [16:0] wc_ms17 = {{(16-FIFO_AW){1'b0}}, wc_ms};
+wire [16:0] wc_vs17 = {{(16-FIFO_AW){1'b0}}, wc_vs};
+localparam [16:0] DEPTH17 = FIFO_DEPTH;
 wire credit = ({1'b0, wc_p} + due32 <= FIFO_DEPTH)
-           && (!en_m || {1'b0, wc_m} + due32 <= FIFO_DEPTH)
-           && (!en_v || {1'b0, wc_v} + due32 <= FIFO_DEPTH)
+           && (!en_m || (q8 ? (wc_m17 + due8 <= DEPTH17 && wc_ms17 + due_s <= DEPTH17)
+                            : {1'b0, wc_m} + due32 <= FIFO_DEPTH))
+           && (!en_v || (q8 ? (wc_v17 + due8 <= DEPTH17 && wc_vs17 + due_s <= DEPTH17)
+                            : {1'b0, wc_v} + due32 <= FIFO_DEPTH))
            && (!en_c || ((RATIO == 1) ? {wc_c, 1'b0} + flight + 2 <= 2*FIFO_DEPTH
                                       : {1'b0, wc_c} + due16 <= FIFO_DEPTH));
-wire data_ready = !rd_empty[0] && (!en_m || !rd_empty[1]) && (!en_v || !rd_empty[2]) && !rd_empty[3];
+wire data_ready = !rd_empty[0] && (!en_m || !rd_empty[1]) && (!en_v || !rd_empty[2]) && !rd_empty[3]
+                  && (!en_ms || !rd_empty[4]) && (!en_vs || !rd_empty[5]);
 wire more = more_reg;
 wire issue = (state_reg == ST_RUN) && !abort && more && data_ready && credit_reg;
 wire last_group = last_reg;
-// read-side width conversion: group `sub` of the head beats; a 16-bit beat
-// holds 2*RATIO groups, an fp32 beat RATIO (group sub % RATIO)
+// read-side width conversion: group `sub` of the head beats; an 8-bit beat holds 4*RATIO
+// groups, a 16-bit beat 2*RATIO, an fp32 beat RATIO (group sub % RATIO)
 wire [SUB_W-1:0] sub = sub_reg;
-wire sub_end16 = (sub == {SUB_W{1'b1}});
-wire sub_end32 = (sub == {SUB_W{1'b1}}) || (sub == {1'b0, {(SUB_W-1){1'b1}}});
+wire sub_end8 = ((sub & SUB8) == SUB8);
+wire sub_end16 = ((sub & SUB16) == SUB16);
+wire sub_end32 = ((sub & SUB32) == SUB32);
+wire state_end = q8 ? sub_end8 : sub_end32;
+// 8-bit state: the last group of a block, the last block of a scale beat
+wire block_end = (bgi_reg == LAST_BLOCK_GROUP) || last_group;
+localparam integer LAST_BSUB_I = BEAT_LANES - 1;
+localparam [BSW-1:0] LAST_BSUB = LAST_BSUB_I[BSW-1:0];
+wire scale_end = block_end && ((bsub_reg == LAST_BSUB) || last_group);
 
-assign rd_pop = {issue && ((grad16 ? sub_end16 : sub_end32) || last_group), issue && en_v && (sub_end32 || last_group),
-                 issue && en_m && (sub_end32 || last_group), issue && (sub_end32 || last_group)};
+assign rd_pop = {issue && en_vs && scale_end, issue && en_ms && scale_end,
+                 issue && ((grad16 ? sub_end16 : sub_end32) || last_group), issue && en_v && (state_end || last_group),
+                 issue && en_m && (state_end || last_group), issue && (sub_end32 || last_group)};
 
-// the groups of each head beat, indexed by sub (fp32 groups appear twice)
-wire [GROUP_BITS-1:0] p_grp [0:2*RATIO-1];
-wire [GROUP_BITS-1:0] m_grp [0:2*RATIO-1];
-wire [GROUP_BITS-1:0] v_grp [0:2*RATIO-1];
-wire [GROUP_BITS-1:0] g_grp [0:2*RATIO-1];
-wire [GROUP_BITS/2-1:0] g16_grp [0:2*RATIO-1];
+// the groups of each head beat, indexed by sub (fp32 groups appear 4 times, 16-bit twice)
+wire [GROUP_BITS-1:0] p_grp [0:4*RATIO-1];
+wire [GROUP_BITS-1:0] m_grp [0:4*RATIO-1];
+wire [GROUP_BITS-1:0] v_grp [0:4*RATIO-1];
+wire [GROUP_BITS-1:0] g_grp [0:4*RATIO-1];
+wire [GROUP_BITS/2-1:0] g16_grp [0:4*RATIO-1];
+wire [GROUP_BITS/4-1:0] mc_grp [0:4*RATIO-1];
+wire [GROUP_BITS/4-1:0] vc_grp [0:4*RATIO-1];
 generate
-for (k = 0; k < 2*RATIO; k = k + 1) begin : g_rd_group
+for (k = 0; k < 4*RATIO; k = k + 1) begin : g_rd_group
     assign p_grp[k] = rd_head[GROUP_BITS*(k % RATIO) +: GROUP_BITS];
     assign m_grp[k] = rd_head[DATA_WIDTH + GROUP_BITS*(k % RATIO) +: GROUP_BITS];
     assign v_grp[k] = rd_head[2*DATA_WIDTH + GROUP_BITS*(k % RATIO) +: GROUP_BITS];
     assign g_grp[k] = rd_head[3*DATA_WIDTH + GROUP_BITS*(k % RATIO) +: GROUP_BITS];
-    assign g16_grp[k] = rd_head[3*DATA_WIDTH + (GROUP_BITS/2)*k +: GROUP_BITS/2];
+    assign g16_grp[k] = rd_head[3*DATA_WIDTH + (GROUP_BITS/2)*(k % (2*RATIO)) +: GROUP_BITS/2];
+    assign mc_grp[k] = rd_head[DATA_WIDTH + (GROUP_BITS/4)*k +: GROUP_BITS/4];
+    assign vc_grp[k] = rd_head[2*DATA_WIDTH + (GROUP_BITS/4)*k +: GROUP_BITS/4];
 end
 endgenerate
+wire [31:0] ms_head = rd_head[4*DATA_WIDTH + 32*bsub_reg +: 32];
+wire [31:0] vs_head = rd_head[5*DATA_WIDTH + 32*bsub_reg +: 32];
+
 // the lanes' input register: the operands of the group issued in the clock before
 reg [GROUP_BITS-1:0] p_in, m_in, v_in, g_in;
+reg [GROUP_BITS/4-1:0] mc_in, vc_in;
+reg [31:0] ms_in, vs_in;
 integer li;
 always @(posedge clk) begin
     p_in <= p_grp[sub];
     m_in <= en_m ? m_grp[sub] : {GROUP_BITS{1'b0}};
     v_in <= en_v ? v_grp[sub] : {GROUP_BITS{1'b0}};
+    mc_in <= en_m ? mc_grp[sub] : {(GROUP_BITS/4){1'b0}};
+    vc_in <= en_v ? vc_grp[sub] : {(GROUP_BITS/4){1'b0}};
+    ms_in <= ms_head;
+    vs_in <= vs_head;
     for (li = 0; li < LANES; li = li + 1) begin
         g_in[32*li +: 32] <= grad16 ? {16'd0, g16_grp[sub][16*li +: 16]} : g_grp[sub][32*li +: 32];
     end
@@ -374,11 +457,29 @@ wire [LANES-1:0] lane_mask = (last_group && rem_lane != 0) ? ~({LANES{1'b1}} << 
 wire out_valid, out_last;
 wire [SUB_W-1:0] out_sub;
 wire [LANES-1:0] out_mask;
-l2l_optim_delay #(.WIDTH(LANES + SUB_W + 2), .DEPTH(ISSUE_STAGES + LANE_LATENCY), .RESET(1)) sideband (
+l2l_optim_delay #(.WIDTH(LANES + SUB_W + 2), .DEPTH(PIPE_LATENCY), .RESET(1)) sideband (
     .clk(clk), .rst(rst || run_start),
     .x({issue, last_group, sub, lane_mask}),
     .y({out_valid, out_last, out_sub, out_mask})
 );
+
+// ---------------------------------------------------------------- state decode
+// m and v reach the lanes DEQUANT_LATENCY clocks after the input register, decoded from
+// 8-bit codes or delayed fp32; p and g wait beside them
+wire [GROUP_BITS-1:0] p_dq, g_dq, m_dq, v_dq, m32_d, v32_d, m8_d, v8_d;
+l2l_optim_delay #(.WIDTH(4*GROUP_BITS), .DEPTH(DEQUANT_LATENCY)) dequant_wait (
+    .clk(clk), .rst(rst), .x({p_in, g_in, m_in, v_in}), .y({p_dq, g_dq, m32_d, v32_d})
+);
+generate
+for (k = 0; k < LANES; k = k + 1) begin : g_dequant
+    l2l_optim_dequant #(.EXP_BITS(M_CODE_EXP_BITS), .SIGNED(1)) dequant_m (
+        .clk(clk), .rst(rst), .code(mc_in[8*k +: 8]), .scale(ms_in), .y(m8_d[32*k +: 32]));
+    l2l_optim_dequant #(.EXP_BITS(V_CODE_EXP_BITS), .SIGNED(0)) dequant_v (
+        .clk(clk), .rst(rst), .code(vc_in[8*k +: 8]), .scale(vs_in), .y(v8_d[32*k +: 32]));
+end
+endgenerate
+assign m_dq = q8 ? m8_d : m32_d;
+assign v_dq = q8 ? v8_d : v32_d;
 
 // ---------------------------------------------------------------- lanes
 wire [GROUP_BITS-1:0] p_out, m_out, v_out;
@@ -404,10 +505,10 @@ for (k = 0; k < LANES; k = k + 1) begin : g_lane
         .eps(arg_scalars[32*10 +: 32]),
         .momentum(arg_scalars[32*11 +: 32]),
         .dampening_complement(arg_scalars[32*12 +: 32]),
-        .p(p_in[32*k +: 32]),
-        .m(m_in[32*k +: 32]),
-        .v(v_in[32*k +: 32]),
-        .g(g_in[32*k +: 32]),
+        .p(p_dq[32*k +: 32]),
+        .m(m_dq[32*k +: 32]),
+        .v(v_dq[32*k +: 32]),
+        .g(g_dq[32*k +: 32]),
         .p_out(p_out[32*k +: 32]), .m_out(m_out[32*k +: 32]), .v_out(v_out[32*k +: 32]),
         .copy_out(c_out[16*k +: 16]), .nonfinite(nf_out[k])
     );
@@ -424,30 +525,87 @@ wire [31:0] unused_mode = arg_mode;
 // the groups before it come from the assembly registers; a beat is pushed at
 // its last group or at the last group of the run (the write strobe of the
 // last beat masks the stale groups after it)
-wire out_end16 = (out_sub == {SUB_W{1'b1}});
-wire out_end32 = (out_sub == {SUB_W{1'b1}}) || (out_sub == {1'b0, {(SUB_W-1){1'b1}}});
+wire out_end16 = ((out_sub & SUB16) == SUB16);
+wire out_end32 = ((out_sub & SUB32) == SUB32);
 wire [DATA_WIDTH-1:0] p_beat, m_beat, v_beat, c_beat;
 reg [DATA_WIDTH-1:0] p_acc_reg, m_acc_reg, v_acc_reg, c_acc_reg;
 
 generate
 for (k = 0; k < RATIO; k = k + 1) begin : g_wr_group32
-    localparam [SUB_W-1:0] SLOT_LO = k;
-    localparam integer HI = k + RATIO;  // the same group in the second half of a 16-bit count
-    localparam [SUB_W-1:0] SLOT_HI = HI[SUB_W-1:0];
-    wire here = (out_sub == SLOT_LO) || (out_sub == SLOT_HI);
+    localparam [SUB_W-1:0] SLOT = k;
+    wire here = ((out_sub & SUB32) == SLOT);
     assign p_beat[GROUP_BITS*k +: GROUP_BITS] = here ? p_out : p_acc_reg[GROUP_BITS*k +: GROUP_BITS];
     assign m_beat[GROUP_BITS*k +: GROUP_BITS] = here ? m_out : m_acc_reg[GROUP_BITS*k +: GROUP_BITS];
     assign v_beat[GROUP_BITS*k +: GROUP_BITS] = here ? v_out : v_acc_reg[GROUP_BITS*k +: GROUP_BITS];
 end
 for (k = 0; k < 2*RATIO; k = k + 1) begin : g_wr_group16
     localparam [SUB_W-1:0] SLOT = k;
-    assign c_beat[(GROUP_BITS/2)*k +: GROUP_BITS/2] = (out_sub == SLOT) ? c_out : c_acc_reg[(GROUP_BITS/2)*k +: GROUP_BITS/2];
+    assign c_beat[(GROUP_BITS/2)*k +: GROUP_BITS/2] = ((out_sub & SUB16) == SLOT) ? c_out : c_acc_reg[(GROUP_BITS/2)*k +: GROUP_BITS/2];
+end
+endgenerate
+
+// 8-bit state: per slot (0 m, 1 v) the encoder, then its codes and scales into beats
+wire [1:0] q_in_valid = {out_valid && en_vs, out_valid && en_ms};
+wire [GROUP_BITS-1:0] q_x [0:1];
+assign q_x[0] = m_out;
+assign q_x[1] = v_out;
+wire [1:0] q_out_valid, q_out_last, q_scale_valid, q_scale_last;
+wire [GROUP_BITS/4-1:0] q_code [0:1];
+wire [31:0] q_scale [0:1];
+wire [15:0] q_held [0:1];
+wire [DATA_WIDTH-1:0] qc_beat [0:1];
+wire [DATA_WIDTH-1:0] qs_beat [0:1];
+wire [1:0] qc_push, qs_push;
+generate
+for (k = 0; k < 2; k = k + 1) begin : g_quant
+    l2l_optim_quant #(.LANES(LANES), .EXP_BITS(k == 0 ? M_CODE_EXP_BITS : V_CODE_EXP_BITS), .SIGNED(k == 0 ? 1 : 0)) quant (
+        .clk(clk), .rst(rst), .clear(run_start),
+        .in_valid(q_in_valid[k]), .in_last(out_last), .in_mask(out_mask), .in_x(q_x[k]),
+        .scale_valid(q_scale_valid[k]), .scale_last(q_scale_last[k]), .scale(q_scale[k]),
+        .out_valid(q_out_valid[k]), .out_last(q_out_last[k]), .out_code(q_code[k]),
+        .held(q_held[k])
+    );
+    // codes: 4*RATIO groups a beat
+    reg [SUB_W-1:0] csub_reg;
+    reg [DATA_WIDTH-1:0] cacc_reg;
+    genvar j;
+    for (j = 0; j < 4*RATIO; j = j + 1) begin : g_code_group
+        localparam [SUB_W-1:0] SLOT = j;
+        assign qc_beat[k][(GROUP_BITS/4)*j +: GROUP_BITS/4] = (csub_reg == SLOT) ? q_code[k]
+                                                            : cacc_reg[(GROUP_BITS/4)*j +: GROUP_BITS/4];
+    end
+    assign qc_push[k] = q_out_valid[k] && ((csub_reg == SUB8) || q_out_last[k]);
+    // scales: BEAT_LANES a beat
+    reg [BSW-1:0] ssub_reg;
+    reg [DATA_WIDTH-1:0] sacc_reg;
+    for (j = 0; j < BEAT_LANES; j = j + 1) begin : g_scale_slot
+        localparam [BSW-1:0] SLOT = j;
+        assign qs_beat[k][32*j +: 32] = (ssub_reg == SLOT) ? q_scale[k] : sacc_reg[32*j +: 32];
+    end
+    assign qs_push[k] = q_scale_valid[k] && ((ssub_reg == LAST_BSUB) || q_scale_last[k]);
+    always @(posedge clk) begin
+        if (q_out_valid[k]) begin
+            csub_reg <= csub_reg + 1'b1;
+            cacc_reg <= qc_beat[k];
+        end
+        if (q_scale_valid[k]) begin
+            ssub_reg <= ssub_reg + 1'b1;
+            sacc_reg <= qs_beat[k];
+        end
+        if (rst || run_start) begin
+            csub_reg <= {SUB_W{1'b0}};
+            ssub_reg <= {BSW{1'b0}};
+        end
+    end
 end
 endgenerate
 
 wire out_push32 = out_valid && (out_end32 || out_last);
-assign wr_push = {en_c && out_valid && (out_end16 || out_last), out_push32 && en_v, out_push32 && en_m, out_push32};
-assign wr_data = {c_beat, v_beat, m_beat, p_beat};
+assign wr_push = {qs_push[1], qs_push[0], en_c && out_valid && (out_end16 || out_last),
+                  q8 ? qc_push[1] : out_push32 && en_v, q8 ? qc_push[0] : out_push32 && en_m, out_push32};
+assign wr_data = {qs_beat[1], qs_beat[0], c_beat, q8 ? qc_beat[1] : v_beat, q8 ? qc_beat[0] : m_beat, p_beat};
+wire q_out = en_m ? q_out_valid[0] : q_out_valid[1];
+wire q_idle = (q_held[0] == 16'd0) && (q_held[1] == 16'd0);
 
 // ---------------------------------------------------------------- sequencing
 always @(posedge clk) begin
@@ -459,8 +617,13 @@ always @(posedge clk) begin
         more_reg <= !last_reg;
         last_reg <= (left_reg == 32'd2);
         sub_reg <= sub_reg + 1'b1;
+        bgi_reg <= block_end ? {BGW{1'b0}} : bgi_reg + 1'b1;
+        if (block_end) begin
+            bsub_reg <= bsub_reg + 1'b1;
+        end
     end
     in_flight_reg <= in_flight_reg + {7'd0, issue} - {7'd0, out_valid};
+    q_flight_reg <= q_flight_reg + {15'd0, issue && q8} - {15'd0, q_out && q8};
     if (out_valid) begin
         p_acc_reg <= p_beat;
         m_acc_reg <= m_beat;
@@ -480,7 +643,8 @@ always @(posedge clk) begin
     case (state_reg)
         ST_IDLE: begin
             if (ap_start && !ap_done_reg) begin  // ap_start clears at ap_ready, one clock late
-                ptr_reg <= arg_pointers;
+                ptr_reg <= {arg_scale_pointers, arg_pointers};
+                state8_reg <= (arg_mode[MODE_STATE_BIT +: MODE_STATE_WIDTH] == MODE_STATE_8BIT);
                 n_reg <= arg_n;
                 opt_reg <= arg_mode[MODE_OPTIMIZER_BIT +: 2];
                 nesterov_reg <= arg_mode[MODE_NESTEROV_BIT];
@@ -498,7 +662,10 @@ always @(posedge clk) begin
             more_reg <= (groups != 32'd0);
             last_reg <= (groups == 32'd1);
             sub_reg <= {SUB_W{1'b0}};
+            bgi_reg <= {BGW{1'b0}};
+            bsub_reg <= {BSW{1'b0}};
             in_flight_reg <= 8'd0;
+            q_flight_reg <= 16'd0;
             if (ptr_misaligned != 0) begin
                 status_reg[STATUS_MISALIGNED_BIT] <= 1'b1;
                 state_reg <= ST_FINISH;
@@ -509,7 +676,7 @@ always @(posedge clk) begin
             end
         end
         ST_RUN: begin
-            if (rd_idle && wr_idle && in_flight_reg == 0 && !issue && (!more || abort)) begin
+            if (rd_idle && wr_idle && in_flight_reg == 0 && q_idle && !issue && (!more || abort)) begin
                 state_reg <= ST_FINISH;
             end
         end
@@ -529,6 +696,7 @@ always @(posedge clk) begin
         sub_reg <= {SUB_W{1'b0}};
         credit_reg <= 1'b0;
         in_flight_reg <= 8'd0;
+        q_flight_reg <= 16'd0;
         cycles_reg <= 64'd0;
     end
 end

@@ -64,6 +64,7 @@ module l2l_optim_ctrl #
      * Arguments
      */
     output wire [64*8-1:0]        pointers,   // PARAM_SRC, M_SRC, V_SRC, GRAD_SRC, PARAM_DST, M_DST, V_DST, COPY_DST
+    output wire [64*4-1:0]        scale_pointers,  // M_SCALE_SRC, V_SCALE_SRC, M_SCALE_DST, V_SCALE_DST
     output wire [31:0]            n,
     output wire [31:0]            mode,
     output wire [32*13-1:0]       scalars,    // INV_SCALE .. DAMPENING_COMPLEMENT in register order
@@ -79,11 +80,15 @@ module l2l_optim_ctrl #
 
 localparam ARG_FIRST = REG_PARAM_SRC_LO;   // first argument word
 localparam ARG_WORDS = (REG_DAMPENING_COMPLEMENT - REG_PARAM_SRC_LO) / 4 + 1;
+// the scale pointers of the 8-bit state (register map version 2) sit after CYCLES
+localparam ARG2_FIRST = REG_M_SCALE_SRC_LO;
+localparam ARG2_WORDS = (REG_V_SCALE_DST_HI - REG_M_SCALE_SRC_LO) / 4 + 1;
 
 reg ap_start_reg, ap_done_reg, ap_ready_reg, auto_restart_reg;
 reg gie_reg;
 reg [1:0] ier_reg, isr_reg;
 reg [31:0] arg_reg [0:ARG_WORDS-1];
+reg [31:0] arg2_reg [0:ARG2_WORDS-1];
 
 reg awready_reg, bvalid_reg, arready_reg, rvalid_reg;
 reg [31:0] rdata_reg;
@@ -104,6 +109,9 @@ genvar k;
 generate
 for (k = 0; k < 8; k = k + 1) begin : g_ptr
     assign pointers[64*k +: 64] = {arg_reg[2*k+1], arg_reg[2*k]};
+end
+for (k = 0; k < 4; k = k + 1) begin : g_scale_ptr
+    assign scale_pointers[64*k +: 64] = {arg2_reg[2*k+1], arg2_reg[2*k]};
 end
 for (k = 0; k < 13; k = k + 1) begin : g_scalar
     assign scalars[32*k +: 32] = arg_reg[(REG_INV_SCALE - ARG_FIRST) / 4 + k];
@@ -191,6 +199,11 @@ always @(posedge clk) begin
                     arg_reg[i] <= apply_strb(arg_reg[i], s_axil_wdata, s_axil_wstrb);
                 end
             end
+            for (i = 0; i < ARG2_WORDS; i = i + 1) begin
+                if (waddr == ARG2_FIRST + 4*i[ADDR_WIDTH-1:0]) begin
+                    arg2_reg[i] <= apply_strb(arg2_reg[i], s_axil_wdata, s_axil_wstrb);
+                end
+            end
         end
     end
 
@@ -218,6 +231,11 @@ always @(posedge clk) begin
                 for (i = 0; i < ARG_WORDS; i = i + 1) begin
                     if (raddr == ARG_FIRST + 4*i[ADDR_WIDTH-1:0]) begin
                         rdata_reg <= arg_reg[i];
+                    end
+                end
+                for (i = 0; i < ARG2_WORDS; i = i + 1) begin
+                    if (raddr == ARG2_FIRST + 4*i[ADDR_WIDTH-1:0]) begin
+                        rdata_reg <= arg2_reg[i];
                     end
                 end
             end

@@ -10,6 +10,14 @@
 // nesterov) take the delayed input instead of the unit's result, so the
 // latency is LATENCY for every mode.
 //
+// The configuration travels beside the element: each operand select reads its
+// own copy of the mode bits, delayed to the schedule point of the select (the
+// copies are taps of one shift chain). One register feeding every select of
+// the lane would fan out to ~250 LUTs across the whole lane; its routing set
+// the lane's clock (116.7 MHz on the ECP5-85, the select in front of unit P).
+// The configuration must be valid from the clock the run's first element
+// enters; the kernel sets it before the run starts.
+//
 // Schedule: hdl/l2l_optim_lane_schedule.vh gives the clock at which each value
 // is ready (an element enters at 0), computed from the unit latencies of
 // hdl/fp/fp_latency.vh; every operand reaches its unit through a delay line of
@@ -94,21 +102,39 @@ wire [4:0]  unused_flags [0:22];
 // Operand names carry the schedule point at which they are valid: x_t<POINT>.
 `define L2L_DELAY(name, width, depth, from, to) l2l_optim_delay #(.WIDTH(width), .DEPTH(depth)) name (.clk(clk), .rst(rst), .x(from), .y(to))
 
+// ---------------------------------------------------------------- configuration taps
+// cfg_t<POINT>: the run's configuration as the element at POINT sees it
+localparam integer CFG_WIDTH = 9;
+localparam integer CFG_SGD = 0, CFG_ADAMW = 1, CFG_ADAMW_DECAY = 2, CFG_L2_DECAY = 3, CFG_MOM = 4,
+                   CFG_NESTEROV = 5, CFG_G_BF16 = 6, CFG_G_FP16 = 7, CFG_COPY_FP16 = 8;
+wire [CFG_WIDTH-1:0] cfg = {copy_fp16, grad_dtype == 2'd2, grad_dtype == 2'd1, nesterov, mom_nonzero,
+                            !mode_adamw && wd_nonzero, mode_adamw && wd_nonzero, mode_adamw, mode_sgd};
+wire [CFG_WIDTH-1:0] cfg_tg32, cfg_tgs, cfg_tg1, cfg_tdg, cfg_tehi, cfg_tmv, cfg_tgn, cfg_tupd, cfg_out;
+`L2L_DELAY(d_cfg_tg32, CFG_WIDTH, T_G32, cfg, cfg_tg32);
+`L2L_DELAY(d_cfg_tgs, CFG_WIDTH, T_GS - T_G32, cfg_tg32, cfg_tgs);
+`L2L_DELAY(d_cfg_tg1, CFG_WIDTH, T_G1 - T_GS, cfg_tgs, cfg_tg1);
+`L2L_DELAY(d_cfg_tdg, CFG_WIDTH, T_DG - T_G1, cfg_tg1, cfg_tdg);
+`L2L_DELAY(d_cfg_tehi, CFG_WIDTH, T_EHI - T_DG, cfg_tdg, cfg_tehi);
+`L2L_DELAY(d_cfg_tmv, CFG_WIDTH, T_MV - T_EHI, cfg_tehi, cfg_tmv);
+`L2L_DELAY(d_cfg_tgn, CFG_WIDTH, T_GN - T_MV, cfg_tmv, cfg_tgn);
+`L2L_DELAY(d_cfg_tupd, CFG_WIDTH, T_UPD - T_GN, cfg_tgn, cfg_tupd);
+`L2L_DELAY(d_cfg_out, CFG_WIDTH, LATENCY - T_UPD, cfg_tupd, cfg_out);
+
 // ---------------------------------------------------------------- widen g: 0 -> T_G32
 wire [31:0] g_bf16, g_fp16, g_fp32_tg32, p_tg32;
 bf16_to_fp32 widen_bf16 (`L2L_UNIT_PORTS(0), .a(g[15:0]), .y(g_bf16));
 fp16_to_fp32 widen_fp16 (`L2L_UNIT_PORTS(1), .a(g[15:0]), .y(g_fp16));
 `L2L_DELAY(d_g, 32, T_G32, g, g_fp32_tg32);
 `L2L_DELAY(d_p_tg32, 32, T_G32, p, p_tg32);
-wire [31:0] g32 = (grad_dtype == 2'd1) ? g_bf16 : (grad_dtype == 2'd2) ? g_fp16 : g_fp32_tg32;
+wire [31:0] g32 = cfg_tg32[CFG_G_BF16] ? g_bf16 : cfg_tg32[CFG_G_FP16] ? g_fp16 : g_fp32_tg32;
 
 // ---------------------------------------------------------------- T_G32 -> T_GS
 wire [31:0] gs, pw, p_tgs;
 fp32_mul unit_a (`L2L_UNIT_PORTS(2), .a(g32), .b(inv_scale), .y(gs));
-fp32_mul unit_b (`L2L_UNIT_PORTS(3), .a(p_tg32), .b(mode_adamw ? decay : weight_decay), .y(pw));
+fp32_mul unit_b (`L2L_UNIT_PORTS(3), .a(p_tg32), .b(cfg_tg32[CFG_ADAMW] ? decay : weight_decay), .y(pw));
 `L2L_DELAY(d_p_tgs, 32, T_GS - T_G32, p_tg32, p_tgs);
 // AdamW: p = p * decay when weight_decay != 0
-wire [31:0] p1_tgs = (mode_adamw && wd_nonzero) ? pw : p_tgs;
+wire [31:0] p1_tgs = cfg_tgs[CFG_ADAMW_DECAY] ? pw : p_tgs;
 wire gs_nonfinite_tgs = (gs[30:23] == 8'hFF);
 
 // ---------------------------------------------------------------- T_GS -> T_G1
@@ -116,7 +142,7 @@ wire [31:0] g_sum, gs_tg1;
 fp32_add unit_c (`L2L_UNIT_PORTS(4), .a(gs), .b(pw), .sub(1'b0), .y(g_sum));
 `L2L_DELAY(d_gs_tg1, 32, T_G1 - T_GS, gs, gs_tg1);
 // Adam and SGD: g = g + p * weight_decay when weight_decay != 0
-wire [31:0] g1 = (!mode_adamw && wd_nonzero) ? g_sum : gs_tg1;
+wire [31:0] g1 = cfg_tg1[CFG_L2_DECAY] ? g_sum : gs_tg1;
 
 wire [31:0] m_tg1, m_tdg, m_tehi, m_tmv, v_tdg;
 `L2L_DELAY(d_m_tg1, 32, T_G1, m, m_tg1);
@@ -128,7 +154,7 @@ wire [31:0] m_tg1, m_tdg, m_tehi, m_tmv, v_tdg;
 // ---------------------------------------------------------------- T_G1 -> T_DG
 wire [31:0] d_diff, y_g, d_diff_tdg, y_g_tdg, g1_tdg;
 fp32_add unit_d (`L2L_UNIT_PORTS(5), .a(g1), .b(m_tg1), .sub(1'b1), .y(d_diff));
-fp32_mul unit_g (`L2L_UNIT_PORTS(6), .a(g1), .b(mode_sgd ? dampening_complement : one_minus_beta2), .y(y_g));
+fp32_mul unit_g (`L2L_UNIT_PORTS(6), .a(g1), .b(cfg_tg1[CFG_SGD] ? dampening_complement : one_minus_beta2), .y(y_g));
 // the faster of the two waits for the slower
 `L2L_DELAY(d_d_tdg, 32, T_DG - T_G1 - FP32_ADD_LATENCY, d_diff, d_diff_tdg);
 `L2L_DELAY(d_yg_tdg, 32, T_DG - T_G1 - FP32_MUL_LATENCY, y_g, y_g_tdg);
@@ -138,16 +164,16 @@ fp32_mul unit_g (`L2L_UNIT_PORTS(6), .a(g1), .b(mode_sgd ? dampening_complement 
 wire [31:0] dm, gg, y_i, y_g_tehi;
 fp32_mul unit_e (`L2L_UNIT_PORTS(7), .a(d_diff_tdg), .b(one_minus_beta1), .y(dm));
 fp32_mul unit_h (`L2L_UNIT_PORTS(8), .a(y_g_tdg), .b(g1_tdg), .y(gg));
-fp32_mul unit_i (`L2L_UNIT_PORTS(9), .a(mode_sgd ? m_tdg : v_tdg), .b(mode_sgd ? momentum : beta2), .y(y_i));
+fp32_mul unit_i (`L2L_UNIT_PORTS(9), .a(cfg_tdg[CFG_SGD] ? m_tdg : v_tdg), .b(cfg_tdg[CFG_SGD] ? momentum : beta2), .y(y_i));
 `L2L_DELAY(d_yg_tehi, 32, T_EHI - T_DG, y_g_tdg, y_g_tehi);
 
 // ---------------------------------------------------------------- T_EHI -> T_MV
 wire [31:0] m_adam, y_j;
 fp32_add unit_f (`L2L_UNIT_PORTS(10), .a(m_tehi), .b(dm), .sub(1'b0), .y(m_adam));
-fp32_add unit_j (`L2L_UNIT_PORTS(11), .a(y_i), .b(mode_sgd ? y_g_tehi : gg), .sub(1'b0), .y(y_j));
+fp32_add unit_j (`L2L_UNIT_PORTS(11), .a(y_i), .b(cfg_tehi[CFG_SGD] ? y_g_tehi : gg), .sub(1'b0), .y(y_j));
 
 // m and v as written back
-wire [31:0] m_new_tmv = !mode_sgd ? m_adam : (mom_nonzero ? y_j : m_tmv);
+wire [31:0] m_new_tmv = !cfg_tmv[CFG_SGD] ? m_adam : (cfg_tmv[CFG_MOM] ? y_j : m_tmv);
 wire [31:0] v_new_tmv = y_j;
 
 // ---------------------------------------------------------------- Adam: T_MV -> T_UPD
@@ -155,7 +181,7 @@ wire [31:0] sq, q, den, y_n, y_n_tden, u_adam;
 fp32_sqrt unit_k (`L2L_UNIT_PORTS(12), .a(y_j), .y(sq));
 fp32_div  unit_l (`L2L_UNIT_PORTS(13), .a(sq), .b(bias_correction2_sqrt), .y(q));
 fp32_add  unit_m (`L2L_UNIT_PORTS(14), .a(q), .b(eps), .sub(1'b0), .y(den));
-fp32_mul  unit_n (`L2L_UNIT_PORTS(15), .a(m_new_tmv), .b(mode_sgd ? momentum : step_size), .y(y_n));
+fp32_mul  unit_n (`L2L_UNIT_PORTS(15), .a(m_new_tmv), .b(cfg_tmv[CFG_SGD] ? momentum : step_size), .y(y_n));
 `L2L_DELAY(d_yn_tden, 32, T_DEN - T_YN, y_n, y_n_tden);
 fp32_div  unit_o (`L2L_UNIT_PORTS(16), .a(y_n_tden), .b(den), .y(u_adam));
 
@@ -166,19 +192,19 @@ wire [31:0] g1_tyn, g1_tgn, m_new_tgn, g_nest, u_sgd, u_sgd_tupd;
 `L2L_DELAY(d_mn_tgn, 32, T_GN - T_MV, m_new_tmv, m_new_tgn);
 fp32_add unit_q (`L2L_UNIT_PORTS(17), .a(g1_tyn), .b(y_n), .sub(1'b0), .y(g_nest));
 // momentum: g = g + m * momentum (nesterov) or g = m
-wire [31:0] g2_tgn = !mom_nonzero ? g1_tgn : (nesterov ? g_nest : m_new_tgn);
+wire [31:0] g2_tgn = !cfg_tgn[CFG_MOM] ? g1_tgn : (cfg_tgn[CFG_NESTEROV] ? g_nest : m_new_tgn);
 fp32_mul unit_r (`L2L_UNIT_PORTS(18), .a(g2_tgn), .b(lr), .y(u_sgd));
 `L2L_DELAY(d_usgd_tupd, 32, T_UPD - T_USGD, u_sgd, u_sgd_tupd);
 
 // ---------------------------------------------------------------- T_UPD -> T_P -> LATENCY
 wire [31:0] p1_tupd, p_new;
 `L2L_DELAY(d_p1_tupd, 32, T_UPD - T_GS, p1_tgs, p1_tupd);
-fp32_add unit_p (`L2L_UNIT_PORTS(19), .a(p1_tupd), .b(mode_sgd ? u_sgd_tupd : u_adam), .sub(1'b1), .y(p_new));
+fp32_add unit_p (`L2L_UNIT_PORTS(19), .a(p1_tupd), .b(cfg_tupd[CFG_SGD] ? u_sgd_tupd : u_adam), .sub(1'b1), .y(p_new));
 
 wire [15:0] c_bf16, c_fp16;
 fp32_to_bf16 narrow_bf16 (`L2L_UNIT_PORTS(20), .a(p_new), .y(c_bf16));
 fp32_to_fp16 narrow_fp16 (`L2L_UNIT_PORTS(21), .a(p_new), .y(c_fp16));
-assign copy_out = copy_fp16 ? c_fp16 : c_bf16;
+assign copy_out = cfg_out[CFG_COPY_FP16] ? c_fp16 : c_bf16;
 assign unused_valid[22] = 1'b0;
 assign unused_flags[22] = 5'd0;
 

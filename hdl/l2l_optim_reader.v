@@ -1,9 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 // Read side of l2l_optim: AXI4 AR/R burst engine feeding one FIFO per stream.
 //
-// Streams 0..3 = param, m, v, grad. The engine walks the arrays tile by tile:
+// Streams 0..5 = param, m, v, grad, m scales, v scales (the last two with the
+// 8-bit state). The engine walks the arrays tile by tile:
 // for each tile it requests TILE_BEATS[s] beats of every enabled stream in
-// turn (p, m, v, g), as INCR bursts split at 4 KiB boundaries (pointers are
+// turn (p, m, v, g, ...), as INCR bursts split at 4 KiB boundaries (pointers are
 // DATA_WIDTH/8 aligned, so a split is all that is needed). All reads use ID 0,
 // so the R beats come back in request order; a small route FIFO remembers the
 // stream and length of every burst in flight.
@@ -12,7 +13,10 @@
 // it, counting beats already in flight (reserved). R data therefore never
 // waits (rready is always 1), and with requests issued strictly in order a
 // stream can never starve another: every beat the datapath waits for has
-// been requested before any beat that waits for space.
+// been requested before any beat that waits for space. A stream marked
+// `stream_ahead` (the block scales: one beat covers many tiles of the others,
+// so its one-beat tiles run ahead) is skipped for the round when its FIFO is
+// full instead of being waited for: a full FIFO holds what the datapath needs.
 //
 // Sizing (see docs/RTL_KERNEL.md): the stream FIFOs hold FIFO_DEPTH beats =
 // 2 tiles, so one tile of every stream can be in flight while the previous
@@ -33,6 +37,7 @@ module l2l_optim_reader #
     parameter ID_WIDTH = 1,
     parameter FIFO_DEPTH = 128,
     parameter ROUTE_DEPTH = 32,
+    parameter STREAMS = 6,
     parameter STRB_WIDTH = (DATA_WIDTH/8),
     parameter FIFO_AW = $clog2(FIFO_DEPTH)
 )
@@ -42,16 +47,17 @@ module l2l_optim_reader #
 
     input  wire                        start,          // pulse: load the streams, clear FIFOs
     input  wire                        abort,          // level: request nothing more
-    input  wire [4*ADDR_WIDTH-1:0]     stream_addr,
-    input  wire [4*32-1:0]             stream_beats,   // total beats per stream
-    input  wire [4*9-1:0]              stream_tile,    // beats per tile per stream (1..256)
-    input  wire [3:0]                  stream_enable,
+    input  wire [STREAMS*ADDR_WIDTH-1:0] stream_addr,
+    input  wire [STREAMS*32-1:0]       stream_beats,   // total beats per stream
+    input  wire [STREAMS*9-1:0]        stream_tile,    // beats per tile per stream (1..256)
+    input  wire [STREAMS-1:0]          stream_enable,
+    input  wire [STREAMS-1:0]          stream_ahead,   // skip the stream's tile while its FIFO is full
     output wire                        idle,           // nothing to request, nothing in flight
     output wire                        error,          // pulse: an R beat with SLVERR/DECERR
 
-    input  wire [3:0]                  pop,
-    output wire [4*DATA_WIDTH-1:0]     head,
-    output wire [3:0]                  empty,
+    input  wire [STREAMS-1:0]          pop,
+    output wire [STREAMS*DATA_WIDTH-1:0] head,
+    output wire [STREAMS-1:0]          empty,
 
     /*
      * AXI4 master, read channels
@@ -80,11 +86,14 @@ module l2l_optim_reader #
 
 localparam BYTE_SHIFT = $clog2(STRB_WIDTH);
 localparam ROUTE_AW = $clog2(ROUTE_DEPTH);
+localparam SW = $clog2(STREAMS);
+localparam [SW-1:0] LAST_STREAM = STREAMS - 1;
 
-reg [ADDR_WIDTH-1:0] addr_reg [0:3];
-reg [31:0] left_reg [0:3];
-reg [15:0] resv_reg [0:3];  // beats in the FIFO or in flight
-reg [1:0] s_reg;
+reg [ADDR_WIDTH-1:0] addr_reg [0:STREAMS-1];
+reg [31:0] left_reg [0:STREAMS-1];
+reg [15:0] resv_reg [0:STREAMS-1];  // beats in the FIFO or in flight
+reg [SW-1:0] s_reg;
+wire [SW-1:0] s_next = (s_reg == LAST_STREAM) ? {SW{1'b0}} : s_reg + 1'b1;
 reg tile_loaded_reg;
 reg [8:0] tleft_reg;
 
@@ -116,17 +125,24 @@ reg [1:0] settle_reg;
 /* verilator lint_off UNUSEDSIGNAL */
 wire [8:0] tile_burst_m1 = tile_burst_len - 9'd1;  // a burst is at most 256 beats
 /* verilator lint_on UNUSEDSIGNAL */
-wire all_requested = (left_reg[0] == 0) && (left_reg[1] == 0) && (left_reg[2] == 0) && (left_reg[3] == 0);
+reg all_requested;
+integer si;
+always @* begin
+    all_requested = 1'b1;
+    for (si = 0; si < STREAMS; si = si + 1) begin
+        if (left_reg[si] != 0) all_requested = 1'b0;
+    end
+end
 wire issue;
 
 // route FIFO: {stream, beats - 1} of every burst in flight
-wire [9:0] route_head;
+wire [SW+7:0] route_head;
 wire route_empty;
 wire [ROUTE_AW:0] route_count;
 reg route_pop;
 reg [7:0] rbeat_reg;
 
-l2l_optim_fifo #(.WIDTH(10), .DEPTH(ROUTE_DEPTH)) route_fifo (
+l2l_optim_fifo #(.WIDTH(SW+8), .DEPTH(ROUTE_DEPTH)) route_fifo (
     .clk(clk), .rst(rst), .clear(start),
     .push(issue), .push_data({s_reg, tile_burst_m1[7:0]}),
     .pop(route_pop), .head(route_head), .empty(route_empty), .count(route_count)
@@ -140,7 +156,7 @@ wire [8:0] tile_s = stream_tile[9*s_reg +: 9];
 
 // ---------------------------------------------------------------- data
 wire r_hs = m_axi_rvalid;  // rready is 1
-wire [1:0] r_stream = route_head[9:8];
+wire [SW-1:0] r_stream = route_head[SW+7:8];
 wire [7:0] r_len_m1 = route_head[7:0];
 assign error = r_hs && m_axi_rresp[1];
 
@@ -150,7 +166,7 @@ end
 
 genvar k;
 generate
-for (k = 0; k < 4; k = k + 1) begin : g_stream
+for (k = 0; k < STREAMS; k = k + 1) begin : g_stream
     wire [FIFO_AW:0] count;
     l2l_optim_fifo #(.WIDTH(DATA_WIDTH), .DEPTH(FIFO_DEPTH)) data_fifo (
         .clk(clk), .rst(rst), .clear(start),
@@ -193,12 +209,12 @@ always @(posedge clk) begin
     end
 
     if (!tile_loaded_reg) begin
-        // next stream with beats left: load its tile
-        if (left_reg[s_reg] != 0) begin
+        // next stream with beats left (and, running ahead, room for its tile): load its tile
+        if (left_reg[s_reg] != 0 && !(stream_ahead[s_reg] && resv_reg[s_reg] + {7'd0, tile_s} > FIFO_DEPTH[15:0])) begin
             tile_loaded_reg <= 1'b1;
             tleft_reg <= (left_reg[s_reg] < {23'd0, tile_s}) ? left_reg[s_reg][8:0] : tile_s;
         end else begin
-            s_reg <= s_reg + 2'd1;
+            s_reg <= s_next;
         end
     end else if (issue) begin
         arvalid_reg <= 1'b1;
@@ -207,7 +223,7 @@ always @(posedge clk) begin
         tleft_reg <= tleft_reg - tile_burst_len;
         if (tleft_reg == tile_burst_len) begin
             tile_loaded_reg <= 1'b0;
-            s_reg <= s_reg + 2'd1;
+            s_reg <= s_next;
         end
     end
 
@@ -216,7 +232,7 @@ always @(posedge clk) begin
     end
 
     if (rst || start) begin
-        s_reg <= 2'd0;
+        s_reg <= {SW{1'b0}};
         tile_loaded_reg <= 1'b0;
         rbeat_reg <= 8'd0;
         settle_reg <= 2'b00;

@@ -2,7 +2,7 @@
 // Included inside a module body: localparams of the register map.
 /* verilator lint_off UNUSEDPARAM */
 localparam [31:0] REG_ID_VALUE = 32'h4C324C4F;
-localparam [31:0] REG_VERSION_VALUE = 32'h00010000;
+localparam [31:0] REG_VERSION_VALUE = 32'h00020000;
 localparam [7:0] REG_CTRL = 8'h00;
 localparam integer CTRL_AP_START_BIT = 0;
 localparam integer CTRL_AP_DONE_BIT = 1;
@@ -51,6 +51,10 @@ localparam integer MODE_COPY_DTYPE_WIDTH = 2;
 localparam [1:0] MODE_COPY_DTYPE_NONE = 2'd0;
 localparam [1:0] MODE_COPY_DTYPE_BF16 = 2'd1;
 localparam [1:0] MODE_COPY_DTYPE_FP16 = 2'd2;
+localparam integer MODE_STATE_BIT = 16;
+localparam integer MODE_STATE_WIDTH = 2;
+localparam [1:0] MODE_STATE_FP32 = 2'd0;
+localparam [1:0] MODE_STATE_8BIT = 2'd2;
 localparam [7:0] REG_INV_SCALE = 8'h58;
 localparam [7:0] REG_LR = 8'h5C;
 localparam [7:0] REG_WEIGHT_DECAY = 8'h60;
@@ -73,4 +77,12 @@ localparam integer STATUS_MISALIGNED_BIT = 2;
 localparam [7:0] REG_DATA_BYTES = 8'hAC;
 localparam [7:0] REG_CYCLES_LO = 8'hB0;
 localparam [7:0] REG_CYCLES_HI = 8'hB4;
+localparam [7:0] REG_M_SCALE_SRC_LO = 8'hC0;
+localparam [7:0] REG_M_SCALE_SRC_HI = 8'hC4;
+localparam [7:0] REG_V_SCALE_SRC_LO = 8'hC8;
+localparam [7:0] REG_V_SCALE_SRC_HI = 8'hCC;
+localparam [7:0] REG_M_SCALE_DST_LO = 8'hD0;
+localparam [7:0] REG_M_SCALE_DST_HI = 8'hD4;
+localparam [7:0] REG_V_SCALE_DST_LO = 8'hD8;
+localparam [7:0] REG_V_SCALE_DST_HI = 8'hDC;
 /* verilator lint_on UNUSEDPARAM */

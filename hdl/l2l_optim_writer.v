@@ -2,9 +2,10 @@
 // Write side of l2l_optim: one FIFO per result stream and an AXI4 AW/W/B
 // burst engine.
 //
-// Streams 0..3 = param, m, v, working copy. The datapath pushes result beats;
+// Streams 0..5 = param, m, v, working copy, m scales, v scales (the last two
+// with the 8-bit state). The datapath pushes result beats;
 // the engine visits the enabled streams round robin and requests a burst of
-// min(BURST_BEATS, beats left, beats to the next 4 KiB boundary) as soon as
+// min(stream_burst[s], beats left, beats to the next 4 KiB boundary) as soon as
 // the stream FIFO holds that many beats not yet promised to an earlier burst.
 // The W beats follow the AW order (a queue of {stream, length}); W data is
 // always already in the FIFO, so an issued burst always completes. The last
@@ -24,8 +25,8 @@ module l2l_optim_writer #
     parameter ADDR_WIDTH = 64,
     parameter ID_WIDTH = 1,
     parameter FIFO_DEPTH = 128,
-    parameter BURST_BEATS = 64,
     parameter QUEUE_DEPTH = 8,
+    parameter STREAMS = 6,
     parameter STRB_WIDTH = (DATA_WIDTH/8),
     parameter FIFO_AW = $clog2(FIFO_DEPTH)
 )
@@ -35,16 +36,19 @@ module l2l_optim_writer #
 
     input  wire                        start,
     input  wire                        abort,
-    input  wire [4*ADDR_WIDTH-1:0]     stream_addr,
-    input  wire [4*32-1:0]             stream_beats,
-    input  wire [4*STRB_WIDTH-1:0]     stream_last_strb,
-    input  wire [3:0]                  stream_enable,
+    input  wire [STREAMS*ADDR_WIDTH-1:0] stream_addr,
+    input  wire [STREAMS*32-1:0]       stream_beats,
+    input  wire [STREAMS*STRB_WIDTH-1:0] stream_last_strb,
+    input  wire [STREAMS-1:0]          stream_enable,
+    // longest burst per stream (1..256): a stream whose FIFO may not fill (the 8-bit codes,
+    // whose issue credit reserves room for the blocks l2l_optim_quant holds) bursts shorter
+    input  wire [STREAMS*9-1:0]        stream_burst,
     output wire                        idle,
     output wire                        error,
 
-    input  wire [3:0]                  push,
-    input  wire [4*DATA_WIDTH-1:0]     push_data,
-    output wire [4*(FIFO_AW+1)-1:0]    count,
+    input  wire [STREAMS-1:0]          push,
+    input  wire [STREAMS*DATA_WIDTH-1:0] push_data,
+    output wire [STREAMS*(FIFO_AW+1)-1:0] count,
 
     /*
      * AXI4 master, write channels
@@ -74,12 +78,14 @@ module l2l_optim_writer #
 
 localparam BYTE_SHIFT = $clog2(STRB_WIDTH);
 localparam QUEUE_AW = $clog2(QUEUE_DEPTH);
+localparam SW = $clog2(STREAMS);
+localparam [SW-1:0] LAST_STREAM = STREAMS - 1;
 
-reg [ADDR_WIDTH-1:0] addr_reg [0:3];
-reg [31:0] left_reg [0:3];        // beats not yet requested on AW
-reg [31:0] wleft_reg [0:3];       // beats not yet sent on W
-reg [15:0] committed_reg [0:3];  // FIFO beats promised to issued bursts
-reg [1:0] s_reg;
+reg [ADDR_WIDTH-1:0] addr_reg [0:STREAMS-1];
+reg [31:0] left_reg [0:STREAMS-1];        // beats not yet requested on AW
+reg [31:0] wleft_reg [0:STREAMS-1];       // beats not yet sent on W
+reg [15:0] committed_reg [0:STREAMS-1];  // FIFO beats promised to issued bursts
+reg [SW-1:0] s_reg;
 
 reg awvalid_reg;
 reg [ADDR_WIDTH-1:0] awaddr_reg;
@@ -101,32 +107,39 @@ assign m_axi_bready = 1'b1;
 // ---------------------------------------------------------------- AW
 wire [ADDR_WIDTH-1:0] cur_addr = addr_reg[s_reg];
 // Each stream's next burst is planned in registers, two clocks deep (timing: one carry
-// chain per clock): its length (4 KiB page, BURST_BEATS, beats left), then whether its
+// chain per clock): its length (4 KiB page, stream_burst, beats left), then whether its
 // FIFO holds all of it. A plan is used only once the stream's state has been stable for
 // two clocks (settle_reg); in between, the FIFO only fills, so a stale "ready" is
 // conservative.
-reg [8:0] len_reg [0:3];
-reg [3:0] ready_reg;
-reg [1:0] settle_reg [0:3];
+reg [8:0] len_reg [0:STREAMS-1];
+reg [STREAMS-1:0] ready_reg;
+reg [1:0] settle_reg [0:STREAMS-1];
 wire [8:0] burst_len = len_reg[s_reg];
 /* verilator lint_off UNUSEDSIGNAL */
 wire [8:0] burst_m1 = burst_len - 9'd1;  // a burst is at most 256 beats
 /* verilator lint_on UNUSEDSIGNAL */
-wire [FIFO_AW:0] fifo_count [0:3];
+wire [FIFO_AW:0] fifo_count [0:STREAMS-1];
 
 wire queue_empty;
 wire [QUEUE_AW:0] queue_count;
-wire [9:0] queue_head;
-wire all_requested = (left_reg[0] == 0) && (left_reg[1] == 0) && (left_reg[2] == 0) && (left_reg[3] == 0);
+wire [SW+7:0] queue_head;
+reg all_requested;
+integer si;
+always @* begin
+    all_requested = 1'b1;
+    for (si = 0; si < STREAMS; si = si + 1) begin
+        if (left_reg[si] != 0) all_requested = 1'b0;
+    end
+end
 wire issue = !start && !abort && !awvalid_reg && ready_reg[s_reg] && settle_reg[s_reg][1]
              && (queue_count < QUEUE_DEPTH) && (b_pending_reg != 16'hFFFF);
 
 // ---------------------------------------------------------------- W
-wire [1:0] w_stream = queue_head[9:8];
+wire [SW-1:0] w_stream = queue_head[SW+7:8];
 wire [7:0] w_len_m1 = queue_head[7:0];
 wire w_hs = m_axi_wvalid && m_axi_wready;
 wire w_last = (wbeat_reg == w_len_m1);
-wire [DATA_WIDTH-1:0] fifo_head [0:3];
+wire [DATA_WIDTH-1:0] fifo_head [0:STREAMS-1];
 
 assign m_axi_wvalid = !queue_empty;
 assign m_axi_wdata = fifo_head[w_stream];
@@ -134,7 +147,7 @@ assign m_axi_wstrb = (wleft_reg[w_stream] == 32'd1) ? stream_last_strb[STRB_WIDT
                                                     : {STRB_WIDTH{1'b1}};
 assign m_axi_wlast = w_last;
 
-l2l_optim_fifo #(.WIDTH(10), .DEPTH(QUEUE_DEPTH)) queue_fifo (
+l2l_optim_fifo #(.WIDTH(SW+8), .DEPTH(QUEUE_DEPTH)) queue_fifo (
     .clk(clk), .rst(rst), .clear(start),
     .push(issue), .push_data({s_reg, burst_m1[7:0]}),
     .pop(w_hs && w_last), .head(queue_head), .empty(queue_empty), .count(queue_count)
@@ -145,7 +158,7 @@ assign error = m_axi_bvalid && m_axi_bresp[1];
 
 genvar k;
 generate
-for (k = 0; k < 4; k = k + 1) begin : g_stream
+for (k = 0; k < STREAMS; k = k + 1) begin : g_stream
     wire pop = w_hs && (w_stream == k);
     wire fifo_empty;
 
@@ -160,7 +173,8 @@ for (k = 0; k < 4; k = k + 1) begin : g_stream
     assign count[(FIFO_AW+1)*k +: FIFO_AW+1] = fifo_count[k];
 
     wire [12:0] page_beats_left = (13'd4096 - {1'b0, addr_reg[k][11:0]}) >> BYTE_SHIFT;
-    wire [12:0] cap = (page_beats_left < BURST_BEATS) ? page_beats_left : BURST_BEATS;
+    wire [12:0] burst_max = {4'd0, stream_burst[9*k +: 9]};
+    wire [12:0] cap = (page_beats_left < burst_max) ? page_beats_left : burst_max;
     wire [15:0] avail = {{(15-FIFO_AW){1'b0}}, fifo_count[k]} - committed_reg[k];
 
     always @(posedge clk) begin
@@ -205,7 +219,7 @@ always @(posedge clk) begin
     end
     // visit the streams round robin: after a burst, or while this one waits
     if (!awvalid_reg) begin
-        s_reg <= s_reg + 2'd1;
+        s_reg <= (s_reg == LAST_STREAM) ? {SW{1'b0}} : s_reg + 1'b1;
     end
 
     b_pending_reg <= b_pending_reg + {15'd0, issue} - {15'd0, m_axi_bvalid};
@@ -215,7 +229,7 @@ always @(posedge clk) begin
     end
 
     if (rst || start) begin
-        s_reg <= 2'd0;
+        s_reg <= {SW{1'b0}};
         wbeat_reg <= 8'd0;
     end
     if (rst) begin

@@ -1,6 +1,6 @@
 """FPGA EPS with the RTL in the loop (fpga-sim): the Verilated l2l_optim and a C++ DRAM
 model do every update. Proves: bit identity with the CPU EPS through the relay (two
-models, AdamW and SGD with momentum, fp32 and bf16 gradients), and the failure contract
+models, AdamW and SGD with momentum, fp32 and bf16 gradients, fp32 and 8-bit state), and the failure contract
 of the driver (timeout, AXI error, wrong ID/version) with the committed state intact.
 
 The first test builds the simulation (~30 s on 2 cores, then cached, see
@@ -65,6 +65,26 @@ def test_fpga_sim_training_is_bit_identical_to_cpu_eps_every_step(model, optimiz
     for key in relays["cpu"].eps.shapes:  # the working copies the accelerator fetches
         assert_bit_identical(relays["cpu"].eps.fetch(key), relays["fpga-sim"].eps.fetch(key), f"fetch {key}")
     assert relays["fpga-sim"].eps.driver.runs > 0
+
+
+# AdamW (m and v both 8-bit) in make test; SGD with momentum (m only) as slow: ~4 min more
+@pytest.mark.parametrize("optimizer", ["adamw", pytest.param("sgd_momentum", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("model", list(MODELS))
+def test_fpga_sim_8bit_state_training_is_bit_identical_to_cpu_eps_every_step(model, optimizer):
+    """state="8bit": the kernel reads and writes golden's block-wise 8-bit m and v (codes and
+    block scales in device DRAM); every stored piece equals the cpu EPS's (the host kernel)."""
+    build, batches, loss_fn = MODELS[model]
+    data = batches(STEPS, batch=4)
+    relays = {b: l2l_hw.Relay(build(), loss_fn, eps=l2l_hw.make_eps(b, state="8bit", **OPTIMIZERS[optimizer]),
+                              micro_batches=2, precision="bf16") for b in ("cpu", "fpga-sim")}
+    for step, (x, y) in enumerate(data, 1):
+        losses = {b: r.train_step(x, y) for b, r in relays.items()}
+        assert losses["cpu"] == losses["fpga-sim"], f"step {step}"
+        state = {b: r.eps.state_dict() for b, r in relays.items()}
+        assert any(k.endswith("m_scale") for k in state["cpu"]), "8-bit state keeps block scales"
+        assert_bit_identical(state["cpu"], state["fpga-sim"], f"step {step}")
+    for key in relays["cpu"].eps.shapes:
+        assert_bit_identical(relays["cpu"].eps.fetch(key), relays["fpga-sim"].eps.fetch(key), f"fetch {key}")
 
 
 def test_fpga_sim_pipedream_2bw_is_bit_identical_to_cpu_eps_every_step():
@@ -158,6 +178,19 @@ def test_two_compute_units_update_bit_identical_to_cpu_eps_every_step(precision)
     assert all(unit.cycles - before > SPLIT_N // 8 for unit, before in zip(eps["fpga-sim"].transport.units, idle))
 
 
+def test_two_compute_units_update_8bit_state_bit_identical_to_cpu_eps():
+    """The split of a run keeps whole blocks per unit: each unit's codes and scales start a
+    block (and a bus word) and the encoding is the golden one."""
+    eps = {b: two_unit_group(b, working_dtype="bf16", state="8bit") for b in ("cpu", "fpga-sim")}
+    assert len(eps["fpga-sim"].driver.chunks(SPLIT_N, regs.mode("adamw", state="8bit"))) == 2
+    for step in range(3):
+        g = split_grads(step, torch.bfloat16)
+        for e in eps.values():
+            e.push_grads("g", g, inv_scale=0.5)
+            e.commit_step()
+        assert_bit_identical(eps["cpu"].state_dict(), eps["fpga-sim"].state_dict(), f"step {step + 1}")
+
+
 @pytest.mark.parametrize("fault", ["slverr in unit 1", "both units hang"])
 def test_fault_in_a_compute_unit_raises_naming_it_and_keeps_committed_state(fault):
     eps = two_unit_group("fpga-sim", max_cycles=20_000)
@@ -199,7 +232,7 @@ class WrongHardware:
         raise AssertionError("the driver wrote to hardware it should have refused")
 
 
-@pytest.mark.parametrize("ident,version", [(0x12345678, regs.VERSION_VALUE), (regs.ID_VALUE, 0x00020000)])
+@pytest.mark.parametrize("ident,version", [(0x12345678, regs.VERSION_VALUE), (regs.ID_VALUE, 0x00010000)])  # 1.0: before the 8-bit state
 def test_wrong_id_or_version_makes_eps_refuse_naming_expected_version(ident, version):
     for backend in ("fpga-sim", "fpga-pynq"):
         with pytest.raises(KernelVersionError, match=f"VERSION 0x{regs.VERSION_VALUE:08X}.*will not run"):

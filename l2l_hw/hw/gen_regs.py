@@ -94,12 +94,14 @@ def python(spec: dict) -> str:
     out.append("}")
     out.append("")
     out.append("")
-    out.append("def mode(optimizer: str, grad_dtype: str = 'fp32', copy_dtype: str = 'none', nesterov: bool = False) -> int:")
+    out.append("def mode(optimizer: str, grad_dtype: str = 'fp32', copy_dtype: str = 'none', nesterov: bool = False,")
+    out.append("         state: str = 'fp32') -> int:")
     out.append('    """The MODE register value."""')
     out.append("    return (MODE_OPTIMIZER_VALUES[optimizer] << MODE_OPTIMIZER_BIT"
                " | int(nesterov) << MODE_NESTEROV_BIT")
     out.append("            | MODE_GRAD_DTYPE_VALUES[grad_dtype] << MODE_GRAD_DTYPE_BIT"
-               " | MODE_COPY_DTYPE_VALUES[copy_dtype] << MODE_COPY_DTYPE_BIT)")
+               " | MODE_COPY_DTYPE_VALUES[copy_dtype] << MODE_COPY_DTYPE_BIT")
+    out.append("            | MODE_STATE_VALUES[state] << MODE_STATE_BIT)")
     return "\n".join(out) + "\n"
 
 

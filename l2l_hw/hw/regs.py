@@ -5,7 +5,7 @@ are two 32-bit words, low word first (NAME, NAME + 4).
 """
 
 ID_VALUE = 0x4C324C4F  # what register ID reads: ASCII 'L2LO'
-VERSION_VALUE = 0x00010000  # what register VERSION reads
+VERSION_VALUE = 0x00020000  # what register VERSION reads
 ADDR_WIDTH = 8
 
 CTRL = 0x00  # 32-bit rw: Vitis HLS ap_ctrl_hs control
@@ -13,12 +13,12 @@ GIE = 0x04  # 32-bit rw: global interrupt enable
 IER = 0x08  # 32-bit rw: interrupt enable
 ISR = 0x0C  # 32-bit tow: interrupt status, toggle on write
 PARAM_SRC = 0x10  # 64-bit rw: fp32 param source
-M_SRC = 0x18  # 64-bit rw: fp32 m source (exp_avg / momentum_buffer)
-V_SRC = 0x20  # 64-bit rw: fp32 v source (exp_avg_sq)
+M_SRC = 0x18  # 64-bit rw: m source (exp_avg / momentum_buffer): fp32, or 8-bit codes (MODE.STATE 8bit)
+V_SRC = 0x20  # 64-bit rw: v source (exp_avg_sq): fp32, or 8-bit codes
 GRAD_SRC = 0x28  # 64-bit rw: gradient source (fp32, bf16 or fp16)
 PARAM_DST = 0x30  # 64-bit rw: fp32 param destination
-M_DST = 0x38  # 64-bit rw: fp32 m destination
-V_DST = 0x40  # 64-bit rw: fp32 v destination
+M_DST = 0x38  # 64-bit rw: m destination: fp32, or 8-bit codes
+V_DST = 0x40  # 64-bit rw: v destination: fp32, or 8-bit codes
 COPY_DST = 0x48  # 64-bit rw: bf16/fp16 working-copy destination
 N = 0x50  # 32-bit rw: element count
 MODE = 0x54  # 32-bit rw: optimizer and data types
@@ -40,6 +40,10 @@ VERSION = 0xA4  # 32-bit ro: register-map version, reads VERSION
 STATUS = 0xA8  # 32-bit ro: status of the last run, cleared at ap_start
 DATA_BYTES = 0xAC  # 32-bit ro: DATA_WIDTH / 8: the pointer alignment in bytes
 CYCLES = 0xB0  # 64-bit ro: clock cycles from ap_start to ap_done of the last (or current) run
+M_SCALE_SRC = 0xC0  # 64-bit rw: 8-bit state: fp32 block scales of m, source
+V_SCALE_SRC = 0xC8  # 64-bit rw: 8-bit state: fp32 block scales of v, source
+M_SCALE_DST = 0xD0  # 64-bit rw: 8-bit state: fp32 block scales of m, destination
+V_SCALE_DST = 0xD8  # 64-bit rw: 8-bit state: fp32 block scales of v, destination
 
 CTRL_AP_START_BIT = 0
 CTRL_AP_START = 1 << 0  # write 1 to start; reads 1 until ap_ready
@@ -72,6 +76,9 @@ MODE_GRAD_DTYPE_VALUES = {'fp32': 0, 'bf16': 1, 'fp16': 2}
 MODE_COPY_DTYPE_BIT = 12
 MODE_COPY_DTYPE_WIDTH = 2
 MODE_COPY_DTYPE_VALUES = {'none': 0, 'bf16': 1, 'fp16': 2}
+MODE_STATE_BIT = 16
+MODE_STATE_WIDTH = 2
+MODE_STATE_VALUES = {'fp32': 0, '8bit': 2}
 STATUS_NONFINITE_BIT = 0
 STATUS_NONFINITE = 1 << 0  # a gradient * inv_scale was Inf or NaN
 STATUS_AXI_ERROR_BIT = 1
@@ -80,7 +87,7 @@ STATUS_MISALIGNED_BIT = 2
 STATUS_MISALIGNED = 1 << 2  # a pointer in use was not DATA_WIDTH/8 aligned; nothing was done
 
 # Pointer arguments (64-bit) in register order.
-POINTERS = ('PARAM_SRC', 'M_SRC', 'V_SRC', 'GRAD_SRC', 'PARAM_DST', 'M_DST', 'V_DST', 'COPY_DST')
+POINTERS = ('PARAM_SRC', 'M_SRC', 'V_SRC', 'GRAD_SRC', 'PARAM_DST', 'M_DST', 'V_DST', 'COPY_DST', 'M_SCALE_SRC', 'V_SCALE_SRC', 'M_SCALE_DST', 'V_SCALE_DST')
 # The per-step fp32 scalars (golden.StepScalars field names) in register order.
 SCALARS = ('inv_scale', 'lr', 'weight_decay', 'decay', 'beta1', 'one_minus_beta1', 'beta2', 'one_minus_beta2', 'step_size', 'bias_correction2_sqrt', 'eps', 'momentum', 'dampening_complement')
 # Every register: name -> (offset, width in bits, access).
@@ -117,10 +124,16 @@ REGISTERS = {
     'STATUS': (0xA8, 32, 'ro'),
     'DATA_BYTES': (0xAC, 32, 'ro'),
     'CYCLES': (0xB0, 64, 'ro'),
+    'M_SCALE_SRC': (0xC0, 64, 'rw'),
+    'V_SCALE_SRC': (0xC8, 64, 'rw'),
+    'M_SCALE_DST': (0xD0, 64, 'rw'),
+    'V_SCALE_DST': (0xD8, 64, 'rw'),
 }
 
 
-def mode(optimizer: str, grad_dtype: str = 'fp32', copy_dtype: str = 'none', nesterov: bool = False) -> int:
+def mode(optimizer: str, grad_dtype: str = 'fp32', copy_dtype: str = 'none', nesterov: bool = False,
+         state: str = 'fp32') -> int:
     """The MODE register value."""
     return (MODE_OPTIMIZER_VALUES[optimizer] << MODE_OPTIMIZER_BIT | int(nesterov) << MODE_NESTEROV_BIT
-            | MODE_GRAD_DTYPE_VALUES[grad_dtype] << MODE_GRAD_DTYPE_BIT | MODE_COPY_DTYPE_VALUES[copy_dtype] << MODE_COPY_DTYPE_BIT)
+            | MODE_GRAD_DTYPE_VALUES[grad_dtype] << MODE_GRAD_DTYPE_BIT | MODE_COPY_DTYPE_VALUES[copy_dtype] << MODE_COPY_DTYPE_BIT
+            | MODE_STATE_VALUES[state] << MODE_STATE_BIT)

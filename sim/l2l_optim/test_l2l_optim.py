@@ -9,7 +9,8 @@ guard byte changed. Idle and back-pressure inserters run on every AXI channel
 of both ports.
 
 Parameters come from the runner (tests/test_sim_optim.py): DATA_WIDTH and
-LANES are build parameters (LANES reaches the bench as L2L_LANES); L2L_BENCH_* environment variables drive test_throughput,
+LANES are build parameters (LANES reaches the bench as L2L_LANES); L2L_BENCH_* environment variables drive test_throughput
+(L2L_BENCH_STATE: fp32 or 8bit m and v),
 the measurement behind `l2l bench rtl`.
 """
 
@@ -251,36 +252,70 @@ def state_arrays(rng, n, special):
     return p, m, v
 
 
+def state8_arrays(rng, m, v, specials):
+    """m and v as the 8-bit state stores them (golden.quantize): codes and block scales. With
+    specials, whole blocks of zeros and a block whose scale is NaN (it held Inf or NaN)."""
+    m, v = m.copy(), v.copy()
+    blocks = -(-m.size // golden.QUANT_BLOCK)
+    if specials and blocks > 1:
+        zero = int(rng.integers(blocks)) * golden.QUANT_BLOCK
+        m[zero:zero + golden.QUANT_BLOCK] = 0.0
+        v[zero:zero + golden.QUANT_BLOCK] = 0.0
+        bad = int(rng.integers(blocks)) * golden.QUANT_BLOCK
+        m[min(bad + 3, m.size - 1)] = np.inf
+    stored = {}
+    for slot, x in (("m", m), ("v", v)):
+        stored.update(golden.encode_state(x, "8bit", slot))
+    return stored
+
+
 async def run_case(tb, rng, n, optimizer="adamw", grad="fp32", copy="none", in_place=False,
-                   cfg=None, step=3, inv_scale=1.0, specials=True, check=True):
-    """One kernel run on fresh random data; returns (status, cycles)."""
+                   cfg=None, step=3, inv_scale=1.0, specials=True, check=True, state="fp32"):
+    """One kernel run on fresh random data, m and v in `state` format; returns (status, cycles)."""
     cfg = cfg or OptimConfig(optimizer=optimizer, lr=1e-3, weight_decay=0.01)
     s = golden.step_scalars(cfg, step, inv_scale)
     p, m, v = state_arrays(rng, n, specials)
     g = grad_bits(rng, n, grad, specials)
+    q8 = state == "8bit"
+    if q8:
+        stored = state8_arrays(rng, m, v, specials)
+        m, v = stored["m"], stored["v"]
     layout = Layout(tb, random.Random(int(rng.integers(1 << 30))))
     mem = tb.ram
     # fill the RAM span we use with a known pattern, guards included
     start = layout.addr
-    src = {"p": layout.place(4 * n), "m": layout.place(4 * n), "v": layout.place(4 * n),
+    state_bytes = n if q8 else 4 * n
+    scale_bytes = 4 * -(-n // golden.QUANT_BLOCK)
+    src = {"p": layout.place(4 * n), "m": layout.place(state_bytes), "v": layout.place(state_bytes),
            "g": layout.place(GRAD_BYTES[grad] * n)}
+    if q8:
+        src.update(ms=layout.place(scale_bytes), vs=layout.place(scale_bytes))
     if in_place:
-        dst = {"p": src["p"], "m": src["m"], "v": src["v"]}
+        dst = {k: src[k] for k in src if k != "g"}
     else:
-        dst = {"p": layout.place(4 * n), "m": layout.place(4 * n), "v": layout.place(4 * n)}
+        dst = {"p": layout.place(4 * n), "m": layout.place(state_bytes), "v": layout.place(state_bytes)}
+        if q8:
+            dst.update(ms=layout.place(scale_bytes), vs=layout.place(scale_bytes))
     dst["c"] = layout.place(2 * n)
     end = layout.addr
     mem.write(start, bytes([GUARD_BYTE]) * (end - start))
     for key, arr in (("p", p), ("m", m), ("v", v), ("g", g)):
         mem.write(src[key], arr.tobytes())
+    if q8:
+        mem.write(src["ms"], stored["m_scale"].tobytes())
+        mem.write(src["vs"], stored["v_scale"].tobytes())
     before = mem.read(start, end - start)
 
-    for reg, key in ((regs.PARAM_SRC, src["p"]), (regs.M_SRC, src["m"]), (regs.V_SRC, src["v"]),
-                     (regs.GRAD_SRC, src["g"]), (regs.PARAM_DST, dst["p"]), (regs.M_DST, dst["m"]),
-                     (regs.V_DST, dst["v"]), (regs.COPY_DST, dst["c"])):
+    pointers = [(regs.PARAM_SRC, src["p"]), (regs.M_SRC, src["m"]), (regs.V_SRC, src["v"]),
+                (regs.GRAD_SRC, src["g"]), (regs.PARAM_DST, dst["p"]), (regs.M_DST, dst["m"]),
+                (regs.V_DST, dst["v"]), (regs.COPY_DST, dst["c"])]
+    if q8:
+        pointers += [(regs.M_SCALE_SRC, src["ms"]), (regs.V_SCALE_SRC, src["vs"]),
+                     (regs.M_SCALE_DST, dst["ms"]), (regs.V_SCALE_DST, dst["vs"])]
+    for reg, key in pointers:
         await tb.write_pointer(reg, key)
     await tb.write_reg(regs.N, n)
-    await tb.write_reg(regs.MODE, regs.mode(optimizer, grad, copy, s.nesterov))
+    await tb.write_reg(regs.MODE, regs.mode(optimizer, grad, copy, s.nesterov, state))
     for name in regs.SCALARS:
         await tb.write_reg(getattr(regs, name.upper()), int(np.float32(getattr(s, name)).view(np.uint32)))
     await tb.start_and_wait()
@@ -291,27 +326,37 @@ async def run_case(tb, rng, n, optimizer="adamw", grad="fp32", copy="none", in_p
 
     # golden
     g32 = widen(g, grad)
-    with np.errstate(all="ignore"):
-        nonfinite = not np.isfinite(g32 * np.float32(s.inv_scale)).all()
-        p2, m2, v2 = golden.apply_rule(optimizer, s, p.copy(), m.copy(), v.copy() if optimizer != "sgd" else None,
-                                      g32, np.sqrt)
-    p2 = golden.canonicalize_nan(np.asarray(p2, np.float32).copy())
-    m2 = golden.canonicalize_nan(np.asarray(m2, np.float32).copy())
+    touches_m = optimizer != "sgd" or s.momentum != 0
     expect = bytearray(before)
     def put(addr, arr):
         expect[addr - start:addr - start + arr.nbytes] = arr.tobytes()
+    with np.errstate(all="ignore"):
+        nonfinite = not np.isfinite(g32 * np.float32(s.inv_scale)).all()
+        if q8:
+            slots = ("m", "v") if optimizer != "sgd" else ("m",) if touches_m else ()
+            held = {k: a for slot in slots for k, a in stored.items() if k.startswith(slot)}
+            p2, new = golden.apply_rule_stored(optimizer, s, p.copy(), held, g32, "8bit")
+        else:
+            p2, m2, v2 = golden.apply_rule(optimizer, s, p.copy(), m.copy(), v.copy() if optimizer != "sgd" else None,
+                                          g32, np.sqrt)
+    p2 = golden.canonicalize_nan(np.asarray(p2, np.float32).copy())
     put(dst["p"], p2)
-    touches_m = optimizer != "sgd" or s.momentum != 0
-    if touches_m:
-        put(dst["m"], m2)
-    if optimizer != "sgd":
-        put(dst["v"], golden.canonicalize_nan(np.asarray(v2, np.float32).copy()))
+    if q8:
+        for slot in slots:
+            put(dst[slot], new[slot])
+            put(dst[slot + "s"], new[slot + "_scale"])
+    else:
+        m2 = golden.canonicalize_nan(np.asarray(m2, np.float32).copy())
+        if touches_m:
+            put(dst["m"], m2)
+        if optimizer != "sgd":
+            put(dst["v"], golden.canonicalize_nan(np.asarray(v2, np.float32).copy()))
     if copy == "bf16":
         put(dst["c"], golden.to_bf16_bits(p2))
     elif copy == "fp16":
         put(dst["c"], golden.to_fp16_bits(p2))
     after = mem.read(start, end - start)
-    what = f"n={n} {optimizer} grad={grad} copy={copy} in_place={in_place} dw={tb.data_width}"
+    what = f"n={n} {optimizer} grad={grad} copy={copy} in_place={in_place} state={state} dw={tb.data_width}"
     if after != bytes(expect):
         got = np.frombuffer(after, np.uint8)
         exp = np.frombuffer(bytes(expect), np.uint8)
@@ -378,6 +423,26 @@ async def test_rule_bit_identical(dut):
     for grad, copy in itertools.product(grads, copies):
         await run_case(tb, rng, sizes[case % len(sizes)], "adamw", grad, copy, in_place=bool(case % 2))
         case += 1
+
+
+@cocotb.test()
+async def test_state8_bit_identical(dut):
+    """8-bit m and v (golden.quantize's codes and block scales in DRAM): every optimizer
+    form, lengths that are not multiples of the block (short last block, partial last beat
+    of codes and of scales), blocks of zeros, a NaN-scale block, Inf/NaN gradients, m and v
+    down in the subnormal codes; DRAM == golden.apply_rule_stored, guards untouched."""
+    tb = await setup(dut, seed=5)
+    rng = np.random.default_rng(5)
+    b = golden.QUANT_BLOCK
+    sizes = [1, b - 1, b + tb.lanes + 1, 3 * b + 5, 2 * b]
+    grads = ["fp32", "bf16", "fp16"]
+    copies = ["bf16", "none", "fp16"]
+    for case, (opt, cfg) in enumerate(configs()):
+        await run_case(tb, rng, sizes[case % len(sizes)], opt, grads[case % 3], copies[case % 3],
+                       in_place=bool(case % 2), cfg=cfg, step=1 + case % 3, state="8bit",
+                       inv_scale=(1.0 if case % 3 else 2.0 ** -10))
+    # several tiles of every stream, the scale streams running ahead, bursts split at 4 KiB
+    await run_case(tb, rng, 64 * tb.beat_lanes * 4 + 3 * b + 7, "adamw", "bf16", "bf16", state="8bit")
 
 
 @cocotb.test()
@@ -517,9 +582,10 @@ async def test_throughput(dut):
     n = int(os.environ.get("L2L_BENCH_N", str(1 << 16)))
     grad = os.environ.get("L2L_BENCH_GRAD", "bf16")
     copy = os.environ.get("L2L_BENCH_COPY", "bf16")
+    state = os.environ.get("L2L_BENCH_STATE", "fp32")
     tb = await setup(dut, seed=None, pauses=False, latency=latency)
     rng = np.random.default_rng(9)
-    status, cycles = await run_case(tb, rng, n, "adamw", grad, copy, specials=False)
+    status, cycles = await run_case(tb, rng, n, "adamw", grad, copy, specials=False, state=state)
     with open(os.environ["L2L_BENCH_OUT"], "w") as f:
-        json.dump({"data_width": tb.data_width, "n": n, "grad_dtype": grad, "copy_dtype": copy,
+        json.dump({"data_width": tb.data_width, "n": n, "grad_dtype": grad, "copy_dtype": copy, "state": state,
                    "read_latency": latency, "cycles": cycles, "status": status}, f)
