@@ -180,7 +180,7 @@ class TB:
             await ClockCycles(self.dut.clk, poll)
         dut = self.dut
         state = {name: int(getattr(dut, name).value) for name in
-                 ("state_reg", "status_reg", "issued_reg", "in_flight_reg")}
+                 ("state_reg", "status_reg", "left_reg", "in_flight_reg")}
         state.update({f"{u}.{name}": int(getattr(getattr(dut, u), name).value)
                       for u in ("reader_inst", "writer_inst") for name in ("idle", "all_requested", "s_reg")})
         state.update({name: int(getattr(dut.reader_inst, name).value) for name in
