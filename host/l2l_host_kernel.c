@@ -406,38 +406,38 @@ AVX2 INLINE int step_loop_avx2(const l2l_job *j, int64_t begin, int64_t end, int
 
 /* One 8-bit code book's constants on 8 lanes. */
 typedef struct {
-    __m256i mag_mask, sign_mask, rebase, smallest_normal, half_m1, max_mag, min_normal_code;
-    __m256 sub_scale, sub_unit;
-    __m128i drop, man_bits;
+    __m256i mag_mask, sign_mask, smallest_normal, round_base, offset, max_mag;
+    __m256 unbias;
+    __m128i drop;
 } code8_k;
 
 AVX2 INLINE code8_k code8_k_of(const l2l_code *c) {
     return (code8_k){_mm256_set1_epi32((int)c->mag_mask), _mm256_set1_epi32((int)c->sign_mask),
-                     _mm256_set1_epi32((int)c->rebase), _mm256_set1_epi32((int)c->smallest_normal),
-                     _mm256_set1_epi32((int)((1u << (c->drop - 1)) - 1)), _mm256_set1_epi32((int)c->max_magnitude),
-                     _mm256_set1_epi32(1 << c->man_bits), _mm256_set1_ps(c->sub_scale), _mm256_set1_ps(c->sub_unit),
-                     _mm_cvtsi32_si128((int)c->drop), _mm_cvtsi32_si128((int)c->man_bits)};
+                     _mm256_set1_epi32((int)c->smallest_normal), _mm256_set1_epi32((int)(c->drop << 23)),
+                     _mm256_set1_epi32((int)(c->smallest_normal >> c->drop)), _mm256_set1_epi32((int)c->max_magnitude),
+                     _mm256_set1_ps(c->unbias), _mm_cvtsi32_si128((int)c->drop)};
 }
 
+/* codes -> values: the magnitude code shifted into place is a float32 whose exponent field
+ * is the code's e (a subnormal float32 for e = 0); times 2^(127 - bias) it is the code's
+ * value exactly; then the sign, then times the scale (golden's one rounding). */
 AVX2 INLINE __m256 decode8(const code8_k *c, const uint8_t *codes, __m256 scale) {
     __m256i code = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)codes));
     __m256i mag = _mm256_and_si256(code, c->mag_mask);
-    __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), c->sub_unit);
-    __m256i normal = _mm256_add_epi32(_mm256_sll_epi32(mag, c->drop), c->rebase);
-    __m256i x = _mm256_blendv_epi8(normal, _mm256_castps_si256(sub), _mm256_cmpgt_epi32(c->min_normal_code, mag));
-    x = _mm256_or_si256(x, _mm256_slli_epi32(_mm256_and_si256(code, c->sign_mask), 24));
-    return _mm256_mul_ps(_mm256_castsi256_ps(x), scale);
+    __m256 x = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_sll_epi32(mag, c->drop)), c->unbias);
+    x = _mm256_or_ps(x, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(code, c->sign_mask), 24)));
+    return _mm256_mul_ps(x, scale);
 }
 
+/* As encode16: one float add rounds |y| onto the code's grid, subnormal codes included. */
 AVX2 INLINE void encode8(const code8_k *c, __m256 x, __m256 inv, uint8_t *codes) {
-    const __m256i mag_mask = _mm256_set1_epi32(0x7FFFFFFF), one = _mm256_set1_epi32(1);
     __m256i bits = _mm256_castps_si256(_mm256_mul_ps(x, inv));
-    __m256i mag = _mm256_and_si256(bits, mag_mask);
-    __m256i sub = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_castsi256_ps(mag), c->sub_scale));
-    __m256i r = _mm256_sub_epi32(mag, c->rebase);
-    __m256i normal = _mm256_srl_epi32(_mm256_add_epi32(_mm256_add_epi32(r, c->half_m1),
-                                                       _mm256_and_si256(_mm256_srl_epi32(r, c->drop), one)), c->drop);
-    __m256i q = _mm256_blendv_epi8(normal, sub, _mm256_cmpgt_epi32(c->smallest_normal, mag)); /* both < 2^31 */
+    __m256i mag = _mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF));
+    __m256i exp = _mm256_max_epu32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7F800000)), c->smallest_normal);
+    __m256i base = _mm256_add_epi32(exp, c->round_base);
+    __m256i steps = _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(mag),
+                                                                       _mm256_castsi256_ps(base))), base);
+    __m256i q = _mm256_add_epi32(steps, _mm256_sub_epi32(_mm256_srl_epi32(exp, c->drop), c->offset));
     q = _mm256_min_epu32(q, c->max_mag);
     q = _mm256_or_si256(q, _mm256_and_si256(_mm256_srli_epi32(bits, 24), c->sign_mask));
     __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
