@@ -606,16 +606,14 @@ AVX512 INLINE int step_loop_avx512(const l2l_job *j, int64_t begin, int64_t end,
 
 typedef struct {
     __m512i code_mask, exp_min, round_base, offset, max_mag;
-    __m512 unbias;
     __m128i drop;
-    uint32_t bias;
 } code16_k;
 
 AVX512 INLINE code16_k code16_k_of(const l2l_code *c) {
     return (code16_k){_mm512_set1_epi32((int)(c->sign_mask ? 0x80000000u | (c->mag_mask << c->drop) : 0xFFFFFFFFu)),
                       _mm512_set1_epi32((int)c->smallest_normal), _mm512_set1_epi32((int)(c->drop << 23)),
                       _mm512_set1_epi32((int)(c->smallest_normal >> c->drop)), _mm512_set1_epi32((int)c->max_magnitude),
-                      _mm512_set1_ps(c->unbias), _mm_cvtsi32_si128((int)c->drop), c->bias};
+                      _mm_cvtsi32_si128((int)c->drop)};
 }
 
 /* One block's decode factors: the code's value (exact) times the scale (one rounding) is
@@ -624,12 +622,12 @@ AVX512 INLINE code16_k code16_k_of(const l2l_code *c) {
  * otherwise two multiplies, by 2^(127 - bias) and by the scale. */
 typedef struct { __m512 first, second; int two; } block16_k;
 
-AVX512 INLINE block16_k block16_k_of(const code16_k *c, float scale) {
+AVX512 INLINE block16_k block16_k_of(const l2l_code *c, float scale) {
     uint32_t bits = f2u(scale), e = bits >> 23;
     if (scale != scale) return (block16_k){_mm512_set1_ps(scale), _mm512_set1_ps(scale), 0};
     if ((bits & 0x007FFFFFu) == 0 && e >= 1 && e <= 127 + c->bias)
         return (block16_k){_mm512_set1_ps(u2f((e + 127 - c->bias) << 23)), _mm512_set1_ps(scale), 0};
-    return (block16_k){c->unbias, _mm512_set1_ps(scale), 1};
+    return (block16_k){_mm512_set1_ps(c->unbias), _mm512_set1_ps(scale), 1};
 }
 
 /* codes -> values. The code shifted into place is a float32 whose exponent field is the
@@ -705,7 +703,7 @@ AVX512 INLINE int state_loop_avx512(const l2l_job *j, int64_t begin, int64_t end
     for (int64_t b0 = begin; b0 < end; b0 += L2L_BLOCK) {
         int64_t len = end - b0 < L2L_BLOCK ? end - b0 : L2L_BLOCK, blk = b0 / L2L_BLOCK, b = 0;
         float ms = q8 && uses_m ? j->m_scale_src[blk] : 0, vs = q8 && uses_v ? j->v_scale_src[blk] : 0;
-        const block16_k mb = block16_k_of(&mk, ms), vb = block16_k_of(&vk, vs);
+        const block16_k mb = block16_k_of(&j->m_code, ms), vb = block16_k_of(&j->v_code, vs);
         __m512i mmax = _mm512_setzero_si512(), vmax = _mm512_setzero_si512();
         __mmask16 bad16 = 0;
         for (; b + 16 <= len; b += 16) {
@@ -961,7 +959,13 @@ static void pool_after_fork_child(void) {
     pool.started = pool.active = pool.remaining = 0;
 }
 
-__attribute__((constructor)) static void pool_init(void) { pthread_atfork(NULL, NULL, pool_after_fork_child); }
+static int native_bf16; /* this CPU has AVX512_BF16 (the AVX-512 path's vcvtneps2bf16); set once at load */
+
+__attribute__((constructor)) static void pool_init(void) {
+    pthread_atfork(NULL, NULL, pool_after_fork_child);
+    __builtin_cpu_init();
+    native_bf16 = __builtin_cpu_supports("avx512bf16");
+}
 
 /* Start workers up to `want`; they block every signal so Python's handlers run on the
  * main thread. Called with pool.busy held. */
@@ -1077,7 +1081,7 @@ EXPORT int l2l_host_step(const l2l_scalars *s, int64_t n, const l2l_buffers *b, 
     l2l_job job = {*s, g_dtype, w_dtype, state_format, uses_m, uses_v, b->g, b->p_src, b->p_dst, b->w_dst,
                    b->m_src, b->v_src, b->m_dst, b->v_dst, b->m_scale_src, b->v_scale_src, b->m_scale_dst,
                    b->v_scale_dst, {0}, {0}};
-    if (isa == L2L_ISA_AVX512 && w_dtype == L2L_DT_BF16 && __builtin_cpu_supports("avx512bf16"))
+    if (isa == L2L_ISA_AVX512 && w_dtype == L2L_DT_BF16 && native_bf16)
         job.w_dtype = L2L_DT_BF16_NATIVE;
     if (state_format == L2L_STATE_8BIT) {
         job.m_code = make_code(codes->m);
