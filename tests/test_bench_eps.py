@@ -58,3 +58,14 @@ def test_deepspeed_cpu_adam_computes_the_same_adamw_step():
     scale = np.maximum.reduce([np.abs(old), np.abs(a), np.abs(b), np.abs(a - old)])
     ulps = np.abs(a.astype(np.float64) - b) / np.spacing(scale)
     assert ulps.max() <= 3, f"DeepSpeedCPUAdam and the kernel differ by {ulps.max()} ulp"
+
+
+def test_ratios_are_taken_within_each_round():
+    """A machine that slows down between rounds must not move a ratio: each ratio is the
+    median of the per-round ratios, and the stream of a round is its fastest variant."""
+    r = bench_eps.Rounds({"fused": [1.0, 10.0, 100.0], "other": [3.0, 15.0, 200.0],
+                          "stream plain 1t": [1.5, 30.0, 90.0], "stream plain 2t": [3.0, 12.0, 300.0]})
+    assert r.times["stream"] == [1.5, 12.0, 90.0]
+    assert r.speedup("fused", "other") == 2.0  # rounds: 3, 1.5, 2 (the ratio of medians would be 1.5)
+    assert r.speedup("fused", "stream") == 1.2  # rounds: 1.5, 1.2, 0.9
+    assert r.fastest_stream() == "plain 2t"  # medians 30 and 12
