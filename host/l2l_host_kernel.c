@@ -647,32 +647,44 @@ AVX512 INLINE __m512 decode16(const code16_k *c, const block16_k *b, const uint8
  * smallest normal exponent, rounds |y| to the code's grid there (round to nearest even),
  * and bits(|y| + M) - bits(M) counts grid steps: 2^man_bits + f for a normal code, f for
  * a subnormal one; the exponent of M gives the rest of the code. */
-AVX512 INLINE void encode16(const code16_k *c, __m512 x, __m512 inv, uint8_t *codes, int is_signed) {
+AVX512 INLINE void encode16(const code16_k *c, __m512 x, __m512 inv, uint8_t *codes, int is_signed, int saturate,
+                            int positive) {
     __m512i bits = _mm512_castps_si512(_mm512_mul_ps(x, inv));
-    __m512i mag = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF));
+    __m512i mag = positive ? bits : _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF));
     __m512i exp = _mm512_max_epu32(_mm512_and_si512(bits, _mm512_set1_epi32(0x7F800000)), c->exp_min);
     __m512i base = _mm512_add_epi32(exp, c->round_base);
     __m512i steps = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(mag),
                                                                        _mm512_castsi512_ps(base))), base);
     __m512i q = _mm512_add_epi32(steps, _mm512_sub_epi32(_mm512_srl_epi32(exp, c->drop), c->offset));
-    q = _mm512_min_epu32(q, c->max_mag);
+    if (saturate) q = _mm512_min_epu32(q, c->max_mag);
     if (is_signed) q = _mm512_ternarylogic_epi32(q, _mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80), 0xF8);
     _mm_storeu_si128((__m128i *)codes, _mm512_cvtepi32_epi8(q));
 }
 
-/* Largest |x| bits so far (integer order of |x| bits is the order of |x|; NaN above Inf). */
-AVX512 INLINE __m512i absmax16(__m512i acc, __m512 x) {
-    return _mm512_max_epu32(acc, _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7FFFFFFF)));
+/* Largest |x| bits so far (integer order of |x| bits is the order of |x|; NaN above Inf).
+ * `positive`: every x is +0, positive or NaN, whose bits are then |x| or (NaN) at least
+ * 0x7F800000 either way, so the block is found non-finite all the same. */
+AVX512 INLINE __m512i absmax16(__m512i acc, __m512 x, int positive) {
+    __m512i bits = _mm512_castps_si512(x);
+    return _mm512_max_epu32(acc, positive ? bits : _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)));
 }
 
+/* v of a block whose stored scale has its sign bit clear is +0, positive or NaN: its codes
+ * are unsigned, the decode multiplies them by that scale, and the rule adds g * g terms.
+ * (Our encoder writes only such scales; a checkpoint could hold others.) */
+static inline int v_positive(float v_scale) { return (f2u(v_scale) >> 31) == 0; }
+
+/* A block whose scale exponent k was not clamped to SCALE_EXP_LIMIT cannot round past the
+ * largest code (golden.block_exponent rounds the block maximum first): no saturation. */
 AVX512 INLINE float encode_block_avx512(const float *buf, int64_t len, uint32_t absmax, uint8_t *codes, float *scale,
-                                        const l2l_code *c, int is_signed) {
+                                        const l2l_code *c, const code16_k *k, int is_signed, int positive) {
     int64_t vec = len & ~(int64_t)15;
     float inv = block_scale(magnitude_max(buf, vec, len, absmax), codes, scale, len, c);
     if (inv == 0) return 0;
-    const code16_k k = code16_k_of(c);
+    const int saturate = f2u(inv) == (uint32_t)(127 - SCALE_EXP_LIMIT) << 23;
     const __m512 inv16 = _mm512_set1_ps(inv);
-    for (int64_t i = 0; i < vec; i += 16) encode16(&k, _mm512_load_ps(buf + i), inv16, codes + i, is_signed);
+    for (int64_t i = 0; i < vec; i += 16) /* the loop is unswitched on the two flags (-O3) */
+        encode16(k, _mm512_load_ps(buf + i), inv16, codes + i, is_signed, saturate, positive);
     for (int64_t i = vec; i < len; i++) codes[i] = encode_one(buf[i] * inv, c);
     return inv;
 }
@@ -704,6 +716,7 @@ AVX512 INLINE int state_loop_avx512(const l2l_job *j, int64_t begin, int64_t end
         int64_t len = end - b0 < L2L_BLOCK ? end - b0 : L2L_BLOCK, blk = b0 / L2L_BLOCK, b = 0;
         float ms = q8 && uses_m ? j->m_scale_src[blk] : 0, vs = q8 && uses_v ? j->v_scale_src[blk] : 0;
         const block16_k mb = block16_k_of(&j->m_code, ms), vb = block16_k_of(&j->v_code, vs);
+        const int v_pos = v_positive(vs);
         __m512i mmax = _mm512_setzero_si512(), vmax = _mm512_setzero_si512();
         __mmask16 bad16 = 0;
         for (; b + 16 <= len; b += 16) {
@@ -720,8 +733,8 @@ AVX512 INLINE int state_loop_avx512(const l2l_job *j, int64_t begin, int64_t end
             if (q8) { /* a NaN needs no canonical form here: it makes its block NaN */
                 _mm512_store_ps(mbuf + b, m);
                 _mm512_store_ps(vbuf + b, v);
-                mmax = absmax16(mmax, m);
-                vmax = absmax16(vmax, v);
+                mmax = absmax16(mmax, m, 0);
+                vmax = absmax16(vmax, v, v_pos);
             } else {
                 if (uses_m) _mm256_storeu_si256((__m256i *)((uint16_t *)j->m_dst + i), bf16_round16(canon_nan16(m)));
                 if (uses_v) _mm256_storeu_si256((__m256i *)((uint16_t *)j->v_dst + i), bf16_round16(canon_nan16(v)));
@@ -734,8 +747,8 @@ AVX512 INLINE int state_loop_avx512(const l2l_job *j, int64_t begin, int64_t end
             uint32_t m_abs = (uint32_t)_mm512_reduce_max_epu32(mmax), v_abs = (uint32_t)_mm512_reduce_max_epu32(vmax);
             if (!check_each && (m_abs >= 0x7F800000u || v_abs >= 0x7F800000u))
                 bad |= nonfinite_block16(j->g, b0, vec, g_dtype, k.inv_scale, unscale);
-            if (uses_m) encode_block_avx512(mbuf, len, m_abs, (uint8_t *)j->m_dst + b0, j->m_scale_dst + blk, &j->m_code, 1);
-            if (uses_v) encode_block_avx512(vbuf, len, v_abs, (uint8_t *)j->v_dst + b0, j->v_scale_dst + blk, &j->v_code, 0);
+            if (uses_m) encode_block_avx512(mbuf, len, m_abs, (uint8_t *)j->m_dst + b0, j->m_scale_dst + blk, &j->m_code, &mk, 1, 0);
+            if (uses_v) encode_block_avx512(vbuf, len, v_abs, (uint8_t *)j->v_dst + b0, j->v_scale_dst + blk, &j->v_code, &vk, 0, v_pos);
         }
     }
     return bad;

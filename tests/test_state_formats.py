@@ -212,10 +212,13 @@ def test_nan_and_inf_gradients_with_compressed_state(isa, state):
 @pytest.mark.parametrize("isa", ISA_PARAMS)
 def test_8bit_blocks_of_any_scale_decode_as_golden(isa):
     # 2^20 and 2^40 lie above each code's bias (no single-multiply decode), 3 is not a power
-    # of two, then a subnormal scale and zero: none comes from the encoder, a checkpoint may hold them
-    odd = np.array([2.0**20, 2.0**40, 3.0, 2.0**-140, 0.0, 2.0**-126], np.float32)
+    # of two, then a subnormal scale and zero: none comes from the encoder, a checkpoint may hold them.
+    # 2^127: the updated block's maximum needs a scale above 2^126, so its codes saturate;
+    # -2 and -0: negative state (v too), encoded by its magnitude
+    odd = np.array([2.0**20, 2.0**40, 3.0, 2.0**-140, 0.0, 2.0**-126, 2.0**127, -2.0, -0.0], np.float32)
     for config in ("adamw", "sgd-momentum"):
-        check(config, "8bit", isa, 6 * BLOCK + 5, scales={"m_scale": odd, "v_scale": odd[::-1].copy()})
+        check(config, "8bit", isa, 10 * BLOCK + 5, scales={"m_scale": odd, "v_scale": odd[::-1].copy()})
+        check(config, "8bit", isa, 10 * BLOCK + 5, scales={"m_scale": odd[::-1].copy(), "v_scale": odd})
 
 
 def test_compressed_state_buffers_are_checked():
