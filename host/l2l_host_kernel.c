@@ -547,14 +547,25 @@ AVX512 INLINE __m256i bf16_round16(__m512 x) { /* x canonical */
     return _mm512_cvtepi32_epi16(r);
 }
 
-AVX512 INLINE void store_w16(void *w, int64_t i, __m512 p, int w_dtype) {
-    if (w_dtype == L2L_DT_BF16_NATIVE && !_mm512_fpclass_ps_mask(p, 0x20 /* subnormal */)) {
+/* The working copy of 16 weights. The native bf16 conversion reads a subnormal as zero: it
+ * returns the lanes that hold one, and the loop rewrites their vectors (fix_w16) before it
+ * returns; a test per vector would cost more than the rare rewrite. */
+AVX512 INLINE __mmask16 store_w16(void *w, int64_t i, __m512 p, int w_dtype) {
+    if (w_dtype == L2L_DT_BF16_NATIVE) {
         __m256i h;
         __asm__("vcvtneps2bf16 %1, %0" : "=v"(h) : "v"(p)); /* no target attribute needed for the pool's callers */
         _mm256_storeu_si256((__m256i *)((uint16_t *)w + i), h);
-    } else if (w_dtype == L2L_DT_BF16 || w_dtype == L2L_DT_BF16_NATIVE)
-        _mm256_storeu_si256((__m256i *)((uint16_t *)w + i), bf16_round16(p));
+        return _mm512_fpclass_ps_mask(p, 0x20 /* subnormal */);
+    }
+    if (w_dtype == L2L_DT_BF16) _mm256_storeu_si256((__m256i *)((uint16_t *)w + i), bf16_round16(p));
     else if (w_dtype == L2L_DT_F16) _mm256_storeu_si256((__m256i *)((uint16_t *)w + i), _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT));
+    return 0;
+}
+
+/* Rewrites the bf16 working copy of [begin, end) (whole vectors) from the weights written. */
+AVX512 INLINE void fix_w16(void *w, const float *p, int64_t begin, int64_t end) {
+    for (int64_t i = begin; i + 16 <= end; i += 16)
+        _mm256_storeu_si256((__m256i *)((uint16_t *)w + i), bf16_round16(_mm512_loadu_ps(p + i)));
 }
 
 AVX512 INLINE __m512 bf16_load16(const void *h, int64_t i) {
@@ -587,7 +598,7 @@ AVX512 INLINE int step_loop_avx512(const l2l_job *j, int64_t begin, int64_t end,
     float *p_dst = j->p_dst, *m_dst = j->m_dst, *v_dst = j->v_dst;
     void *w_dst = j->w_dst;
     const int uses_m = j->uses_m, uses_v = j->uses_v, unscale = UNSCALE(s);
-    __mmask16 bad = 0;
+    __mmask16 bad = 0, subnormal = 0;
     int64_t i = begin;
     for (; i + 16 <= end; i += 16) {
         __m512 gv = load_g16(g, i, g_dtype);
@@ -599,8 +610,9 @@ AVX512 INLINE int step_loop_avx512(const l2l_job *j, int64_t begin, int64_t end,
         if (uses_m) _mm512_storeu_ps(m_dst + i, canon_nan16(m));
         if (uses_v) _mm512_storeu_ps(v_dst + i, canon_nan16(v));
         _mm512_storeu_ps(p_dst + i, p);
-        store_w16(w_dst, i, p, w_dtype);
+        subnormal |= store_w16(w_dst, i, p, w_dtype);
     }
+    if (subnormal) fix_w16(w_dst, p_dst, begin, i);
     return (bad != 0) | step_range_scalar(j, i, end);
 }
 
@@ -710,6 +722,12 @@ AVX512 INLINE int state_loop_avx512(const l2l_job *j, int64_t begin, int64_t end
      * Adam, m for SGD with momentum), so only a block whose state max is not finite has its
      * gradients checked. */
     const int check_each = !q8;
+    /* the job's pointers in locals: a store through one of them could otherwise be taken to
+     * change the job, and every field be loaded again after it */
+    const void *g = j->g, *m_src = j->m_src, *v_src = j->v_src;
+    const float *p_src = j->p_src;
+    float *p_dst = j->p_dst;
+    void *w_dst = j->w_dst, *m_dst = j->m_dst, *v_dst = j->v_dst;
     float mbuf[L2L_BLOCK] __attribute__((aligned(64))), vbuf[L2L_BLOCK] __attribute__((aligned(64)));
     int bad = 0;
     for (int64_t b0 = begin; b0 < end; b0 += L2L_BLOCK) {
@@ -718,37 +736,38 @@ AVX512 INLINE int state_loop_avx512(const l2l_job *j, int64_t begin, int64_t end
         const block16_k mb = block16_k_of(&j->m_code, ms), vb = block16_k_of(&j->v_code, vs);
         const int v_pos = v_positive(vs);
         __m512i mmax = _mm512_setzero_si512(), vmax = _mm512_setzero_si512();
-        __mmask16 bad16 = 0;
+        __mmask16 bad16 = 0, subnormal = 0;
         for (; b + 16 <= len; b += 16) {
             int64_t i = b0 + b;
-            __m512 gv = load_g16(j->g, i, g_dtype);
+            __m512 gv = load_g16(g, i, g_dtype);
             if (unscale) gv = _mm512_mul_ps(gv, k.inv_scale);
             if (check_each) bad16 |= nonfinite16(gv);
             __m512 m = _mm512_setzero_ps(), v = _mm512_setzero_ps();
-            if (uses_m) m = q8 ? decode16(&mk, &mb, (const uint8_t *)j->m_src + i, 1) : bf16_load16(j->m_src, i);
-            if (uses_v) v = q8 ? decode16(&vk, &vb, (const uint8_t *)j->v_src + i, 0) : bf16_load16(j->v_src, i);
-            __m512 p = canon_nan16(rule16(&s, &k, gv, _mm512_loadu_ps(j->p_src + i), &m, &v));
-            _mm512_storeu_ps(j->p_dst + i, p);
-            store_w16(j->w_dst, i, p, w_dtype);
+            if (uses_m) m = q8 ? decode16(&mk, &mb, (const uint8_t *)m_src + i, 1) : bf16_load16(m_src, i);
+            if (uses_v) v = q8 ? decode16(&vk, &vb, (const uint8_t *)v_src + i, 0) : bf16_load16(v_src, i);
+            __m512 p = canon_nan16(rule16(&s, &k, gv, _mm512_loadu_ps(p_src + i), &m, &v));
+            _mm512_storeu_ps(p_dst + i, p);
+            subnormal |= store_w16(w_dst, i, p, w_dtype);
             if (q8) { /* a NaN needs no canonical form here: it makes its block NaN */
                 _mm512_store_ps(mbuf + b, m);
                 _mm512_store_ps(vbuf + b, v);
                 mmax = absmax16(mmax, m, 0);
                 vmax = absmax16(vmax, v, v_pos);
             } else {
-                if (uses_m) _mm256_storeu_si256((__m256i *)((uint16_t *)j->m_dst + i), bf16_round16(canon_nan16(m)));
-                if (uses_v) _mm256_storeu_si256((__m256i *)((uint16_t *)j->v_dst + i), bf16_round16(canon_nan16(v)));
+                if (uses_m) _mm256_storeu_si256((__m256i *)((uint16_t *)m_dst + i), bf16_round16(canon_nan16(m)));
+                if (uses_v) _mm256_storeu_si256((__m256i *)((uint16_t *)v_dst + i), bf16_round16(canon_nan16(v)));
             }
         }
         int64_t vec = b;
+        if (subnormal) fix_w16(w_dst, p_dst, b0, b0 + vec);
         for (; b < len; b++) bad |= state_one(j, b0, b, ms, vs, mbuf, vbuf);
         bad |= bad16 != 0;
         if (q8) {
             uint32_t m_abs = (uint32_t)_mm512_reduce_max_epu32(mmax), v_abs = (uint32_t)_mm512_reduce_max_epu32(vmax);
             if (!check_each && (m_abs >= 0x7F800000u || v_abs >= 0x7F800000u))
-                bad |= nonfinite_block16(j->g, b0, vec, g_dtype, k.inv_scale, unscale);
-            if (uses_m) encode_block_avx512(mbuf, len, m_abs, (uint8_t *)j->m_dst + b0, j->m_scale_dst + blk, &j->m_code, &mk, 1, 0);
-            if (uses_v) encode_block_avx512(vbuf, len, v_abs, (uint8_t *)j->v_dst + b0, j->v_scale_dst + blk, &j->v_code, &vk, 0, v_pos);
+                bad |= nonfinite_block16(g, b0, vec, g_dtype, k.inv_scale, unscale);
+            if (uses_m) encode_block_avx512(mbuf, len, m_abs, (uint8_t *)m_dst + b0, j->m_scale_dst + blk, &j->m_code, &mk, 1, 0);
+            if (uses_v) encode_block_avx512(vbuf, len, v_abs, (uint8_t *)v_dst + b0, j->v_scale_dst + blk, &j->v_code, &vk, 0, v_pos);
         }
     }
     return bad;
