@@ -562,10 +562,20 @@ AVX512 INLINE __mmask16 store_w16(void *w, int64_t i, __m512 p, int w_dtype) {
     return 0;
 }
 
-/* Rewrites the bf16 working copy of [begin, end) (whole vectors) from the weights written. */
-AVX512 INLINE void fix_w16(void *w, const float *p, int64_t begin, int64_t end) {
-    for (int64_t i = begin; i + 16 <= end; i += 16)
-        _mm256_storeu_si256((__m256i *)((uint16_t *)w + i), bf16_round16(_mm512_loadu_ps(p + i)));
+/* The loops below write NaN as the arithmetic made it and the working copy by the native
+ * conversion, and only note where a vector held a NaN or a subnormal weight; this pass then
+ * rewrites the whole vectors of [begin, end): NaN made canonical in p (and in fp32 m and v,
+ * which are NULL otherwise) and the working copy from p by integer rounding. Both cases are
+ * rare; testing and fixing each vector in the loop cost more. */
+AVX512 INLINE void rewrite16(float *p, float *m, float *v, void *w, int w_dtype, int64_t begin, int64_t end) {
+    const int exact = w_dtype == L2L_DT_BF16_NATIVE ? L2L_DT_BF16 : w_dtype;
+    for (int64_t i = begin; i + 16 <= end; i += 16) {
+        __m512 x = canon_nan16(_mm512_loadu_ps(p + i));
+        _mm512_storeu_ps(p + i, x);
+        store_w16(w, i, x, exact);
+        if (m) _mm512_storeu_ps(m + i, canon_nan16(_mm512_loadu_ps(m + i)));
+        if (v) _mm512_storeu_ps(v + i, canon_nan16(_mm512_loadu_ps(v + i)));
+    }
 }
 
 AVX512 INLINE __m512 bf16_load16(const void *h, int64_t i) {
@@ -598,7 +608,7 @@ AVX512 INLINE int step_loop_avx512(const l2l_job *j, int64_t begin, int64_t end,
     float *p_dst = j->p_dst, *m_dst = j->m_dst, *v_dst = j->v_dst;
     void *w_dst = j->w_dst;
     const int uses_m = j->uses_m, uses_v = j->uses_v, unscale = UNSCALE(s);
-    __mmask16 bad = 0, subnormal = 0;
+    __mmask16 bad = 0, redo = 0;
     int64_t i = begin;
     for (; i + 16 <= end; i += 16) {
         __m512 gv = load_g16(g, i, g_dtype);
@@ -606,13 +616,14 @@ AVX512 INLINE int step_loop_avx512(const l2l_job *j, int64_t begin, int64_t end,
         bad |= nonfinite16(gv);
         __m512 m = uses_m ? _mm512_loadu_ps(m_src + i) : _mm512_setzero_ps();
         __m512 v = uses_v ? _mm512_loadu_ps(v_src + i) : _mm512_setzero_ps();
-        __m512 p = canon_nan16(rule16(&s, &k, gv, _mm512_loadu_ps(p_src + i), &m, &v));
-        if (uses_m) _mm512_storeu_ps(m_dst + i, canon_nan16(m));
-        if (uses_v) _mm512_storeu_ps(v_dst + i, canon_nan16(v));
+        __m512 p = rule16(&s, &k, gv, _mm512_loadu_ps(p_src + i), &m, &v);
+        redo |= _mm512_cmp_ps_mask(p, p, _CMP_UNORD_Q); /* a NaN in m or v makes p NaN too (rule16) */
+        if (uses_m) _mm512_storeu_ps(m_dst + i, m);
+        if (uses_v) _mm512_storeu_ps(v_dst + i, v);
         _mm512_storeu_ps(p_dst + i, p);
-        subnormal |= store_w16(w_dst, i, p, w_dtype);
+        redo |= store_w16(w_dst, i, p, w_dtype);
     }
-    if (subnormal) fix_w16(w_dst, p_dst, begin, i);
+    if (redo) rewrite16(p_dst, uses_m ? m_dst : NULL, uses_v ? v_dst : NULL, w_dst, w_dtype, begin, i);
     return (bad != 0) | step_range_scalar(j, i, end);
 }
 
@@ -736,7 +747,7 @@ AVX512 INLINE int state_loop_avx512(const l2l_job *j, int64_t begin, int64_t end
         const block16_k mb = block16_k_of(&j->m_code, ms), vb = block16_k_of(&j->v_code, vs);
         const int v_pos = v_positive(vs);
         __m512i mmax = _mm512_setzero_si512(), vmax = _mm512_setzero_si512();
-        __mmask16 bad16 = 0, subnormal = 0;
+        __mmask16 bad16 = 0, redo = 0;
         for (; b + 16 <= len; b += 16) {
             int64_t i = b0 + b;
             __m512 gv = load_g16(g, i, g_dtype);
@@ -745,9 +756,9 @@ AVX512 INLINE int state_loop_avx512(const l2l_job *j, int64_t begin, int64_t end
             __m512 m = _mm512_setzero_ps(), v = _mm512_setzero_ps();
             if (uses_m) m = q8 ? decode16(&mk, &mb, (const uint8_t *)m_src + i, 1) : bf16_load16(m_src, i);
             if (uses_v) v = q8 ? decode16(&vk, &vb, (const uint8_t *)v_src + i, 0) : bf16_load16(v_src, i);
-            __m512 p = canon_nan16(rule16(&s, &k, gv, _mm512_loadu_ps(p_src + i), &m, &v));
+            __m512 p = rule16(&s, &k, gv, _mm512_loadu_ps(p_src + i), &m, &v);
             _mm512_storeu_ps(p_dst + i, p);
-            subnormal |= store_w16(w_dst, i, p, w_dtype);
+            redo |= _mm512_cmp_ps_mask(p, p, _CMP_UNORD_Q) | store_w16(w_dst, i, p, w_dtype);
             if (q8) { /* a NaN needs no canonical form here: it makes its block NaN */
                 _mm512_store_ps(mbuf + b, m);
                 _mm512_store_ps(vbuf + b, v);
@@ -759,7 +770,7 @@ AVX512 INLINE int state_loop_avx512(const l2l_job *j, int64_t begin, int64_t end
             }
         }
         int64_t vec = b;
-        if (subnormal) fix_w16(w_dst, p_dst, b0, b0 + vec);
+        if (redo) rewrite16(p_dst, NULL, NULL, w_dst, w_dtype, b0, b0 + vec);
         for (; b < len; b++) bad |= state_one(j, b0, b, ms, vs, mbuf, vbuf);
         bad |= bad16 != 0;
         if (q8) {

@@ -151,6 +151,29 @@ def test_nan_and_inf_gradients_set_flag_and_give_canonical_nans(isa):
 
 
 @pytest.mark.parametrize("isa", ISA_PARAMS)
+def test_non_finite_state_with_finite_gradients_gives_canonical_nans(isa):
+    """NaN (of any sign and payload) and Inf already in p, m or v, every gradient finite: the
+    invalid operations they cause (Inf - Inf, 0 x Inf) make the CPU's default NaN, which is
+    negative; every NaN written must still be golden's canonical one, in p, m, v and the copy."""
+    n = 2 * TILE + 37
+    odd = np.array([0x7FC00000, 0xFFC00000, 0x7F800001, 0xFFC00123, 0x7F800000, 0xFF800000], np.uint32).view(np.float32)
+    for config, working in (("adamw", torch.bfloat16), ("adam", torch.float16), ("sgd-nesterov", torch.bfloat16),
+                            ("sgd-momentum", None)):
+        cfg = OptimConfig(**OPTIMIZERS[config])
+        s = golden.step_scalars(cfg, 2, 1 / 1024)
+        p, m, v, g = random_state(n, 3, cfg.optimizer)
+        for k, x in enumerate(x for x in (p, m, v) if x is not None):
+            x[k * 97 + 11 :: 1201][: odd.size * 3] = np.tile(odd, 3)[: x[k * 97 + 11 :: 1201].size]
+        grad = grad_tensor(g, torch.float32)
+        want = expected(cfg.optimizer, s, p, m, v, grad, working)
+        got = run_kernel(cfg.optimizer, s, p, m, v, grad, working, isa, in_place=True)
+        assert not want[4] and not got[4], "finite gradients do not set the flag"
+        assert np.isnan(want[0]).any(), "the case must produce NaN weights"
+        for name, ours, theirs in zip(("param", "m", "v", "working copy"), got[:4], want[:4]):
+            assert_bits(name, ours, theirs)
+
+
+@pytest.mark.parametrize("isa", ISA_PARAMS)
 def test_unscaling_overflow_sets_flag_and_finite_gradients_do_not(isa):
     s = golden.step_scalars(OptimConfig(), 1, inv_scale=4.0)
     p = torch.zeros(40)
