@@ -548,8 +548,7 @@ AVX512 INLINE __m256i bf16_round16(__m512 x) { /* x canonical */
 }
 
 /* The working copy of 16 weights. The native bf16 conversion reads a subnormal as zero: it
- * returns the lanes that hold one, and the loop rewrites their vectors (fix_w16) before it
- * returns; a test per vector would cost more than the rare rewrite. */
+ * returns the lanes that hold one, whose vectors the loop rewrites (rewrite16). */
 AVX512 INLINE __mmask16 store_w16(void *w, int64_t i, __m512 p, int w_dtype) {
     if (w_dtype == L2L_DT_BF16_NATIVE) {
         __m256i h;
