@@ -546,13 +546,13 @@ endgenerate
 
 // 8-bit state: per slot (0 m, 1 v) the encoder, then its codes and scales into beats
 wire [1:0] q_in_valid = {out_valid && en_vs, out_valid && en_ms};
-wire [GROUP_BITS-1:0] q_x [0:1];
-assign q_x[0] = m_out;
-assign q_x[1] = v_out;
+// flat vectors, not arrays: an array element on a port of a not yet elaborated module makes
+// yosys reprocess this module, which its hierarchy pass (0.70) fails on
+wire [2*GROUP_BITS-1:0] q_x = {v_out, m_out};
 wire [1:0] q_out_valid, q_out_last, q_scale_valid, q_scale_last;
-wire [GROUP_BITS/4-1:0] q_code [0:1];
-wire [31:0] q_scale [0:1];
-wire [15:0] q_held [0:1];
+wire [2*(GROUP_BITS/4)-1:0] q_code;
+wire [2*32-1:0] q_scale;
+wire [2*16-1:0] q_held;
 wire [DATA_WIDTH-1:0] qc_beat [0:1];
 wire [DATA_WIDTH-1:0] qs_beat [0:1];
 wire [1:0] qc_push, qs_push;
@@ -560,10 +560,10 @@ generate
 for (k = 0; k < 2; k = k + 1) begin : g_quant
     l2l_optim_quant #(.LANES(LANES), .EXP_BITS(k == 0 ? M_CODE_EXP_BITS : V_CODE_EXP_BITS), .SIGNED(k == 0 ? 1 : 0)) quant (
         .clk(clk), .rst(rst), .clear(run_start),
-        .in_valid(q_in_valid[k]), .in_last(out_last), .in_mask(out_mask), .in_x(q_x[k]),
-        .scale_valid(q_scale_valid[k]), .scale_last(q_scale_last[k]), .scale(q_scale[k]),
-        .out_valid(q_out_valid[k]), .out_last(q_out_last[k]), .out_code(q_code[k]),
-        .held(q_held[k])
+        .in_valid(q_in_valid[k]), .in_last(out_last), .in_mask(out_mask), .in_x(q_x[GROUP_BITS*k +: GROUP_BITS]),
+        .scale_valid(q_scale_valid[k]), .scale_last(q_scale_last[k]), .scale(q_scale[32*k +: 32]),
+        .out_valid(q_out_valid[k]), .out_last(q_out_last[k]), .out_code(q_code[(GROUP_BITS/4)*k +: GROUP_BITS/4]),
+        .held(q_held[16*k +: 16])
     );
     // codes: 4*RATIO groups a beat
     reg [SUB_W-1:0] csub_reg;
@@ -571,7 +571,7 @@ for (k = 0; k < 2; k = k + 1) begin : g_quant
     genvar j;
     for (j = 0; j < 4*RATIO; j = j + 1) begin : g_code_group
         localparam [SUB_W-1:0] SLOT = j;
-        assign qc_beat[k][(GROUP_BITS/4)*j +: GROUP_BITS/4] = (csub_reg == SLOT) ? q_code[k]
+        assign qc_beat[k][(GROUP_BITS/4)*j +: GROUP_BITS/4] = (csub_reg == SLOT) ? q_code[(GROUP_BITS/4)*k +: GROUP_BITS/4]
                                                             : cacc_reg[(GROUP_BITS/4)*j +: GROUP_BITS/4];
     end
     assign qc_push[k] = q_out_valid[k] && ((csub_reg == SUB8) || q_out_last[k]);
@@ -580,7 +580,7 @@ for (k = 0; k < 2; k = k + 1) begin : g_quant
     reg [DATA_WIDTH-1:0] sacc_reg;
     for (j = 0; j < BEAT_LANES; j = j + 1) begin : g_scale_slot
         localparam [BSW-1:0] SLOT = j;
-        assign qs_beat[k][32*j +: 32] = (ssub_reg == SLOT) ? q_scale[k] : sacc_reg[32*j +: 32];
+        assign qs_beat[k][32*j +: 32] = (ssub_reg == SLOT) ? q_scale[32*k +: 32] : sacc_reg[32*j +: 32];
     end
     assign qs_push[k] = q_scale_valid[k] && ((ssub_reg == LAST_BSUB) || q_scale_last[k]);
     always @(posedge clk) begin
@@ -605,7 +605,7 @@ assign wr_push = {qs_push[1], qs_push[0], en_c && out_valid && (out_end16 || out
                   q8 ? qc_push[1] : out_push32 && en_v, q8 ? qc_push[0] : out_push32 && en_m, out_push32};
 assign wr_data = {qs_beat[1], qs_beat[0], c_beat, q8 ? qc_beat[1] : v_beat, q8 ? qc_beat[0] : m_beat, p_beat};
 wire q_out = en_m ? q_out_valid[0] : q_out_valid[1];
-wire q_idle = (q_held[0] == 16'd0) && (q_held[1] == 16'd0);
+wire q_idle = q_held == 32'd0;
 
 // ---------------------------------------------------------------- sequencing
 always @(posedge clk) begin
