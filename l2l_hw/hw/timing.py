@@ -122,6 +122,21 @@ def _ports(design: Design, work: Path) -> list[tuple[str, str, int]]:
     return [(n, p["direction"], len(p["bits"])) for n, p in module["ports"].items()]
 
 
+def _stage(design: Design, work: Path) -> None:
+    """Copies the design's sources below `work`: the yowasp tools read nothing outside it."""
+    for src in design_files(design):
+        dst = work / src.relative_to(harness.ROOT)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(src, dst)
+
+
+def ports(design: Design) -> list[tuple[str, str, int]]:
+    """(name, direction, width) of every port of `design` as yosys elaborates it (seconds)."""
+    with tempfile.TemporaryDirectory(prefix=f"l2l_ports_{design.name}_") as tmp:
+        _stage(design, Path(tmp))
+        return _ports(design, Path(tmp))
+
+
 def wrapper(design: Design, ports: list[tuple[str, str, int]]) -> tuple[str, int]:
     """Verilog of timing_top around `design`, and its flip-flop count (see the module docstring)."""
     ins = [(n, w) for n, d, w in ports if d == "input" and n not in ("clk", "rst")]
@@ -201,10 +216,7 @@ def synthesize(design: Design, use_cache: bool = True) -> tuple[Path, int]:
         return netlist, json.loads(meta.read_text())["wrapper_ff"]
     with tempfile.TemporaryDirectory(prefix=f"l2l_synth_{design.name}_") as tmp:
         work = Path(tmp)
-        for src in design_files(design):
-            dst = work / src.relative_to(harness.ROOT)
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(src, dst)
+        _stage(design, work)
         text, wrapper_ff = wrapper(design, _ports(design, work))
         (work / "timing_top.v").write_text(text)
         synth = _read_script(design, "timing_top", {}, extra="timing_top.v ")
