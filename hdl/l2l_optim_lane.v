@@ -15,6 +15,12 @@
 // copies are taps of one shift chain). One register feeding every select of
 // the lane would fan out to ~250 LUTs across the whole lane; its routing set
 // the lane's clock (116.7 MHz on the ECP5-85, the select in front of unit P).
+// Every select whose result feeds a unit is registered (LANE_SELECT_LATENCY):
+// it reads its inputs and its tap one select latency before its point, so the
+// unit's first stage starts at a register (a select driven by a tap straight
+// into a multiplier's classification set the clock at 120 MHz). Selects of run
+// constants (a unit's second operand) cost no latency; selects of results add
+// a clock where they sit (g32, g1, J's operand, m', SGD's g2, u).
 // The configuration must be valid from the clock the run's first element
 // enters; the kernel sets it before the run starts.
 //
@@ -22,20 +28,24 @@
 // is ready (an element enters at 0), computed from the unit latencies of
 // hdl/fp/fp_latency.vh; every operand reaches its unit through a delay line of
 // the difference. In order:
-//   T_G32   widen bf16/fp16 (exact) or delay fp32
+//   T_G32   widen bf16/fp16 (exact) or delay fp32, selected
 //   T_GS    A  g * inv_scale (non-finite check);  B  p * (adamw ? decay : weight_decay)
-//   T_G1    C  gs + pw                            (adam/sgd, weight_decay != 0)
+//   T_G1    C  gs + pw                            (adam/sgd, weight_decay != 0), selected
 //   T_DG    D  g1 - m;    G  g1 * (sgd ? dampening_complement : one_minus_beta2)
 //   T_EHI   E  d * one_minus_beta1;  H  y_g * g1;  I  (sgd ? m : v) * (sgd ? momentum : beta2)
-//   T_MV    F  m + dm;    J  y_i + (sgd ? y_g : gg)     (v' or SGD m')
+//   T_J     (sgd ? y_g : gg) selected
+//   T_MV    F  m + dm (one select earlier);    J  y_i + (sgd ? y_g : gg)  (v' or SGD m')
+//   T_MN    m' selected
 //   T_SQ    K  sqrt(v')
 //   T_Q     L  sq / bias_correction2_sqrt
 //   T_DEN   M  q + eps
 //   T_YN    N  m' * (sgd ? momentum : step_size)
 //   T_GN    Q  g1 + y_n                               (nesterov)
+//   T_G2    g2 selected
 //   T_USGD  R  g2 * lr
 //   T_UPD   O  y_n / den
-//   T_P     P  p1 - (sgd ? u_sgd : u_adam)
+//   T_U     (sgd ? u_sgd : u_adam) selected
+//   T_P     P  p1 - u
 //   LATENCY    fp32_to_bf16 / fp32_to_fp16 of p'
 
 `resetall
