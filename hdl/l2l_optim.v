@@ -268,8 +268,18 @@ always @* begin
     end
 end
 
-wire run_start = (state_reg == ST_SETUP) && (ptr_misaligned == 0) && (n_reg != 0);
+// run_start: one clock, the first of ST_RUN, decided in ST_SETUP (timing, docs/BENCHMARKS.md,
+// issue 19: the checks on n and the pointers end in this register, not in the clock enables
+// of every stream register of the reader and writer). It loads the engines and clears their
+// FIFOs, the lanes' valid bits and l2l_optim_quant; nothing is issued in that clock.
+reg run_start_reg;
+wire run_start = run_start_reg;
 wire abort = status_reg[STATUS_AXI_ERROR_BIT];
+// The engines are held (abort) from ap_start until run_start loads them: after an aborted
+// run they keep that run's addresses and beats left, and with AXI_ERROR cleared at ap_start
+// they would otherwise request stale bursts in ST_SETUP.
+reg engines_held_reg;
+wire engine_abort = abort || engines_held_reg;
 
 wire [ADDR_WIDTH-1:0] ptr_a [0:11];
 genvar k;
@@ -289,7 +299,7 @@ l2l_optim_reader #(
     .DATA_WIDTH(DATA_WIDTH), .ADDR_WIDTH(ADDR_WIDTH), .ID_WIDTH(ID_WIDTH), .FIFO_DEPTH(FIFO_DEPTH)
 ) reader_inst (
     .clk(clk), .rst(rst),
-    .start(run_start), .abort(abort),
+    .start(run_start), .abort(engine_abort),
     .stream_addr({ptr_a[9], ptr_a[8], ptr_a[3], ptr_a[2], ptr_a[1], ptr_a[0]}),
     .stream_beats({beats_s, beats_s, grad16 ? beats16 : beats32, q8 ? beats8 : beats32, q8 ? beats8 : beats32, beats32}),
     .stream_tile({9'd1, 9'd1, grad16 ? TILE16 : TILE32, q8 ? TILE8 : TILE32, q8 ? TILE8 : TILE32, TILE32}),
@@ -315,7 +325,7 @@ l2l_optim_writer #(
     .DATA_WIDTH(DATA_WIDTH), .ADDR_WIDTH(ADDR_WIDTH), .ID_WIDTH(ID_WIDTH), .FIFO_DEPTH(FIFO_DEPTH)
 ) writer_inst (
     .clk(clk), .rst(rst),
-    .start(run_start), .abort(abort),
+    .start(run_start), .abort(engine_abort),
     .stream_addr({ptr_a[11], ptr_a[10], ptr_a[7], ptr_a[6], ptr_a[5], ptr_a[4]}),
     .stream_beats({beats_s, beats_s, beats16, q8 ? beats8 : beats32, q8 ? beats8 : beats32, beats32}),
     .stream_last_strb({strb_s, strb_s, strb16, q8 ? strb8 : strb32, q8 ? strb8 : strb32, strb32}),
@@ -392,7 +402,7 @@ wire credit = ({1'b0, wc_p} + due32 <= FIFO_DEPTH)
 wire data_ready = !rd_empty[0] && (!en_m || !rd_empty[1]) && (!en_v || !rd_empty[2]) && !rd_empty[3]
                   && (!en_ms || !rd_empty[4]) && (!en_vs || !rd_empty[5]);
 wire more = more_reg;
-wire issue = (state_reg == ST_RUN) && !abort && more && data_ready && credit_reg;
+wire issue = (state_reg == ST_RUN) && !run_start && !abort && more && data_ready && credit_reg;
 wire last_group = last_reg;
 // read-side width conversion: group `sub` of the head beats; an 8-bit beat holds 4*RATIO
 // groups, a 16-bit beat 2*RATIO, an fp32 beat RATIO (group sub % RATIO)
@@ -610,6 +620,7 @@ wire q_idle = q_held == 32'd0;
 // ---------------------------------------------------------------- sequencing
 always @(posedge clk) begin
     ap_done_reg <= 1'b0;
+    run_start_reg <= 1'b0;
 
     credit_reg <= credit;
     if (issue) begin
@@ -654,6 +665,7 @@ always @(posedge clk) begin
                 mom_nonzero_reg <= (s_momentum != 0);
                 status_reg <= 3'd0;
                 cycles_reg <= 64'd1;
+                engines_held_reg <= 1'b1;
                 state_reg <= ST_SETUP;
             end
         end
@@ -672,6 +684,8 @@ always @(posedge clk) begin
             end else if (n_reg == 0) begin
                 state_reg <= ST_FINISH;
             end else begin
+                run_start_reg <= 1'b1;
+                engines_held_reg <= 1'b0;
                 state_reg <= ST_RUN;
             end
         end
@@ -689,6 +703,8 @@ always @(posedge clk) begin
     if (rst) begin
         state_reg <= ST_IDLE;
         ap_done_reg <= 1'b0;
+        run_start_reg <= 1'b0;
+        engines_held_reg <= 1'b1;
         status_reg <= 3'd0;
         left_reg <= 32'd0;
         more_reg <= 1'b0;

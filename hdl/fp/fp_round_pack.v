@@ -6,10 +6,12 @@
 // Pipelined: FP_ROUND_LATENCY = 2 registers (hdl/fp/fp_latency.vh) between
 // the inputs and the (combinational) outputs; a side band of SIDE_W bits and
 // the valid bit travel alongside, ce low holds every stage.
-//   stage 1  subnormal shift distance, exponent field, overflow and tininess
-//            tests on the exponent
+//   stage 1  subnormal shift distance, exponent field, overflow (the rounding
+//            carry included) and tininess tests
 //   stage 2  shift, guard / round / sticky, round-up decision
-//   outputs  the packing add (a rounding carry bumps the exponent), overflow
+//   outputs  the packing add (a rounding carry bumps the exponent) and the
+//            Inf select, driven by the registered overflow: no test on the
+//            add's result, so the select's fanout starts at a register
 //
 // Input: value = sig * 2^(exp - BIAS - (SIG_W-1)), sig[SIG_W-1] == 1, plus a
 // sticky bit for anything below sig. exp is the biased exponent of the leading
@@ -72,10 +74,12 @@ localparam integer SH_MAX_INT = SIG_W + 1;
 localparam [SH_W-1:0] SH_MAX = SH_MAX_INT[SH_W-1:0];
 localparam integer SIG_W_INT = SIG_W;
 localparam integer EXP_MAX_INT = (1 << EXP_W) - 1;
+localparam integer EXP_TOP_INT = EXP_MAX_INT - 1;
 // Wires rather than localparams: their widths follow this instance's E_W (the
 // multi-top lint of the whole tree sizes localparams from the defaults).
 wire signed [E_W:0]   sig_w_s = SIG_W_INT[E_W:0];
 wire signed [E_W-1:0] exp_max = EXP_MAX_INT[E_W-1:0];
+wire signed [E_W-1:0] exp_top = EXP_TOP_INT[E_W-1:0];
 
 // ---------------------------------------------------------------- stage 1
 wire denorm = (exp < 1);
@@ -90,16 +94,26 @@ wire [SH_W-1:0] shift = !denorm ? {SH_W{1'b0}} :
 wire [EXP_W-1:0] exp_base = denorm ? {EXP_W{1'b0}} : exp[EXP_W-1:0] - 1'b1;
 wire exp_too_big = !denorm && (exp >= exp_max);
 
+// Rounding at full precision (no subnormal shift) carries into the exponent
+// when every kept bit is one and guard is set: round-up is then guard alone,
+// since kept[0] = 1 breaks a tie upwards.
+wire carries_at_full_precision = (&sig[SIG_W-1 -: MAN_W+1]) && sig[SIG_W-2-MAN_W];
+
+// Overflow, decided here rather than on the packed exponent: a normal result
+// (exp >= 1, no shift) packs to exponent field exp + carry, so it reaches
+// all-ones when exp >= exp_max or exp == exp_max - 1 (exp_top) with the carry; a
+// subnormal one packs to a field of at most 2.
+wire overflows = exp_too_big || ((exp == exp_top) && carries_at_full_precision);
+
 // Tiny after rounding: below 2^emin unless exp == 0 and full-precision
 // rounding (all ones kept, guard set) would carry up to 2^emin.
-wire carries_at_full_precision = (&sig[SIG_W-1 -: MAN_W+1]) && sig[SIG_W-2-MAN_W];
 wire tiny = denorm && !((exp == 0) && carries_at_full_precision);
 
 reg [SIG_W-1:0] r1_sig;
 reg             r1_sticky;
 reg [SH_W-1:0]  r1_shift;
 reg [EXP_W-1:0] r1_exp_base;
-reg             r1_exp_too_big;
+reg             r1_overflow;
 reg             r1_tiny;
 reg             r1_sign;
 
@@ -109,7 +123,7 @@ always @(posedge clk) begin
         r1_sticky      <= sticky;
         r1_shift       <= shift;
         r1_exp_base    <= exp_base;
-        r1_exp_too_big <= exp_too_big;
+        r1_overflow    <= overflows;
         r1_tiny        <= tiny;
         r1_sign        <= sign;
     end
@@ -128,7 +142,7 @@ reg [MAN_W:0]   r2_kept;
 reg             r2_round_up;
 reg             r2_lost;
 reg [EXP_W-1:0] r2_exp_base;
-reg             r2_exp_too_big;
+reg             r2_overflow;
 reg             r2_tiny;
 reg             r2_sign;
 
@@ -138,7 +152,7 @@ always @(posedge clk) begin
         r2_round_up    <= guard && (rest || kept[0]);
         r2_lost        <= guard || rest;
         r2_exp_base    <= r1_exp_base;
-        r2_exp_too_big <= r1_exp_too_big;
+        r2_overflow    <= r1_overflow;
         r2_tiny        <= r1_tiny;
         r2_sign        <= r1_sign;
     end
@@ -155,7 +169,7 @@ fp_pipe #(.WIDTH(SIDE_W), .DEPTH(FP_ROUND_LATENCY)) side_pipe (
 wire [EXP_W+MAN_W-1:0] packed_abs = {r2_exp_base, {MAN_W{1'b0}}} + {{(EXP_W-1){1'b0}}, r2_kept}
                                   + {{(EXP_W+MAN_W-1){1'b0}}, r2_round_up};
 
-assign overflow  = r2_exp_too_big || (packed_abs[EXP_W+MAN_W-1:MAN_W] == EXP_ONES);
+assign overflow  = r2_overflow;
 assign inexact   = r2_lost || overflow;
 assign underflow = r2_tiny && r2_lost;
 

@@ -184,7 +184,7 @@ class TB:
         state.update({f"{u}.{name}": int(getattr(getattr(dut, u), name).value)
                       for u in ("reader_inst", "writer_inst") for name in ("idle", "all_requested", "s_reg")})
         state.update({name: int(getattr(dut.reader_inst, name).value) for name in
-                      ("tile_loaded_reg", "tleft_reg", "route_empty", "arvalid_reg", "room")})
+                      ("tile_loaded_reg", "tleft_reg", "route_empty", "arvalid_reg", "room_reg")})
         state.update({name: int(getattr(dut.reader_inst, name).value) for name in
                       ("route_count", "route_head", "rbeat_reg")})
         raise AssertionError(f"ap_done never came: {state} {self.beats} {self.bursts}")
