@@ -113,15 +113,18 @@ assign m_axi_arvalid = arvalid_reg;
 assign m_axi_rready = 1'b1;
 
 // ---------------------------------------------------------------- requests
-// The next burst is planned in registers, two clocks deep (timing: one carry chain per
-// clock): its length (4 KiB page, rest of the tile), then whether its FIFO has room. The
-// plan is used only once the state it was made from has been stable for two clocks
-// (settle_reg); in between, the FIFO only drains, so a stale "room" is conservative.
+// The next burst is planned in registers, three clocks deep (timing: one carry chain per
+// clock, and the select among the streams in a clock of its own): the beats to the 4 KiB
+// page end and the FIFO's free space for stream s_reg, then the burst's length (page, rest
+// of the tile), then whether its FIFO has room. The plan is used only once the state it
+// was made from has been stable for three clocks (settle_reg); in between, the FIFO only
+// drains, so a stale "room" is conservative.
 wire [ADDR_WIDTH-1:0] cur_addr = addr_reg[s_reg];
-wire [12:0] page_beats_left = (13'd4096 - {1'b0, cur_addr[11:0]}) >> BYTE_SHIFT;
+reg [12:0] page_beats_left; // beats from cur_addr to its 4 KiB page end
+reg [16:0] space_reg;       // FIFO_DEPTH minus the stream's reservations
 reg [8:0] tile_burst_len;   // the plan: beats of the next burst of stream s_reg
 reg room_reg;               // its FIFO has room for them
-reg [1:0] settle_reg;
+reg [2:0] settle_reg;
 /* verilator lint_off UNUSEDSIGNAL */
 wire [8:0] tile_burst_m1 = tile_burst_len - 9'd1;  // a burst is at most 256 beats
 /* verilator lint_on UNUSEDSIGNAL */
@@ -148,7 +151,7 @@ l2l_optim_fifo #(.WIDTH(SW+8), .DEPTH(ROUTE_DEPTH)) route_fifo (
     .pop(route_pop), .head(route_head), .empty(route_empty), .count(route_count)
 );
 
-assign issue = !start && !abort && !arvalid_reg && tile_loaded_reg && settle_reg[1] && room_reg
+assign issue = !start && !abort && !arvalid_reg && tile_loaded_reg && settle_reg[2] && room_reg
                && (route_count < ROUTE_DEPTH);
 assign idle = (all_requested || abort) && !arvalid_reg && route_empty;
 
@@ -199,10 +202,12 @@ end
 endgenerate
 
 always @(posedge clk) begin
+    page_beats_left <= (13'd4096 - {1'b0, cur_addr[11:0]}) >> BYTE_SHIFT;
+    space_reg <= {1'b0, FIFO_DEPTH[15:0]} - {1'b0, resv_reg[s_reg]};
     tile_burst_len <= (page_beats_left < {4'd0, tleft_reg}) ? page_beats_left[8:0] : tleft_reg;
-    room_reg <= (resv_reg[s_reg] + {7'd0, tile_burst_len}) <= FIFO_DEPTH[15:0];
+    room_reg <= !space_reg[16] && {8'd0, tile_burst_len} <= space_reg;
     // the state the plan reads changes at an issue and at every step of the tile loader
-    settle_reg <= (issue || !tile_loaded_reg) ? 2'b00 : {settle_reg[0], 1'b1};
+    settle_reg <= (issue || !tile_loaded_reg) ? 3'b000 : {settle_reg[1:0], 1'b1};
 
     if (arvalid_reg && m_axi_arready) begin
         arvalid_reg <= 1'b0;
@@ -235,7 +240,7 @@ always @(posedge clk) begin
         s_reg <= {SW{1'b0}};
         tile_loaded_reg <= 1'b0;
         rbeat_reg <= 8'd0;
-        settle_reg <= 2'b00;
+        settle_reg <= 3'b000;
     end
     if (rst) begin
         arvalid_reg <= 1'b0;
