@@ -224,13 +224,16 @@ wire [30:0] s_momentum = arg_scalars[32*11 +: 31];
 
 wire mode_sgd = (opt_reg == MODE_OPTIMIZER_SGD);
 wire mode_adamw = (opt_reg == MODE_OPTIMIZER_ADAMW);
-wire en_m = !mode_sgd || mom_nonzero_reg;
-wire en_v = !mode_sgd;
-wire en_c = (copy_dtype_reg != MODE_COPY_DTYPE_NONE);
-wire grad16 = (grad_dtype_reg != MODE_GRAD_DTYPE_FP32);
 wire q8 = state8_reg;
-wire en_ms = en_m && q8;  // the block-scale streams
-wire en_vs = en_v && q8;
+// The streams a run moves, decoded from the mode at ap_start into registers (timing: they
+// gate every FIFO pop and the credit, so they come straight from flip-flops).
+wire arg_sgd = (arg_mode[MODE_OPTIMIZER_BIT +: 2] == MODE_OPTIMIZER_SGD);
+wire arg_8bit = (arg_mode[MODE_STATE_BIT +: MODE_STATE_WIDTH] == MODE_STATE_8BIT);
+wire arg_en_m = !arg_sgd || (s_momentum != 0);
+reg en_m, en_v;      // m, v
+reg en_c;            // the working copy
+reg grad16;          // a 16-bit gradient
+reg en_ms, en_vs;    // the block-scale streams of the 8-bit state
 
 // groups of LANES elements; beats: BEAT_LANES fp32 elements, 2*BEAT_LANES 16-bit ones
 /* verilator lint_off UNUSEDSIGNAL */
@@ -698,7 +701,13 @@ always @(posedge clk) begin
         ST_IDLE: begin
             if (ap_start && !ap_done_reg) begin  // ap_start clears at ap_ready, one clock late
                 ptr_reg <= {arg_scale_pointers, arg_pointers};
-                state8_reg <= (arg_mode[MODE_STATE_BIT +: MODE_STATE_WIDTH] == MODE_STATE_8BIT);
+                state8_reg <= arg_8bit;
+                en_m <= arg_en_m;
+                en_v <= !arg_sgd;
+                en_c <= (arg_mode[MODE_COPY_DTYPE_BIT +: 2] != MODE_COPY_DTYPE_NONE);
+                grad16 <= (arg_mode[MODE_GRAD_DTYPE_BIT +: 2] != MODE_GRAD_DTYPE_FP32);
+                en_ms <= arg_en_m && arg_8bit;
+                en_vs <= !arg_sgd && arg_8bit;
                 n_reg <= arg_n;
                 opt_reg <= arg_mode[MODE_OPTIMIZER_BIT +: 2];
                 nesterov_reg <= arg_mode[MODE_NESTEROV_BIT];

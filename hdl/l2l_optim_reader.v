@@ -92,6 +92,7 @@ localparam [SW-1:0] LAST_STREAM = STREAMS - 1;
 reg [ADDR_WIDTH-1:0] addr_reg [0:STREAMS-1];
 reg [31:0] left_reg [0:STREAMS-1];
 reg [15:0] resv_reg [0:STREAMS-1];  // beats in the FIFO or in flight
+reg [STREAMS-1:0] pop_reg;          // pop, a clock late
 reg [SW-1:0] s_reg;
 wire [SW-1:0] s_next = (s_reg == LAST_STREAM) ? {SW{1'b0}} : s_reg + 1'b1;
 reg tile_loaded_reg;
@@ -182,8 +183,11 @@ for (k = 0; k < STREAMS; k = k + 1) begin : g_stream
     /* verilator lint_on UNUSEDSIGNAL */
 
     always @(posedge clk) begin
+        // a pop leaves the reservation a clock late (timing: pop comes from the kernel's
+        // issue logic): one beat too many reserved for a clock, which is conservative
+        pop_reg[k] <= pop[k] && !start;
         resv_reg[k] <= resv_reg[k] + ((issue && s_reg == k) ? {7'd0, tile_burst_len} : 16'd0)
-                       - {15'd0, pop[k]};
+                       - {15'd0, pop_reg[k]};
         if (issue && s_reg == k) begin
             addr_reg[k] <= addr_reg[k] + ({{(ADDR_WIDTH-9){1'b0}}, tile_burst_len} << BYTE_SHIFT);
             left_reg[k] <= left_reg[k] - {23'd0, tile_burst_len};
@@ -196,6 +200,7 @@ for (k = 0; k < STREAMS; k = k + 1) begin : g_stream
         if (rst) begin
             left_reg[k] <= 32'd0;
             resv_reg[k] <= 16'd0;
+            pop_reg[k] <= 1'b0;
         end
     end
 end
