@@ -152,8 +152,12 @@ l2l_optim_fifo #(.WIDTH(SW+8), .DEPTH(ROUTE_DEPTH)) route_fifo (
     .pop(route_pop), .head(route_head), .empty(route_empty), .count(route_count)
 );
 
+// the route FIFO's room and whether the burst ends its tile are registered too: a clock
+// stale, they are still exact when an issue is allowed (no issue in the clocks before it)
+reg route_room_reg;
+reg tile_end_reg;
 assign issue = !start && !abort && !arvalid_reg && tile_loaded_reg && settle_reg[2] && room_reg
-               && (route_count < ROUTE_DEPTH);
+               && route_room_reg;
 assign idle = (all_requested || abort) && !arvalid_reg && route_empty;
 
 wire [8:0] tile_s = stream_tile[9*s_reg +: 9];
@@ -211,6 +215,8 @@ always @(posedge clk) begin
     space_reg <= {1'b0, FIFO_DEPTH[15:0]} - {1'b0, resv_reg[s_reg]};
     tile_burst_len <= (page_beats_left < {4'd0, tleft_reg}) ? page_beats_left[8:0] : tleft_reg;
     room_reg <= !space_reg[16] && {8'd0, tile_burst_len} <= space_reg;
+    route_room_reg <= (route_count < ROUTE_DEPTH);
+    tile_end_reg <= (tleft_reg == tile_burst_len);
     // the state the plan reads changes at an issue and at every step of the tile loader
     settle_reg <= (issue || !tile_loaded_reg) ? 3'b000 : {settle_reg[1:0], 1'b1};
 
@@ -231,7 +237,7 @@ always @(posedge clk) begin
         araddr_reg <= cur_addr;
         arlen_reg <= tile_burst_len[7:0] - 8'd1;
         tleft_reg <= tleft_reg - tile_burst_len;
-        if (tleft_reg == tile_burst_len) begin
+        if (tile_end_reg) begin
             tile_loaded_reg <= 1'b0;
             s_reg <= s_next;
         end
