@@ -224,13 +224,16 @@ wire [30:0] s_momentum = arg_scalars[32*11 +: 31];
 
 wire mode_sgd = (opt_reg == MODE_OPTIMIZER_SGD);
 wire mode_adamw = (opt_reg == MODE_OPTIMIZER_ADAMW);
-wire en_m = !mode_sgd || mom_nonzero_reg;
-wire en_v = !mode_sgd;
-wire en_c = (copy_dtype_reg != MODE_COPY_DTYPE_NONE);
-wire grad16 = (grad_dtype_reg != MODE_GRAD_DTYPE_FP32);
 wire q8 = state8_reg;
-wire en_ms = en_m && q8;  // the block-scale streams
-wire en_vs = en_v && q8;
+// The streams a run moves, decoded from the mode at ap_start into registers (timing: they
+// gate every FIFO pop and the credit, so they come straight from flip-flops).
+wire arg_sgd = (arg_mode[MODE_OPTIMIZER_BIT +: 2] == MODE_OPTIMIZER_SGD);
+wire arg_8bit = (arg_mode[MODE_STATE_BIT +: MODE_STATE_WIDTH] == MODE_STATE_8BIT);
+wire arg_en_m = !arg_sgd || (s_momentum != 0);
+reg en_m, en_v;      // m, v
+reg en_c;            // the working copy
+reg grad16;          // a 16-bit gradient
+reg en_ms, en_vs;    // the block-scale streams of the 8-bit state
 
 // groups of LANES elements; beats: BEAT_LANES fp32 elements, 2*BEAT_LANES 16-bit ones
 /* verilator lint_off UNUSEDSIGNAL */
@@ -378,27 +381,69 @@ wire [FIFO_AW+1:0] flight = {{(FIFO_AW+2-8){1'b0}}, in_flight_reg} + 1'b1;
 localparam [31:0] RATIO_32 = RATIO;
 localparam [FIFO_AW+1:0] RATIO_W = RATIO_32[FIFO_AW+1:0];
 localparam RATIO_SHIFT = $clog2(RATIO);
-wire [FIFO_AW+1:0] due32 = (RATIO == 1) ? flight + 1 : ((flight + RATIO_W) >> RATIO_SHIFT) + 1;
-wire [FIFO_AW+1:0] due16 = ((flight + 2*RATIO_W) >> (RATIO_SHIFT + 1)) + 1;
+function [FIFO_AW+1:0] due32_of(input [FIFO_AW+1:0] f);
+    due32_of = (RATIO == 1) ? f + 1 : ((f + RATIO_W) >> RATIO_SHIFT) + 1;
+endfunction
+function [FIFO_AW+1:0] due16_of(input [FIFO_AW+1:0] f);
+    due16_of = ((f + 2*RATIO_W) >> (RATIO_SHIFT + 1)) + 1;
+endfunction
 // 8-bit state: the codes of the groups up to l2l_optim_quant's output push a beat every
 // 4*RATIO groups and at the last; the scales at most one beat per block (+ both ends)
 wire [16:0] q_flight = {1'b0, q_flight_reg} + 17'd1;
 localparam integer GROUPS8_I = 4*RATIO;
 localparam [16:0] GROUPS8 = GROUPS8_I[16:0];
-wire [16:0] due8 = ((q_flight + GROUPS8) >> (RATIO_SHIFT + 2)) + 17'd1;
-wire [16:0] due_s = (q_flight >> BGW) + 17'd3;
+function [16:0] due8_of(input [16:0] f);
+    due8_of = ((f + GROUPS8) >> (RATIO_SHIFT + 2)) + 17'd1;
+endfunction
+function [16:0] due_s_of(input [16:0] f);
+    due_s_of = (f >> BGW) + 17'd3;
+endfunction
+// The reserves are registers, each equal to its function of the counts in the same clock:
+// the next value is chosen among the counts' three next values (down, same, up), computed
+// from the registers, so the credit itself is one add and one compare per stream.
+reg [FIFO_AW+1:0] flight_reg, due32_reg, due16_reg;
+reg [16:0] due8_reg, due_s_reg;
+wire [FIFO_AW+1:0] flight_up = flight + 1'b1, flight_down = flight - 1'b1;
+wire [16:0] q_flight_up = q_flight + 17'd1, q_flight_down = q_flight - 17'd1;
+wire [FIFO_AW+1:0] due32_up = due32_of(flight_up), due32_same = due32_of(flight), due32_down = due32_of(flight_down);
+wire [FIFO_AW+1:0] due16_up = due16_of(flight_up), due16_same = due16_of(flight), due16_down = due16_of(flight_down);
+wire [16:0] due8_up = due8_of(q_flight_up), due8_same = due8_of(q_flight), due8_down = due8_of(q_flight_down);
+wire [16:0] due_s_up = due_s_of(q_flight_up), due_s_same = due_s_of(q_flight), due_s_down = due_s_of(q_flight_down);
+localparam [FIFO_AW+1:0] FLIGHT_ZERO = 1;  // after a clear: none in flight
+localparam [16:0] Q_FLIGHT_ZERO = 17'd1;
+
+// the counts move by issue (+1) and results leaving (-1) in the same clock
+task move_reserves(input up, input down, input q_up, input q_down);
+    begin
+        flight_reg <= up ? flight_up : down ? flight_down : flight;
+        due32_reg <= up ? due32_up : down ? due32_down : due32_same;
+        due16_reg <= up ? due16_up : down ? due16_down : due16_same;
+        due8_reg <= q_up ? due8_up : q_down ? due8_down : due8_same;
+        due_s_reg <= q_up ? due_s_up : q_down ? due_s_down : due_s_same;
+    end
+endtask
+
+task clear_reserves;
+    begin
+        flight_reg <= FLIGHT_ZERO;
+        due32_reg <= due32_of(FLIGHT_ZERO);
+        due16_reg <= due16_of(FLIGHT_ZERO);
+        due8_reg <= due8_of(Q_FLIGHT_ZERO);
+        due_s_reg <= due_s_of(Q_FLIGHT_ZERO);
+    end
+endtask
 wire [16:0] wc_m17 = {{(16-FIFO_AW){1'b0}}, wc_m};
 wire [16:0] wc_v17 = {{(16-FIFO_AW){1'b0}}, wc_v};
 wire [16:0] wc_ms17 = {{(16-FIFO_AW){1'b0}}, wc_ms};
 wire [16:0] wc_vs17 = {{(16-FIFO_AW){1'b0}}, wc_vs};
 localparam [16:0] DEPTH17 = FIFO_DEPTH;
-wire credit = ({1'b0, wc_p} + due32 <= FIFO_DEPTH)
-           && (!en_m || (q8 ? (wc_m17 + due8 <= DEPTH17 && wc_ms17 + due_s <= DEPTH17)
-                            : {1'b0, wc_m} + due32 <= FIFO_DEPTH))
-           && (!en_v || (q8 ? (wc_v17 + due8 <= DEPTH17 && wc_vs17 + due_s <= DEPTH17)
-                            : {1'b0, wc_v} + due32 <= FIFO_DEPTH))
-           && (!en_c || ((RATIO == 1) ? {wc_c, 1'b0} + flight + 2 <= 2*FIFO_DEPTH
-                                      : {1'b0, wc_c} + due16 <= FIFO_DEPTH));
+wire credit = ({1'b0, wc_p} + due32_reg <= FIFO_DEPTH)
+           && (!en_m || (q8 ? (wc_m17 + due8_reg <= DEPTH17 && wc_ms17 + due_s_reg <= DEPTH17)
+                            : {1'b0, wc_m} + due32_reg <= FIFO_DEPTH))
+           && (!en_v || (q8 ? (wc_v17 + due8_reg <= DEPTH17 && wc_vs17 + due_s_reg <= DEPTH17)
+                            : {1'b0, wc_v} + due32_reg <= FIFO_DEPTH))
+           && (!en_c || ((RATIO == 1) ? {wc_c, 1'b0} + flight_reg + 2 <= 2*FIFO_DEPTH
+                                      : {1'b0, wc_c} + due16_reg <= FIFO_DEPTH));
 wire data_ready = !rd_empty[0] && (!en_m || !rd_empty[1]) && (!en_v || !rd_empty[2]) && !rd_empty[3]
                   && (!en_ms || !rd_empty[4]) && (!en_vs || !rd_empty[5]);
 wire more = more_reg;
@@ -635,6 +680,7 @@ always @(posedge clk) begin
     end
     in_flight_reg <= in_flight_reg + {7'd0, issue} - {7'd0, out_valid};
     q_flight_reg <= q_flight_reg + {15'd0, issue && q8} - {15'd0, q_out && q8};
+    move_reserves(issue && !out_valid, out_valid && !issue, issue && q8 && !(q_out && q8), q_out && q8 && !(issue && q8));
     if (out_valid) begin
         p_acc_reg <= p_beat;
         m_acc_reg <= m_beat;
@@ -655,7 +701,13 @@ always @(posedge clk) begin
         ST_IDLE: begin
             if (ap_start && !ap_done_reg) begin  // ap_start clears at ap_ready, one clock late
                 ptr_reg <= {arg_scale_pointers, arg_pointers};
-                state8_reg <= (arg_mode[MODE_STATE_BIT +: MODE_STATE_WIDTH] == MODE_STATE_8BIT);
+                state8_reg <= arg_8bit;
+                en_m <= arg_en_m;
+                en_v <= !arg_sgd;
+                en_c <= (arg_mode[MODE_COPY_DTYPE_BIT +: 2] != MODE_COPY_DTYPE_NONE);
+                grad16 <= (arg_mode[MODE_GRAD_DTYPE_BIT +: 2] != MODE_GRAD_DTYPE_FP32);
+                en_ms <= arg_en_m && arg_8bit;
+                en_vs <= !arg_sgd && arg_8bit;
                 n_reg <= arg_n;
                 opt_reg <= arg_mode[MODE_OPTIMIZER_BIT +: 2];
                 nesterov_reg <= arg_mode[MODE_NESTEROV_BIT];
@@ -678,6 +730,7 @@ always @(posedge clk) begin
             bsub_reg <= {BSW{1'b0}};
             in_flight_reg <= 8'd0;
             q_flight_reg <= 16'd0;
+            clear_reserves;
             if (ptr_misaligned != 0) begin
                 status_reg[STATUS_MISALIGNED_BIT] <= 1'b1;
                 state_reg <= ST_FINISH;
@@ -713,6 +766,7 @@ always @(posedge clk) begin
         credit_reg <= 1'b0;
         in_flight_reg <= 8'd0;
         q_flight_reg <= 16'd0;
+        clear_reserves;
         cycles_reg <= 64'd0;
     end
 end

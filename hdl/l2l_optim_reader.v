@@ -92,6 +92,7 @@ localparam [SW-1:0] LAST_STREAM = STREAMS - 1;
 reg [ADDR_WIDTH-1:0] addr_reg [0:STREAMS-1];
 reg [31:0] left_reg [0:STREAMS-1];
 reg [15:0] resv_reg [0:STREAMS-1];  // beats in the FIFO or in flight
+reg [STREAMS-1:0] pop_reg;          // pop, a clock late
 reg [SW-1:0] s_reg;
 wire [SW-1:0] s_next = (s_reg == LAST_STREAM) ? {SW{1'b0}} : s_reg + 1'b1;
 reg tile_loaded_reg;
@@ -113,15 +114,18 @@ assign m_axi_arvalid = arvalid_reg;
 assign m_axi_rready = 1'b1;
 
 // ---------------------------------------------------------------- requests
-// The next burst is planned in registers, two clocks deep (timing: one carry chain per
-// clock): its length (4 KiB page, rest of the tile), then whether its FIFO has room. The
-// plan is used only once the state it was made from has been stable for two clocks
-// (settle_reg); in between, the FIFO only drains, so a stale "room" is conservative.
+// The next burst is planned in registers, three clocks deep (timing: one carry chain per
+// clock, and the select among the streams in a clock of its own): the beats to the 4 KiB
+// page end and the FIFO's free space for stream s_reg, then the burst's length (page, rest
+// of the tile), then whether its FIFO has room. The plan is used only once the state it
+// was made from has been stable for three clocks (settle_reg); in between, the FIFO only
+// drains, so a stale "room" is conservative.
 wire [ADDR_WIDTH-1:0] cur_addr = addr_reg[s_reg];
-wire [12:0] page_beats_left = (13'd4096 - {1'b0, cur_addr[11:0]}) >> BYTE_SHIFT;
+reg [12:0] page_beats_left; // beats from cur_addr to its 4 KiB page end
+reg [16:0] space_reg;       // FIFO_DEPTH minus the stream's reservations
 reg [8:0] tile_burst_len;   // the plan: beats of the next burst of stream s_reg
 reg room_reg;               // its FIFO has room for them
-reg [1:0] settle_reg;
+reg [2:0] settle_reg;
 /* verilator lint_off UNUSEDSIGNAL */
 wire [8:0] tile_burst_m1 = tile_burst_len - 9'd1;  // a burst is at most 256 beats
 /* verilator lint_on UNUSEDSIGNAL */
@@ -148,8 +152,12 @@ l2l_optim_fifo #(.WIDTH(SW+8), .DEPTH(ROUTE_DEPTH)) route_fifo (
     .pop(route_pop), .head(route_head), .empty(route_empty), .count(route_count)
 );
 
-assign issue = !start && !abort && !arvalid_reg && tile_loaded_reg && settle_reg[1] && room_reg
-               && (route_count < ROUTE_DEPTH);
+// the route FIFO's room and whether the burst ends its tile are registered too: a clock
+// stale, they are still exact when an issue is allowed (no issue in the clocks before it)
+reg route_room_reg;
+reg tile_end_reg;
+assign issue = !start && !abort && !arvalid_reg && tile_loaded_reg && settle_reg[2] && room_reg
+               && route_room_reg;
 assign idle = (all_requested || abort) && !arvalid_reg && route_empty;
 
 wire [8:0] tile_s = stream_tile[9*s_reg +: 9];
@@ -179,8 +187,11 @@ for (k = 0; k < STREAMS; k = k + 1) begin : g_stream
     /* verilator lint_on UNUSEDSIGNAL */
 
     always @(posedge clk) begin
+        // a pop leaves the reservation a clock late (timing: pop comes from the kernel's
+        // issue logic): one beat too many reserved for a clock, which is conservative
+        pop_reg[k] <= pop[k] && !start;
         resv_reg[k] <= resv_reg[k] + ((issue && s_reg == k) ? {7'd0, tile_burst_len} : 16'd0)
-                       - {15'd0, pop[k]};
+                       - {15'd0, pop_reg[k]};
         if (issue && s_reg == k) begin
             addr_reg[k] <= addr_reg[k] + ({{(ADDR_WIDTH-9){1'b0}}, tile_burst_len} << BYTE_SHIFT);
             left_reg[k] <= left_reg[k] - {23'd0, tile_burst_len};
@@ -193,16 +204,21 @@ for (k = 0; k < STREAMS; k = k + 1) begin : g_stream
         if (rst) begin
             left_reg[k] <= 32'd0;
             resv_reg[k] <= 16'd0;
+            pop_reg[k] <= 1'b0;
         end
     end
 end
 endgenerate
 
 always @(posedge clk) begin
+    page_beats_left <= (13'd4096 - {1'b0, cur_addr[11:0]}) >> BYTE_SHIFT;
+    space_reg <= {1'b0, FIFO_DEPTH[15:0]} - {1'b0, resv_reg[s_reg]};
     tile_burst_len <= (page_beats_left < {4'd0, tleft_reg}) ? page_beats_left[8:0] : tleft_reg;
-    room_reg <= (resv_reg[s_reg] + {7'd0, tile_burst_len}) <= FIFO_DEPTH[15:0];
+    room_reg <= !space_reg[16] && {8'd0, tile_burst_len} <= space_reg;
+    route_room_reg <= (route_count < ROUTE_DEPTH);
+    tile_end_reg <= (tleft_reg == tile_burst_len);
     // the state the plan reads changes at an issue and at every step of the tile loader
-    settle_reg <= (issue || !tile_loaded_reg) ? 2'b00 : {settle_reg[0], 1'b1};
+    settle_reg <= (issue || !tile_loaded_reg) ? 3'b000 : {settle_reg[1:0], 1'b1};
 
     if (arvalid_reg && m_axi_arready) begin
         arvalid_reg <= 1'b0;
@@ -221,7 +237,7 @@ always @(posedge clk) begin
         araddr_reg <= cur_addr;
         arlen_reg <= tile_burst_len[7:0] - 8'd1;
         tleft_reg <= tleft_reg - tile_burst_len;
-        if (tleft_reg == tile_burst_len) begin
+        if (tile_end_reg) begin
             tile_loaded_reg <= 1'b0;
             s_reg <= s_next;
         end
@@ -235,7 +251,7 @@ always @(posedge clk) begin
         s_reg <= {SW{1'b0}};
         tile_loaded_reg <= 1'b0;
         rbeat_reg <= 8'd0;
-        settle_reg <= 2'b00;
+        settle_reg <= 3'b000;
     end
     if (rst) begin
         arvalid_reg <= 1'b0;
