@@ -219,9 +219,12 @@ assign scale_valid = drain_start;
 assign scale_last = d_last;
 assign scale = d_bad ? CANONICAL_NAN : d_scale;
 
-reg [32*LANES-1:0] x_reg;
+// the buffer's read register, then one in the fabric: on the ECP5 a block RAM's clock to
+// out is 4.3 ns, and the multiplier's operand checks behind it made the kernel's critical path
+reg [32*LANES-1:0] x_reg, x_mul_reg;
 always @(posedge clk) begin
     x_reg <= buffer[{rd_half_reg, rd_gi_reg}];
+    x_mul_reg <= x_reg;
     if (drain_read) begin
         rd_gi_reg <= rd_gi_reg + 1'b1;
     end
@@ -243,11 +246,13 @@ always @(posedge clk) begin
     end
 end
 
-// the inverse scale and the flags of the group read now, for the clock its x is in x_reg
-reg [31:0] inv_reg;
+// the inverse scale and the flags of the group read now, for the clock its x is in x_reg,
+// and the inverse scale again for x_mul_reg
+reg [31:0] inv_reg, inv_mul_reg;
 reg x_valid_reg, x_last_reg, x_bad_reg;
 always @(posedge clk) begin
     inv_reg <= rd_inv_reg;
+    inv_mul_reg <= inv_reg;
     x_valid_reg <= drain_read;
     x_last_reg <= drain_end && rd_last_reg;
     x_bad_reg <= rd_bad_reg;
@@ -257,7 +262,7 @@ always @(posedge clk) begin
 end
 
 wire y_valid, y_last, y_bad;
-l2l_optim_delay #(.WIDTH(3), .DEPTH(FP32_MUL_LATENCY), .RESET(1)) mul_side (
+l2l_optim_delay #(.WIDTH(3), .DEPTH(1 + FP32_MUL_LATENCY), .RESET(1)) mul_side (
     .clk(clk), .rst(rst || clear),
     .x({x_valid_reg, x_last_reg, x_bad_reg}), .y({y_valid, y_last, y_bad})
 );
@@ -280,7 +285,7 @@ for (k = 0; k < LANES; k = k + 1) begin : g_lane
     wire unused_valid;
     wire [4:0] unused_flags;
     /* verilator lint_on UNUSEDSIGNAL */
-    fp32_mul mul (.clk(clk), .rst(rst), .ce(1'b1), .in_valid(1'b1), .a(x_reg[32*k +: 32]), .b(inv_reg),
+    fp32_mul mul (.clk(clk), .rst(rst), .ce(1'b1), .in_valid(1'b1), .a(x_mul_reg[32*k +: 32]), .b(inv_mul_reg),
                   .y(y), .out_valid(unused_valid), .flags(unused_flags));
 
     wire [30:0] mag = y[30:0];

@@ -10,8 +10,8 @@ localparam integer V_CODE_EXP_BITS = 5;          // golden.V_CODE: 5 exponent bi
 localparam integer SCALE_EXP_LIMIT = 126;        // golden.SCALE_EXP_LIMIT
 // l2l_optim_dequant: decode the code (register), times the block scale
 localparam integer DEQUANT_LATENCY = 1 + FP32_MUL_LATENCY;
-// l2l_optim_quant, from a block's scale known to its first code out: buffer read,
-// x * 2^-k, encode (both paths; select, saturate, sign)
+// l2l_optim_quant, from a block's scale known to its first code out: buffer read and its
+// fabric register, x * 2^-k, encode (both paths; select, saturate, sign)
 localparam integer QUANT_ENCODE_LATENCY = 2;
-localparam integer QUANT_DRAIN_LATENCY = 1 + FP32_MUL_LATENCY + QUANT_ENCODE_LATENCY;
+localparam integer QUANT_DRAIN_LATENCY = 2 + FP32_MUL_LATENCY + QUANT_ENCODE_LATENCY;
 /* verilator lint_on UNUSEDPARAM */

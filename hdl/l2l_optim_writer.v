@@ -106,14 +106,17 @@ assign m_axi_bready = 1'b1;
 
 // ---------------------------------------------------------------- AW
 wire [ADDR_WIDTH-1:0] cur_addr = addr_reg[s_reg];
-// Each stream's next burst is planned in registers, two clocks deep (timing: one carry
-// chain per clock): its length (4 KiB page, stream_burst, beats left), then whether its
-// FIFO holds all of it. A plan is used only once the stream's state has been stable for
-// two clocks (settle_reg); in between, the FIFO only fills, so a stale "ready" is
-// conservative.
+// Each stream's next burst is planned in registers, three clocks deep (timing: one carry
+// chain per clock): the beats to its 4 KiB page end and its beats left capped at
+// stream_burst, then the burst's length (the smaller), then whether its FIFO holds all of
+// it. A plan is used only once the stream's state has been stable for three clocks
+// (settle_reg); in between, the FIFO only fills, so a stale "ready" is conservative.
+reg [12:0] page_reg [0:STREAMS-1];  // beats to the 4 KiB page end
+reg [8:0] first_reg [0:STREAMS-1];   // beats left, at most stream_burst
 reg [8:0] len_reg [0:STREAMS-1];
 reg [STREAMS-1:0] ready_reg;
-reg [1:0] settle_reg [0:STREAMS-1];
+reg [2:0] settle_reg [0:STREAMS-1];
+reg [STREAMS-1:0] wlast_reg;         // wleft_reg == 1: the stream's next W beat is its last
 wire [8:0] burst_len = len_reg[s_reg];
 /* verilator lint_off UNUSEDSIGNAL */
 wire [8:0] burst_m1 = burst_len - 9'd1;  // a burst is at most 256 beats
@@ -131,7 +134,7 @@ always @* begin
         if (left_reg[si] != 0) all_requested = 1'b0;
     end
 end
-wire issue = !start && !abort && !awvalid_reg && ready_reg[s_reg] && settle_reg[s_reg][1]
+wire issue = !start && !abort && !awvalid_reg && ready_reg[s_reg] && settle_reg[s_reg][2]
              && (queue_count < QUEUE_DEPTH) && (b_pending_reg != 16'hFFFF);
 
 // ---------------------------------------------------------------- W
@@ -143,7 +146,7 @@ wire [DATA_WIDTH-1:0] fifo_head [0:STREAMS-1];
 
 assign m_axi_wvalid = !queue_empty;
 assign m_axi_wdata = fifo_head[w_stream];
-assign m_axi_wstrb = (wleft_reg[w_stream] == 32'd1) ? stream_last_strb[STRB_WIDTH*w_stream +: STRB_WIDTH]
+assign m_axi_wstrb = wlast_reg[w_stream] ? stream_last_strb[STRB_WIDTH*w_stream +: STRB_WIDTH]
                                                     : {STRB_WIDTH{1'b1}};
 assign m_axi_wlast = w_last;
 
@@ -174,13 +177,14 @@ for (k = 0; k < STREAMS; k = k + 1) begin : g_stream
 
     wire [12:0] page_beats_left = (13'd4096 - {1'b0, addr_reg[k][11:0]}) >> BYTE_SHIFT;
     wire [12:0] burst_max = {4'd0, stream_burst[9*k +: 9]};
-    wire [12:0] cap = (page_beats_left < burst_max) ? page_beats_left : burst_max;
     wire [15:0] avail = {{(15-FIFO_AW){1'b0}}, fifo_count[k]} - committed_reg[k];
 
     always @(posedge clk) begin
-        len_reg[k] <= (left_reg[k] < {19'd0, cap}) ? left_reg[k][8:0] : cap[8:0];
+        page_reg[k] <= page_beats_left;
+        first_reg[k] <= (left_reg[k] < {19'd0, burst_max}) ? left_reg[k][8:0] : burst_max[8:0];
+        len_reg[k] <= (page_reg[k] < {4'd0, first_reg[k]}) ? page_reg[k][8:0] : first_reg[k];
         ready_reg[k] <= (left_reg[k] != 0) && ({7'd0, len_reg[k]} <= avail);
-        settle_reg[k] <= (start || (issue && s_reg == k)) ? 2'b00 : {settle_reg[k][0], 1'b1};
+        settle_reg[k] <= (start || (issue && s_reg == k)) ? 3'b000 : {settle_reg[k][1:0], 1'b1};
 
         committed_reg[k] <= committed_reg[k] + ((issue && s_reg == k) ? {7'd0, burst_len} : 16'd0)
                             - {15'd0, pop};
@@ -190,18 +194,21 @@ for (k = 0; k < STREAMS; k = k + 1) begin : g_stream
         end
         if (pop) begin
             wleft_reg[k] <= wleft_reg[k] - 32'd1;
+            wlast_reg[k] <= (wleft_reg[k] == 32'd2);
         end
         if (start) begin
             addr_reg[k] <= stream_addr[ADDR_WIDTH*k +: ADDR_WIDTH];
             left_reg[k] <= stream_enable[k] ? stream_beats[32*k +: 32] : 32'd0;
             wleft_reg[k] <= stream_enable[k] ? stream_beats[32*k +: 32] : 32'd0;
+            wlast_reg[k] <= stream_enable[k] && stream_beats[32*k +: 32] == 32'd1;
             committed_reg[k] <= 16'd0;
         end
         if (rst) begin
             left_reg[k] <= 32'd0;
             wleft_reg[k] <= 32'd0;
             committed_reg[k] <= 16'd0;
-            settle_reg[k] <= 2'b00;
+            settle_reg[k] <= 3'b000;
+            wlast_reg[k] <= 1'b0;
         end
     end
 end

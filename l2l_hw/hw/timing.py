@@ -12,7 +12,8 @@ optimized away. The wrapper's registers (`wrapper_ff`) are counted in the resour
 
 Reported per run: fmax (nextpnr's achieved frequency of the clock, its --freq target
 FREQ_MHZ), the resources (LUT4/carry cells, flip-flops, DSP multipliers, block RAM), and the
-source lines (hdl/ file:line) along the critical path, from nextpnr's critical path report.
+source lines (hdl/ file:line) along the critical path, from nextpnr's critical path report
+(where synthesis kept none, the hierarchical names of the registers the path runs between).
 The yowasp tools run sandboxed (WebAssembly): they see only their working directory, so the
 sources are copied there and every path given to them is relative.
 
@@ -175,27 +176,35 @@ endmodule
 
 _CRIT_START = re.compile(r"^Info: Critical path report for clock '.*' \(posedge -> posedge\):")
 _SOURCE = re.compile(r"^Info:\s+(hdl/\S+?):(\d+)\.")
-_NET_DELAY = re.compile(r"^Info:\s+(logic|routing)\s+([\d.]+)\s+[\d.]+\s")
+_CELL = re.compile(r"^Info:\s+\S+\s+[\d.]+\s+[\d.]+\s+Source (\S+)\.\w+$")
+# what synthesis appends to a netlist name: a block RAM's tile indices and output pin, the
+# ECP5 cells mapped from it
+_MAPPED = re.compile(r"(\.\d+)*(_(DO[AB]\d+|TRELLIS|LUT4|CCU2C|PFUMX|L6MUX21)(_.*)?)?$")
 
 
 def critical_path_sources(log: str) -> list[str]:
-    """hdl/ file:line of every element on the clock's critical path, in path order, once each."""
-    lines, seen, inside = [], [], False
+    """hdl/ file:line of every element on the clock's critical path, in path order, once each;
+    where yosys kept no source line on it (a block RAM and the logic mapped around it), the
+    names of the path's first and last cells in the design's hierarchy (g_quant[1].quant.buffer)."""
+    paths, path, inside = [], None, False
     for line in log.splitlines():
         if _CRIT_START.match(line):
-            inside, seen = True, []
-            continue
-        if inside and (line.startswith("Info: Critical path report") or not line.startswith("Info:")
-                       or line.startswith("Info: Max frequency")):
+            inside, path = True, ([], [])
+            paths.append(path)
+        elif inside and (line.startswith("Info: Critical path report") or not line.startswith("Info:")
+                         or line.startswith("Info: Max frequency")):
             inside = False
-            lines = seen
-            continue
-        m = _SOURCE.match(line) if inside else None
-        if m:
-            loc = f"{m.group(1)}:{m.group(2)}"
-            if loc not in seen:
-                seen.append(loc)
-    return lines or seen
+        elif inside:
+            for pattern, found in ((_SOURCE, path[0]), (_CELL, path[1])):
+                m = pattern.match(line)
+                loc = m and ":".join(m.groups())
+                if loc and loc not in found:
+                    found.append(loc)
+    if not paths:
+        return []
+    locations, cells = paths[-1]
+    ends = [_MAPPED.sub("", c).removeprefix("dut.") for c in cells[:1] + cells[-1:]]
+    return locations or list(dict.fromkeys(ends))
 
 
 def _cache_key(design: Design, seed: int | None) -> str:
@@ -236,7 +245,11 @@ def place_and_route(design: Design, seed: int = SEEDS[0], use_cache: bool = True
     resources, critical path."""
     cached = cache_dir() / f"{design.name}-{_cache_key(design, seed)}-s{seed}.json"
     if use_cache and cached.exists():
-        return json.loads(cached.read_text())
+        result = json.loads(cached.read_text())
+        log = cached.with_suffix(".log")
+        if log.exists():  # read again: the critical path's reading may be newer than the run
+            result["critical_path"] = critical_path_sources(log.read_text())
+        return result
     netlist, wrapper_ff = synthesize(design, use_cache)
     with tempfile.TemporaryDirectory(prefix=f"l2l_timing_{design.name}_") as tmp:
         work = Path(tmp)
