@@ -186,23 +186,19 @@ def critical_path_sources(log: str) -> list[str]:
     """hdl/ file:line of every element on the clock's critical path, in path order, once each;
     where yosys kept no source line on it (a block RAM and the logic mapped around it), the
     names of the path's first and last cells in the design's hierarchy (g_quant[1].quant.buffer)."""
-    paths, path, inside = [], None, False
+    locations, cells, inside = [], [], False
     for line in log.splitlines():
-        if _CRIT_START.match(line):
-            inside, path = True, ([], [])
-            paths.append(path)
+        if _CRIT_START.match(line):  # a later report of the clock replaces an earlier one
+            inside, locations, cells = True, [], []
         elif inside and (line.startswith("Info: Critical path report") or not line.startswith("Info:")
                          or line.startswith("Info: Max frequency")):
             inside = False
         elif inside:
-            for pattern, found in ((_SOURCE, path[0]), (_CELL, path[1])):
+            for pattern, found in ((_SOURCE, locations), (_CELL, cells)):
                 m = pattern.match(line)
                 loc = m and ":".join(m.groups())
                 if loc and loc not in found:
                     found.append(loc)
-    if not paths:
-        return []
-    locations, cells = paths[-1]
     ends = [_MAPPED.sub("", c).removeprefix("dut.") for c in cells[:1] + cells[-1:]]
     return locations or list(dict.fromkeys(ends))
 
