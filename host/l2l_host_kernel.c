@@ -13,7 +13,9 @@
  *   - each statement below is one IEEE binary32 operation: the build passes
  *     -ffp-contract=off (GCC contracts even intrinsic mul+add into FMA without it) and
  *     -fno-fast-math; the tests compare every path bit for bit with the golden rule;
- *   - sqrt and div are the IEEE instructions (sqrtps/divps), never rsqrt/rcp;
+ *   - sqrt and div are the IEEE instructions (sqrtps/divps), never rsqrt/rcp; the one
+ *     exception is the AVX-512 path's division by bias_correction2_sqrt, which the same
+ *     divisor in every element makes an FMA quotient where a check proves it exact (div_bc2);
  *   - MXCSR: every thread that runs tiles (the caller included) saves its MXCSR, sets
  *     0x1F80 (round to nearest even, FTZ and DAZ off, exceptions masked) and restores it
  *     afterwards, so a caller that enabled flush-to-zero (torch.set_flush_denormal(True)
@@ -95,6 +97,7 @@ typedef struct {
     const float *m_scale_src, *v_scale_src;
     float *m_scale_dst, *v_scale_dst;
     l2l_code m_code, v_code;
+    int32_t bc2_by_fma; /* AVX-512: sqrt(v) / bias_correction2_sqrt by div_bc2's FMA quotient */
 } l2l_job;
 
 static inline uint32_t f2u(float x) { uint32_t u; memcpy(&u, &x, 4); return u; }
@@ -513,15 +516,18 @@ AVX2 INLINE int state_loop_avx2(const l2l_job *j, int64_t begin, int64_t end, in
 #define AVX512 __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl")))
 
 typedef struct {
-    __m512 inv_scale, lr, wd, decay, b1c, b2, b2c, step_size, bc2, eps, mom, damp_c;
+    __m512 inv_scale, lr, wd, decay, b1c, b2, b2c, step_size, bc2, eps, mom, damp_c, bc2_inv;
+    int bc2_by_fma;
 } rule16_k;
 
-AVX512 INLINE rule16_k rule16_k_of(const l2l_scalars *s) {
+AVX512 INLINE rule16_k rule16_k_of(const l2l_job *j) {
+    const l2l_scalars *s = &j->s;
     return (rule16_k){_mm512_set1_ps(s->inv_scale), _mm512_set1_ps(s->lr), _mm512_set1_ps(s->weight_decay),
                       _mm512_set1_ps(s->decay), _mm512_set1_ps(s->one_minus_beta1), _mm512_set1_ps(s->beta2),
                       _mm512_set1_ps(s->one_minus_beta2), _mm512_set1_ps(s->step_size),
                       _mm512_set1_ps(s->bias_correction2_sqrt), _mm512_set1_ps(s->eps), _mm512_set1_ps(s->momentum),
-                      _mm512_set1_ps(s->dampening_complement)};
+                      _mm512_set1_ps(s->dampening_complement), _mm512_set1_ps(1.0f / s->bias_correction2_sqrt),
+                      j->bc2_by_fma}; /* under the IEEE MXCSR, as in fma_quotient_misses */
 }
 
 AVX512 INLINE __m512 canon_nan16(__m512 x) {
@@ -581,6 +587,34 @@ AVX512 INLINE __m512 bf16_load16(const void *h, int64_t i) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)h + i))), 16));
 }
 
+/* a / bias_correction2_sqrt, rounded once, for a = sqrt(v). The divisor is the same in
+ * every element of a call, so where the call proved it (bc2_by_fma) the quotient is
+ * Markstein's: q = a y with y = 1/bc2 rounded, r = a - q bc2 (one FMA), q + r y (one FMA);
+ * see bc2_by_fma. Lanes where a is +-0, +-Inf or NaN keep q = a y, which is
+ * a / bc2 there (the correction would turn Inf into NaN). */
+AVX512 INLINE __m512 div_bc2(const rule16_k *k, __m512 a) {
+    if (!k->bc2_by_fma) return _mm512_div_ps(a, k->bc2);
+    __m512 q = _mm512_mul_ps(a, k->bc2_inv);
+    __m512 r = _mm512_fnmadd_ps(q, k->bc2, a);
+    __mmask16 special = _mm512_fpclass_ps_mask(a, 0x9F); /* QNaN, +-0, +-Inf, SNaN */
+    return _mm512_mask3_fmadd_ps(r, k->bc2_inv, q, _knot_mask16(special));
+}
+
+/* The check that lets a call take div_bc2's FMA quotient for the divisor *ctx: over the
+ * significands [begin, end) of a in [1, 2), returns 1 at the first a where it differs from
+ * the division. Markstein's theorem (y within half an ulp of 1/b, q within one ulp of a/b)
+ * says it never does; the check does not rely on it. */
+AVX512 static int fma_quotient_misses(const void *ctx, int64_t begin, int64_t end) {
+    const float b = *(const float *)ctx;
+    const rule16_k k = {.bc2 = _mm512_set1_ps(b), .bc2_inv = _mm512_set1_ps(1.0f / b), .bc2_by_fma = 1};
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t f = begin; f < end; f += 16) { /* begin and end are multiples of 16 */
+        __m512 a = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_set1_epi32((int)(0x3F800000 + f)), lane));
+        if (_mm512_cmp_ps_mask(div_bc2(&k, a), _mm512_div_ps(a, k.bc2), _CMP_NEQ_UQ)) return 1;
+    }
+    return 0;
+}
+
 /* golden.apply_rule on 16 lanes, as rule1. */
 AVX512 INLINE __m512 rule16(const l2l_scalars *s, const rule16_k *k, __m512 g, __m512 p, __m512 *m, __m512 *v) {
     if (s->optimizer == L2L_SGD) {
@@ -595,13 +629,13 @@ AVX512 INLINE __m512 rule16(const l2l_scalars *s, const rule16_k *k, __m512 g, _
     if (s->optimizer == L2L_ADAMW && s->weight_decay != 0) p = _mm512_mul_ps(p, k->decay);
     *m = _mm512_add_ps(*m, _mm512_mul_ps(_mm512_sub_ps(g, *m), k->b1c));
     *v = _mm512_add_ps(_mm512_mul_ps(*v, k->b2), _mm512_mul_ps(_mm512_mul_ps(g, k->b2c), g));
-    __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(*v), k->bc2), k->eps);
+    __m512 denom = _mm512_add_ps(div_bc2(k, _mm512_sqrt_ps(*v)), k->eps);
     return _mm512_sub_ps(p, _mm512_div_ps(_mm512_mul_ps(*m, k->step_size), denom));
 }
 
 AVX512 INLINE int step_loop_avx512(const l2l_job *j, int64_t begin, int64_t end, int g_dtype, int w_dtype) {
     const l2l_scalars s = j->s;
-    const rule16_k k = rule16_k_of(&s);
+    const rule16_k k = rule16_k_of(j);
     const void *g = j->g;
     const float *p_src = j->p_src, *m_src = j->m_src, *v_src = j->v_src;
     float *p_dst = j->p_dst, *m_dst = j->m_dst, *v_dst = j->v_dst;
@@ -723,7 +757,7 @@ AVX512 INLINE int nonfinite_block16(const void *g, int64_t b0, int64_t len, int 
 
 AVX512 INLINE int state_loop_avx512(const l2l_job *j, int64_t begin, int64_t end, int g_dtype, int w_dtype, int format) {
     const l2l_scalars s = j->s;
-    const rule16_k k = rule16_k_of(&s);
+    const rule16_k k = rule16_k_of(j);
     const code16_k mk = code16_k_of(&j->m_code), vk = code16_k_of(&j->v_code);
     const int uses_m = j->uses_m, uses_v = j->uses_v, unscale = UNSCALE(s);
     const int q8 = format == L2L_STATE_8BIT;
@@ -1062,6 +1096,27 @@ static int parallel_tiles(range_fn fn, const void *ctx, int64_t n, int threads) 
 
 /* ---------------------------------------------------------------- entry points */
 
+/* Whether a call's AVX-512 loops may divide sqrt(v) by b = bias_correction2_sqrt with
+ * div_bc2's FMA quotient: only if it equals the division for every a in [1, 2), checked
+ * exhaustively (2^23 significands, about 1.5 ms on one core) by the pool under the IEEE MXCSR.
+ * Then it does for every a = sqrt(v) with v > 0 finite: such an a lies in [2^-75, 2^64],
+ * and with b in [2^-20, 2^20] its q, r (zero or at least 2^-122) and result are normal, so
+ * each is the one of a's significand times the same power of two. The verdict for the last
+ * b is kept, as a step's calls share their b; a call of fewer than FMA_CHECK_MIN elements,
+ * which the check would cost more than it saves, divides unless b has a verdict. */
+#define FMA_CHECK_MIN ((int64_t)1 << 20)
+
+static int bc2_by_fma(float b, int64_t n, int threads) {
+    static uint64_t last; /* bit 40: set; bit 32: the verdict; bits 0-31: b */
+    if (!(b >= 0x1p-20f && b <= 0x1p20f)) return 0;
+    uint64_t seen = __atomic_load_n(&last, __ATOMIC_RELAXED);
+    if (seen >> 40 && (uint32_t)seen == f2u(b)) return (int)(seen >> 32) & 1;
+    if (n < FMA_CHECK_MIN) return 0;
+    int exact = parallel_tiles(fma_quotient_misses, &b, (int64_t)1 << 23, threads) == 0;
+    __atomic_store_n(&last, (uint64_t)1 << 40 | (uint64_t)exact << 32 | f2u(b), __ATOMIC_RELAXED);
+    return exact;
+}
+
 EXPORT int l2l_host_tile(void) { return L2L_TILE; }
 
 EXPORT int l2l_host_block(void) { return L2L_BLOCK; }
@@ -1080,6 +1135,13 @@ EXPORT int l2l_host_isa_supported(int isa) {
 EXPORT int l2l_host_best_isa(void) {
     return l2l_host_isa_supported(L2L_ISA_AVX512) ? L2L_ISA_AVX512
          : l2l_host_isa_supported(L2L_ISA_AVX2)   ? L2L_ISA_AVX2 : L2L_ISA_SCALAR;
+}
+
+/* Whether AVX-512 steps whose bias_correction2_sqrt is b take div_bc2's FMA quotient (b's
+ * check runs now if it has not). */
+EXPORT int l2l_host_bc2_by_fma(float b, int threads) {
+    return l2l_host_isa_supported(L2L_ISA_AVX512) &&
+           bc2_by_fma(b, FMA_CHECK_MIN, threads < L2L_MAX_THREADS ? threads : L2L_MAX_THREADS);
 }
 
 /* MXCSR of the calling thread, for diagnostics: the kernel does not depend on it. */
@@ -1122,14 +1184,16 @@ EXPORT int l2l_host_step(const l2l_scalars *s, int64_t n, const l2l_buffers *b, 
     if (n == 0) return 0;
     l2l_job job = {*s, g_dtype, w_dtype, state_format, uses_m, uses_v, b->g, b->p_src, b->p_dst, b->w_dst,
                    b->m_src, b->v_src, b->m_dst, b->v_dst, b->m_scale_src, b->v_scale_src, b->m_scale_dst,
-                   b->v_scale_dst, {0}, {0}};
+                   b->v_scale_dst, {0}, {0}, 0};
+    threads = threads < L2L_MAX_THREADS ? threads : L2L_MAX_THREADS;
     if (isa == L2L_ISA_AVX512 && w_dtype == L2L_DT_BF16 && native_bf16)
         job.w_dtype = L2L_DT_BF16_NATIVE;
+    if (isa == L2L_ISA_AVX512 && uses_v) job.bc2_by_fma = bc2_by_fma(s->bias_correction2_sqrt, n, threads);
     if (state_format == L2L_STATE_8BIT) {
         job.m_code = make_code(codes->m);
         job.v_code = make_code(codes->v);
     }
-    return parallel_tiles(fn, &job, n, threads < L2L_MAX_THREADS ? threads : L2L_MAX_THREADS);
+    return parallel_tiles(fn, &job, n, threads);
 }
 
 /* The memory reference (see "memory stream"): n elements of each stream. Non-temporal

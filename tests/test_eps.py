@@ -104,6 +104,13 @@ def ulp_at_scale(ours, theirs, old):
 def test_golden_adamw_within_2_ulp_of_torch_per_step():
     g = torch.Generator().manual_seed(0)
     shape = (4096,)
+    # torch 2.13's first AdamW step in a process sometimes computes other bits (1 process in
+    # 5: 1691 of 4096 weights, hundreds of ulp, on that first step only; every later step of
+    # the same inputs agrees with golden): one throwaway step first, so the reference is the
+    # kernel torch then keeps using.
+    warm = torch.nn.Parameter(torch.randn(shape, generator=torch.Generator().manual_seed(1)))
+    warm.grad = torch.randn(shape, generator=torch.Generator().manual_seed(2))
+    torch.optim.AdamW([warm], lr=1e-3, weight_decay=0.01, foreach=False).step()
     param = torch.nn.Parameter(torch.randn(shape, generator=g))
     opt = torch.optim.AdamW([param], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, foreach=False)
     golden = l2l_hw.make_eps("golden", optimizer="adamw", lr=1e-3, betas=(0.9, 0.999), eps=1e-8,

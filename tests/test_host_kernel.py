@@ -174,6 +174,47 @@ def test_non_finite_state_with_finite_gradients_gives_canonical_nans(isa):
 
 
 @pytest.mark.parametrize("isa", ISA_PARAMS)
+def test_every_rounding_of_the_denominator_shows_at_zero_weights(isa):
+    """With p = 0 the new weight is -(m x step size) / denom, so a one-ulp error in
+    sqrt(v) / bias_correction2_sqrt shows in p's bits (at |p| ~ 1 it would round away). v spans
+    every binade of float32 (subnormals, 0, the largest floats, Inf); the steps give 147
+    different bias corrections, for which the AVX-512 loops take the FMA quotient (each is
+    checked first: a step this small would not run the check), and one below 2^-20
+    (beta2 = 1 - 1e-15), which they must divide."""
+    n = 4 * TILE + 5
+    rng = np.random.default_rng(7)
+    v = np.abs(rng.standard_normal(n).astype(np.float32)) * np.float32(2.0) ** rng.integers(-149, 127, n).astype(np.float32)
+    v[:6] = [0.0, 1e-45, 3.4e38, np.inf, 1.0, 2.0**-126]
+    m = (rng.standard_normal(n) * 10.0 ** rng.uniform(-6, 0, n)).astype(np.float32)
+    g = (rng.standard_normal(n) * 1e-3).astype(np.float32)
+    p = np.zeros(n, np.float32)
+    grad = grad_tensor(g, torch.float32)
+    cases = [(beta2, step) for beta2 in (0.95, 0.999, 0.99999) for step in range(1, 50)] + [(1 - 1e-15, 1)]
+    for beta2, step in cases:
+        cfg = OptimConfig(optimizer="adamw", lr=1e-3, weight_decay=0.1, betas=(0.9, beta2))
+        s = golden.step_scalars(cfg, step)
+        if isa == "avx512":
+            assert host_kernel.bias_correction_by_fma(s) == (beta2 < 1 - 1e-9)
+        want = expected("adamw", s, p, m, v, grad, torch.bfloat16)
+        got = run_kernel("adamw", s, p, m, v, grad, torch.bfloat16, isa, in_place=True)
+        for name, ours, theirs in zip(("param", "m", "v", "working copy"), got[:4], want[:4]):
+            assert_bits(f"{name} (beta2 {beta2}, step {step}, bias correction {s.bias_correction2_sqrt})", ours, theirs)
+    assert golden.step_scalars(OptimConfig(betas=(0.9, 1 - 1e-15)), 1).bias_correction2_sqrt < 2.0**-20
+
+
+@pytest.mark.skipif("avx512" not in AVAILABLE, reason="this CPU lacks avx512")
+def test_avx512_divides_by_the_bias_correction_with_a_proven_fma_quotient():
+    """The exhaustive check accepts the bias corrections of ordinary runs (so the AVX-512
+    loops take the quotient without a division) and refuses a divisor outside [2^-20, 2^20],
+    where the argument that one binade's check covers every sqrt(v) does not hold."""
+    for beta2 in (0.95, 0.999, 0.99999):
+        for step in (1, 2, 10, 1000, 10**6):
+            s = golden.step_scalars(OptimConfig(betas=(0.9, beta2)), step)
+            assert host_kernel.bias_correction_by_fma(s), (beta2, step, s.bias_correction2_sqrt)
+    assert not host_kernel.bias_correction_by_fma(golden.step_scalars(OptimConfig(betas=(0.9, 1 - 1e-15)), 1))
+
+
+@pytest.mark.parametrize("isa", ISA_PARAMS)
 def test_unscaling_overflow_sets_flag_and_finite_gradients_do_not(isa):
     s = golden.step_scalars(OptimConfig(), 1, inv_scale=4.0)
     p = torch.zeros(40)

@@ -112,6 +112,7 @@ def library() -> ctypes.CDLL:
         getattr(lib, name).argtypes, getattr(lib, name).restype = [], c_int
     lib.l2l_host_isa_supported.argtypes, lib.l2l_host_isa_supported.restype = [c_int], c_int
     lib.l2l_host_caller_mxcsr.argtypes, lib.l2l_host_caller_mxcsr.restype = [], ctypes.c_uint
+    lib.l2l_host_bc2_by_fma.argtypes, lib.l2l_host_bc2_by_fma.restype = [ctypes.c_float, c_int], c_int
     if lib.l2l_host_block() != golden.QUANT_BLOCK:
         raise HostKernelMissing(f"the host kernel library is stale: its 8-bit block is {lib.l2l_host_block()} "
                                 f"elements, golden.QUANT_BLOCK is {golden.QUANT_BLOCK}; rebuild it: {BUILD_HINT}")
@@ -143,6 +144,14 @@ def resolve_isa(isa: str | None = None) -> str:
 
 def default_threads() -> int:
     return len(os.sched_getaffinity(0))
+
+
+def bias_correction_by_fma(scalars: StepScalars) -> bool:
+    """Whether AVX-512 Adam steps with these scalars divide sqrt(v) by bias_correction2_sqrt
+    with an FMA quotient (proved exact for this divisor by an exhaustive check, run now if it
+    has not: a step of fewer than 2^20 elements does not run it) instead of a division; the
+    bits are the same either way."""
+    return bool(library().l2l_host_bc2_by_fma(scalars.bias_correction2_sqrt, default_threads()))
 
 
 def caller_mxcsr() -> int:
