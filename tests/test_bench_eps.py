@@ -69,3 +69,10 @@ def test_ratios_are_taken_within_each_round():
     assert r.speedup("fused", "other") == 2.0  # rounds: 3, 1.5, 2 (the ratio of medians would be 1.5)
     assert r.speedup("fused", "stream") == 1.2  # rounds: 1.5, 1.2, 0.9
     assert r.fastest_stream() == "plain 2t"  # medians 30 and 12
+
+
+def test_stream_scaling_compares_the_fastest_stream_of_each_thread_count_round_by_round():
+    """The figure that says whether the stream is a memory limit or one core's."""
+    r = bench_eps.Rounds({"stream plain 1t": [4.0, 8.0, 6.0], "stream non-temporal 1t": [5.0, 7.0, 9.0],
+                          "stream plain 2t": [2.0, 5.0, 3.0], "stream non-temporal 2t": [2.5, 4.0, 4.0]})
+    assert r.stream_scaling(2) == 2.0  # fastest per round: 4/2, 7/4, 6/3 -> 2, 1.75, 2
