@@ -1069,6 +1069,7 @@ static int pool_grow(int want) {
 static int parallel_tiles(range_fn fn, const void *ctx, int64_t n, int threads) {
     int64_t tiles = (n + L2L_TILE - 1) / L2L_TILE;
     int flag = 0;
+    if (threads > L2L_MAX_THREADS) threads = L2L_MAX_THREADS;
     if (threads > tiles) threads = (int)tiles;
     if (threads <= 1 || pthread_mutex_trylock(&pool.busy) != 0) { /* small call, or pool in use */
         l2l_share own;
@@ -1141,7 +1142,7 @@ EXPORT int l2l_host_best_isa(void) {
  * check runs now if it has not). */
 EXPORT int l2l_host_bc2_by_fma(float b, int threads) {
     return l2l_host_isa_supported(L2L_ISA_AVX512) &&
-           bc2_by_fma(b, FMA_CHECK_MIN, threads < L2L_MAX_THREADS ? threads : L2L_MAX_THREADS);
+           bc2_by_fma(b, FMA_CHECK_MIN, threads);
 }
 
 /* MXCSR of the calling thread, for diagnostics: the kernel does not depend on it. */
@@ -1185,7 +1186,6 @@ EXPORT int l2l_host_step(const l2l_scalars *s, int64_t n, const l2l_buffers *b, 
     l2l_job job = {*s, g_dtype, w_dtype, state_format, uses_m, uses_v, b->g, b->p_src, b->p_dst, b->w_dst,
                    b->m_src, b->v_src, b->m_dst, b->v_dst, b->m_scale_src, b->v_scale_src, b->m_scale_dst,
                    b->v_scale_dst, {0}, {0}, 0};
-    threads = threads < L2L_MAX_THREADS ? threads : L2L_MAX_THREADS;
     if (isa == L2L_ISA_AVX512 && w_dtype == L2L_DT_BF16 && native_bf16)
         job.w_dtype = L2L_DT_BF16_NATIVE;
     if (isa == L2L_ISA_AVX512 && uses_v) job.bc2_by_fma = bc2_by_fma(s->bias_correction2_sqrt, n, threads);
@@ -1205,5 +1205,5 @@ EXPORT int l2l_host_stream(int64_t n, const l2l_stream *streams, int isa, int th
     range_fn fn = pick(isa, stream_range_scalar, stream_range_avx2, stream_range_avx512);
     if (fn == NULL) return L2L_E_ISA;
     if (n == 0) return 0;
-    return parallel_tiles(fn, streams, n, threads < L2L_MAX_THREADS ? threads : L2L_MAX_THREADS);
+    return parallel_tiles(fn, streams, n, threads);
 }

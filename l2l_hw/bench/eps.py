@@ -84,9 +84,8 @@ class Rounds:
 
     def __init__(self, times: dict[str, list[float]]):
         self.times = dict(times)
-        streams = [t for name, t in times.items() if name.startswith("stream ")]
-        if streams:
-            self.times["stream"] = [min(ts) for ts in zip(*streams)]
+        if any(name.startswith("stream ") for name in times):
+            self.times["stream"] = self._fastest_stream_per_round("")
 
     @classmethod
     def timed(cls, fns: dict, repeats: int) -> "Rounds":
@@ -115,9 +114,13 @@ class Rounds:
         variant of each, median over rounds). Near `threads`, the stream is bound by each
         core's misses in flight, not by the memory: it is then no limit for a kernel that
         keeps more in flight, and only a machine whose memory the cores saturate gives one."""
-        one, many = ([min(ts) for ts in zip(*(t for k, t in self.times.items() if k.startswith("stream ")
-                                                and k.endswith(f" {n}t")))] for n in (1, threads))
+        one, many = (self._fastest_stream_per_round(f" {n}t") for n in (1, threads))
         return round(statistics.median(a / b for a, b in zip(one, many)), 3)
+
+    def _fastest_stream_per_round(self, suffix: str) -> list[float]:
+        """Each round's time of its fastest stream variant whose name ends in `suffix`."""
+        variants = [t for k, t in self.times.items() if k.startswith("stream ") and k.endswith(suffix)]
+        return [min(ts) for ts in zip(*variants)]
 
     def fastest_stream(self) -> str:
         """The stream variant with the lowest median."""
