@@ -80,16 +80,36 @@ def _header(entries: dict, meta: dict, crcs: dict[str, int]) -> bytes:
     return len(text).to_bytes(8, "little") + text
 
 
+TEMPORARY_MARKER = "l2l-tmp"  # in the name of every temporary file save_checkpoint writes, with its pid
+
+
+def _temporary_prefix(path: Path) -> str:
+    return f".{path.name}.{TEMPORARY_MARKER}-{os.getpid()}-"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
 def remove_stale_temporaries(path) -> list[Path]:
-    """Remove what an interrupted save_checkpoint(path) left beside `path`: its temporary file,
-    and the one safetensors' writer made (".tmp" and 6 characters) when versions before the
-    streamed writer saved. The removed paths."""
+    """Remove the temporary files that an interrupted save_checkpoint(path) left beside `path`:
+    only names this program writes (".{name}.l2l-tmp-{pid}-{random}.tmp") whose pid is no
+    longer running. Anything else in the folder, whatever its name, is left alone. The
+    removed paths."""
     path = Path(path)
-    stale = list(path.parent.glob(f".{path.name}.*.tmp")) + \
-        [p for p in path.parent.glob(".tmp??????") if p.name[4:].isalnum()]
-    for p in stale:
-        with contextlib.suppress(FileNotFoundError):
-            p.unlink()
+    stale = []
+    for p in path.parent.glob(f".{path.name}.{TEMPORARY_MARKER}-*-*.tmp"):
+        pid = p.name[len(f".{path.name}.{TEMPORARY_MARKER}-"):].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+            stale.append(p)
     return stale
 
 
@@ -115,7 +135,7 @@ def save_checkpoint(path, tensors: Mapping[str, torch.Tensor | StateEntry], meta
     path = Path(path)
     entries = {name: _entry(name, t) for name, t in tensors.items()}
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=_temporary_prefix(path), suffix=".tmp", dir=path.parent)
     try:
         umask = os.umask(0)  # mkstemp makes it 0600: give it the mode open() gives the run's other files
         os.umask(umask)

@@ -7,6 +7,8 @@ import argparse
 import importlib
 import importlib.metadata
 import platform
+import re
+import signal
 import sys
 from pathlib import Path
 
@@ -15,7 +17,8 @@ import torch
 import l2l_hw
 from l2l_hw.checkpoint import CheckpointError
 from l2l_hw.eps.golden import STATE_FORMATS
-from l2l_hw.train import CONTROL_FIELDS, ConfigError, TrainConfig, build_eps, relay_options, resume_config, train
+from l2l_hw.train import (CONTROL_FIELDS, ConfigError, NonFiniteLoss, TrainConfig, TrainingInterrupted, build_eps,
+                          relay_options, resume_config, train)
 
 # ---------------------------------------------------------------------------- train
 
@@ -27,7 +30,7 @@ def train_config(args) -> TrainConfig:
     # Run flags default to None, so --resume can tell what was given from what was not.
     given = {k: getattr(args, k, None) for k in RUN_FLAGS if getattr(args, k, None) is not None}
     control = dict(out=args.out, stop_after=args.stop_after, tensorboard=args.tensorboard, overlay=args.overlay,
-                   kernel=args.kernel, dist_timeout=args.dist_timeout)
+                   kernel=args.kernel, dist_timeout=args.dist_timeout, overwrite=args.overwrite)
     return resume_config(**given, **control) if args.resume else TrainConfig(**given, **control)
 
 
@@ -38,22 +41,59 @@ def flag_message(e: ConfigError) -> str:
     """A config error in the command line's words: the flag, the value given, what is allowed."""
     if e.field is None:
         return str(e)
-    return f"{FLAG_OF.get(e.field, '--' + e.field.replace('_', '-'))} {e.value}: {e.rule}"
+    flag = FLAG_OF.get(e.field, "--" + e.field.replace("_", "-"))
+    value = "" if isinstance(e.value, bool) else " ''" if e.value == "" else f" {e.value}"  # a switch has no value
+    return f"{flag}{value}: {e.rule}"
+
+
+class Terminated(Exception):
+    """SIGTERM outside the training loop (set-up, saving the model): stop with exit 143."""
+
+
+def _terminate(signum, frame):
+    raise Terminated()
+
+
+def out_of_memory(e: BaseException) -> bool:
+    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or (
+        isinstance(e, RuntimeError) and re.search(r"can't allocate memory|out of memory", str(e)) is not None)
+
+
+def run_command(command: str, body) -> int:
+    """Run `body()` as `l2l COMMAND`: every failure the user can act on is one line on stderr
+    (exit 2: a bad value, file or checkpoint, a run gone non-finite, too little memory; exit 1:
+    an output that cannot be written; 130/143: interrupted by SIGINT/SIGTERM)."""
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        body()
+    except ConfigError as e:  # a bad flag value or input file: say which, no traceback
+        return _fail(command, flag_message(e), 2)
+    except (CheckpointError, NonFiniteLoss, FileNotFoundError, ValueError) as e:
+        return _fail(command, str(e), 2)
+    except OSError as e:  # an output that cannot be written (read-only, full disk): one line
+        return _fail(command, str(e), 1)
+    except TrainingInterrupted as e:
+        return _fail(command, str(e), 128 + e.signal)
+    except (KeyboardInterrupt, Terminated) as e:  # outside the loop's safe points; every write is atomic
+        signum = signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM
+        return _fail(command, "interrupted; the output folder keeps its last complete checkpoint", 128 + signum)
+    except (RuntimeError, MemoryError) as e:
+        if not out_of_memory(e):
+            raise
+        return _fail(command, f"out of memory ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                              "make the model, --context or --batch-size smaller", 2)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return 0
+
+
+def _fail(command: str, message: str, code: int) -> int:
+    print(f"l2l {command}: {' '.join(message.split())}", file=sys.stderr)  # one line, whatever the message
+    return code
 
 
 def cmd_train(args) -> int:
-    try:
-        train(train_config(args))
-    except ConfigError as e:  # a bad flag value or input file: say which, no traceback
-        print(f"l2l train: {flag_message(e)}", file=sys.stderr)
-        return 2
-    except CheckpointError as e:
-        print(f"l2l train: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:  # an output that cannot be written (read-only, full disk): one line
-        print(f"l2l train: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return run_command("train", lambda: train(train_config(args)))
 
 
 def cmd_finetune(args) -> int:
@@ -61,7 +101,8 @@ def cmd_finetune(args) -> int:
     by its tokenizer, trained by train() as `l2l train` is, saved back for transformers."""
     from l2l_hw import hf
 
-    try:
+    def body():
+        args.model_fingerprint = hf.config_fingerprint(args.model)
         cfg = train_config(args)
         batches = hf.finetune_batches(args.model, args.data, cfg.batch_size, cfg.context, seed=cfg.seed)
         held = len(batches) // 10  # a tenth of the minibatches for validation, none if too few
@@ -71,13 +112,8 @@ def cmd_finetune(args) -> int:
         if cfg.out is not None:
             saved = hf.save_pretrained(relay, Path(cfg.out) / "model", tokenizer=hf.load_tokenizer(args.model))
             print(f"saved the fine-tuned model for transformers in {saved}")
-    except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
-        print(f"l2l finetune: {flag_message(e) if isinstance(e, ConfigError) else e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"l2l finetune: {e}", file=sys.stderr)
-        return 1
-    return 0
+
+    return run_command("finetune", body)
 
 
 # ---------------------------------------------------------------------------- info
@@ -208,15 +244,36 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clip-grad-norm", type=float, help="clip gradients to this norm (default: no clipping)")
     p.add_argument("--clip-mode", choices=["layer", "global"],
                    help="per-layer norms, or one global norm with updates deferred to the step's end (default layer)")
-    p.add_argument("--resume", action="store_true", help="continue exactly from --out's checkpoint and metrics")
+    p.add_argument("--skip-nonfinite", action="store_true", default=None,
+                   help="discard a step whose gradients are not finite and go on (default: a non-finite loss stops "
+                        "the run, keeping the last checkpoint)")
+    existing = p.add_mutually_exclusive_group()
+    existing.add_argument("--resume", action="store_true", help="continue exactly from --out's checkpoint and metrics")
+    existing.add_argument("--overwrite", action="store_true",
+                   help="replace the run already in --out (its checkpoint, metrics, plot); without it, or --resume, "
+                        "an --out that holds a run is refused")
     p.add_argument("--stop-after", type=int, metavar="STEP",
                    help="checkpoint and stop at this step, keeping --steps as the schedule's length")
     p.add_argument("--tensorboard", action="store_true",
                    help="also write the metrics as TensorBoard event files into --out/tensorboard")
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors ("l2l train: argument --lr: ...; see l2l train --help", exit 2)
+    and negative or non-finite numbers as values: `--lr -inf` and `--lr -1e-3` reach the value's
+    own check instead of reading as a flag."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|infinity|nan)$",
+                                                   re.IGNORECASE)
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: {message}; see {self.prog} --help\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="l2l", description="Layer-to-layer relay training with an Eager Param Server.")
+    p = Parser(prog="l2l", description="Layer-to-layer relay training with an Eager Param Server.")
     p.add_argument("--version", action="version", version=f"l2l-hw {l2l_hw.__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 

@@ -27,6 +27,7 @@ mean (exact when u = 1).
 from __future__ import annotations
 
 import copy
+import hashlib
 import inspect
 import json
 import os
@@ -37,11 +38,15 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from l2l_hw.inputs import path_kind, regular_file
+
 IGNORE_INDEX = -100  # HF's label for tokens that carry no loss
 SUPPORTED = ("GPT2LMHeadModel, BertForMaskedLM, and decoder-only causal LMs laid out as Llama "
              "(model.embed_tokens, model.layers, model.norm, model.rotary_emb, lm_head: Llama, Mistral, "
              "Qwen2, Qwen3, ...)")
 WEIGHTS_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
+SIZES = ("num_hidden_layers", "n_layer", "num_attention_heads", "n_head", "hidden_size", "n_embd", "vocab_size",
+         "n_positions", "max_position_embeddings")  # config.json's sizes, each a whole number >= 1 where given
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model")
 
 
@@ -250,13 +255,45 @@ def batch(loss_fn: TokenLoss, input_ids: torch.Tensor, labels: torch.Tensor,
 # ---------------------------------------------------------------------------- loading
 def _model_folder(path) -> Path:
     folder = Path(path)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"model folder {folder} does not exist; give a local folder written by "
-                                "transformers' save_pretrained (config.json and *.safetensors)")
+    kind = path_kind(folder)
+    if kind != "a folder":
+        raise FileNotFoundError(f"model folder {folder} {'does not exist' if kind == 'missing' else 'is ' + kind}; "
+                                "give a local folder written by transformers' save_pretrained (config.json and "
+                                "*.safetensors)")
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder} has no config.json; give a local folder written by transformers' "
                                 "save_pretrained")
     return folder
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def load_config(path):
+    """The transformers config of a local model folder, checked for what the relay needs; a
+    config.json that is not valid, or describes no trainable model, is a ValueError naming it."""
+    folder = _model_folder(path)
+    file = folder / "config.json"
+    try:
+        raw = json.loads(file.read_text(encoding="utf-8"))
+        config = _transformers().AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (ValueError, OSError, KeyError, TypeError, AttributeError) as e:  # transformers' own, or bad JSON
+        raise ValueError(f"{file} is not a valid transformers config: {_first_line(e)}") from None
+    for name in SIZES:
+        value = raw.get(name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{file}: {name} is {value!r}; it must be a whole number >= 1")
+    return config
+
+
+def config_fingerprint(path) -> str:
+    """16 hex digits of sha256 over the model folder's config.json as JSON (keys sorted): what a
+    checkpoint records of the model it was trained from, so another model's is told apart."""
+    load_config(path)
+    config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _weights(folder: Path) -> Path:
@@ -285,10 +322,13 @@ def skeleton(path) -> nn.Module:
     allocated) and real non-persistent buffers (rotary inv_freq, BERT's position ids),
     computed by the model's own initialization, as transformers' from_pretrained does."""
     folder = _model_folder(path)
-    config = _transformers().AutoConfig.from_pretrained(folder, local_files_only=True)
+    config = load_config(folder)
     cls = _model_class(config)
-    with torch.device("meta"):
-        model = cls(config)
+    try:
+        with torch.device("meta"):
+            model = cls(config)
+    except Exception as e:  # a config transformers accepts but cannot build a model from
+        raise ValueError(f"{folder / 'config.json'}: {cls.__name__} cannot be built from it: {_first_line(e)}") from None
     for name, buffer in list(model.named_non_persistent_buffers()):
         owner, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(owner), leaf, torch.empty_like(buffer, device="cpu"))
@@ -307,13 +347,25 @@ class Checkpoint:
         self._open = safe_open
         weights = _weights(folder)
         if weights.name == INDEX_FILE:
-            weight_map = json.loads(weights.read_text())["weight_map"]
-            self.shard_of = {key: folder / file for key, file in weight_map.items()}
+            try:
+                weight_map = json.loads(weights.read_text(encoding="utf-8"))["weight_map"]
+                self.shard_of = {key: folder / file for key, file in weight_map.items()}
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise ValueError(f"{weights} is not a safetensors index (a JSON object with a weight_map of "
+                                 f"tensor name -> file): {_first_line(e)}") from None
+            for shard in set(self.shard_of.values()):
+                regular_file(shard, f"the weights file named in {weights},")
         else:
-            with safe_open(weights, framework="pt") as f:
+            with self._opened(weights) as f:
                 self.shard_of = {key: weights for key in f.keys()}
         self.left: dict[Path, set[str]] = {}  # per shard, the tensors still to read
         self.handles: dict[Path, object] = {}
+
+    def _opened(self, shard: Path):
+        try:
+            return self._open(shard, framework="pt")
+        except Exception as e:  # safetensors' SafetensorError: a truncated or foreign file
+            raise ValueError(f"{shard} is not a readable safetensors file: {_first_line(e)}") from None
 
     def expect(self, keys: set[str]) -> None:
         for key in keys:
@@ -325,8 +377,11 @@ class Checkpoint:
     def read(self, key: str) -> torch.Tensor:
         shard = self.shard_of[key]
         if shard not in self.handles:
-            self.handles[shard] = self._open(shard, framework="pt")
-        tensor = self.handles[shard].get_tensor(key)
+            self.handles[shard] = self._opened(shard)
+        try:
+            tensor = self.handles[shard].get_tensor(key)
+        except Exception as e:  # data past the end of a truncated file, a dtype torch lacks
+            raise ValueError(f"{shard}: tensor {key} cannot be read: {_first_line(e)}") from None
         left = self.left.get(shard, set())
         left.discard(key)
         if not left:
@@ -370,6 +425,9 @@ class LayerInit:
                 raise ValueError(f"{self.folder}: the weights have no tensor for layer {i}'s {name} "
                                f"({module.hf_keys.get(name, ['a tensor transformers does not save'])[0]})")
             tensor = self.checkpoint.read(key)
+            if isinstance(t, nn.Parameter) and t.requires_grad and not tensor.is_floating_point():
+                raise ValueError(f"{self.folder}: {key} is {tensor.dtype}; a trainable weight must be floating point "
+                                 "(fp32, bf16 or fp16)")
             if tensor.shape != t.shape:
                 raise ValueError(f"{self.folder}: {key} has shape {tuple(tensor.shape)}; the config's model "
                                  f"needs {tuple(t.shape)}")
@@ -477,7 +535,21 @@ def load_tokenizer(path):
     if not any((folder / f).is_file() for f in TOKENIZER_FILES):
         raise FileNotFoundError(f"{folder} has no tokenizer (one of {', '.join(TOKENIZER_FILES)}); save it "
                                 "there with tokenizer.save_pretrained")
-    return _transformers().AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    try:
+        return _transformers().AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except Exception as e:  # a corrupt tokenizer.json or tokenizer_config.json: transformers' many errors
+        files = ", ".join(f for f in TOKENIZER_FILES if (folder / f).is_file())
+        raise ValueError(f"the tokenizer in {folder} ({files}) cannot be loaded: {_first_line(e)}") from None
+
+
+def max_positions(config) -> int | None:
+    """The longest sequence a model with learned positions takes (GPT-2's n_positions, BERT's
+    max_position_embeddings); None for rotary models, whose positions are computed."""
+    if getattr(config, "model_type", None) == "gpt2":
+        return config.n_positions
+    if getattr(config, "model_type", None) == "bert":
+        return config.max_position_embeddings
+    return None
 
 
 def finetune_batches(path, data_file, batch_size: int, seq_len: int, seed: int = 0,
@@ -491,21 +563,30 @@ def finetune_batches(path, data_file, batch_size: int, seq_len: int, seed: int =
     Masked LMs (BERT): `mask_fraction` of the tokens are replaced by the mask token and
     are the only labelled ones. Targets carry the token count (`TokenLoss.targets`)."""
     folder = _model_folder(path)
-    config = _transformers().AutoConfig.from_pretrained(folder, local_files_only=True)
+    config = load_config(folder)
     masked = _model_class(config).__name__ == "BertForMaskedLM"
     _weights(folder)
     tokenizer = load_tokenizer(folder)
-    data = Path(data_file)
-    if not data.is_file():
-        raise FileNotFoundError(f"data file {data} does not exist; give a local UTF-8 text file")
+    data = regular_file(data_file, "data file")
     if batch_size < 1 or seq_len < 2:
         raise ValueError(f"batch_size must be >= 1 and seq_len >= 2, got {batch_size} and {seq_len}")
+    limit = max_positions(config)
+    if limit is not None and seq_len > limit:
+        raise ValueError(f"a context of {seq_len} tokens is longer than the model's position table: "
+                         f"{folder / 'config.json'} has {limit} positions")
+    try:
+        text = data.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"data file {data} is not UTF-8 text: byte {e.start} cannot be decoded ({e.reason})") from None
     ids = []
-    for line in data.read_text(encoding="utf-8").splitlines():
+    for line in text.splitlines():
         if line.strip():
             ids += tokenizer(line, add_special_tokens=False)["input_ids"]
             if tokenizer.eos_token_id is not None:
                 ids.append(tokenizer.eos_token_id)
+    if ids and max(ids) >= config.vocab_size:
+        raise ValueError(f"the tokenizer in {folder} gives token id {max(ids)}, past the model's vocabulary: "
+                         f"{folder / 'config.json'} has vocab_size {config.vocab_size}")
     n_seq = len(ids) // seq_len
     if n_seq < batch_size:
         raise ValueError(f"{data} gives {len(ids)} tokens: fewer than one minibatch of {batch_size} x {seq_len}")

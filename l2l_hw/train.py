@@ -28,6 +28,9 @@ import dataclasses
 import json
 import math
 import os
+import shutil
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,10 +38,10 @@ from typing import Callable, Iterable
 
 import torch
 
-from l2l_hw.checkpoint import Checkpoint, open_checkpoint, remove_stale_temporaries, save_checkpoint
+from l2l_hw.checkpoint import Checkpoint, CheckpointError, open_checkpoint, remove_stale_temporaries, save_checkpoint
 from l2l_hw.distributed import Ranks, join_torchrun, leave_torchrun, rank_shard
 from l2l_hw.eps import known_backends, make_eps
-from l2l_hw.eps.base import OPTIMIZERS, SCHEDULES
+from l2l_hw.eps.base import OPTIMIZERS, SCHEDULES, OptimConfig, OptionError
 from l2l_hw.eps.golden import STATE_FORMATS
 from l2l_hw.models import Corpus, GPTConfig, build_gpt, generate, lm_loss
 from l2l_hw.models.gpt import GELUS
@@ -49,28 +52,44 @@ from l2l_hw.version import __version__
 
 CHECKPOINT, METRICS, PLOT, TENSORBOARD = "checkpoint.safetensors", "metrics.jsonl", "loss.png", "tensorboard"
 EVAL_BATCHES = 4  # validation minibatches per eval point of the reference corpus; the same windows every time
+RUN_FILES = (CHECKPOINT, METRICS, PLOT, TENSORBOARD)  # what a run writes into out: an earlier run is these
+MAX_DISCARDED = 100  # steps discarded in a row (non-finite) before the run stops: fp16's scale needs <= 24
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 SAMPLE_PROMPT, SAMPLE_BYTES = b"def ", 200
 # What --resume may change: the step target (a longer one also stretches a cosine schedule)
 # and where the run happens. Every other field of the run is the checkpoint's.
-RESUME_MAY_CHANGE = ("steps", "device", "eps_backend", "shard_state")
+RESUME_MAY_CHANGE = ("steps", "device", "eps_backend", "shard_state", "model")
 
 
-class ConfigError(ValueError):
+class ConfigError(OptionError):
     """A TrainConfig value, or a file or checkpoint the run needs, cannot be used; the message says
     which. With `field`: "field=value: what is allowed" (the CLI names the flag instead)."""
 
     def __init__(self, message: str, field: str | None = None, value=None):
-        self.field, self.value, self.rule = field, value, message
-        super().__init__(f"{field}={value!r}: {message}" if field else message)
+        super().__init__(f"{field}={value!r}: {message}" if field else message, field, value, message)
+
+
+class NonFiniteLoss(RuntimeError):
+    """A step's loss was not finite and the step was taken: the weights are no longer usable.
+    The run stopped before its next checkpoint, so the last one on disk is from before."""
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM stopped the run at a step boundary, after a checkpoint of that step
+    (when the run writes files). `signal` is the signal's number, `step` the step reached."""
+
+    def __init__(self, signum: int, step: int, saved: bool):
+        self.signal, self.step, self.saved = signum, step, saved
+        super().__init__(f"interrupted at step {step}" + ("; resume with --resume" if saved else ""))
 
 
 CLIP_MODES = ("layer", "global")  # Relay's clip_mode
 INT_AT_LEAST_1 = ("layers", "width", "heads", "context", "batch_size", "micro_batches", "steps", "eval_every")
-BOOLS = ("tie_weights", "recompute", "shard_state", "pipedream_2bw", "resume", "tensorboard", "verbose")
+BOOLS = ("tie_weights", "recompute", "shard_state", "pipedream_2bw", "skip_nonfinite", "resume", "overwrite",
+         "tensorboard", "verbose")
 FLOAT_RANGES = {  # field -> (lowest, highest, whether the highest itself is allowed); every value finite
-    "lr": (0.0, math.inf, False), "momentum": (0.0, 1.0, False), "weight_decay": (0.0, math.inf, False),
     "dropout": (0.0, 1.0, False), "layer_drop": (0.0, 1.0, False), "linear_projection": (0.0, 1.0, True),
-}
+}  # lr, momentum and weight_decay: OptimConfig's own checks
 
 
 def choices() -> dict[str, tuple]:
@@ -103,6 +122,10 @@ def check_config(cfg: "TrainConfig") -> None:
     for name, allowed in choices().items():
         if getattr(cfg, name) not in allowed:
             raise ConfigError(f"must be one of {', '.join(allowed)}", name, getattr(cfg, name))
+    try:  # the optimizer's rules, as make_eps applies them
+        OptimConfig(optimizer=cfg.optimizer, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    except OptionError as e:
+        raise ConfigError(e.rule, e.field, e.value) from None
     for name in ("clip_grad_norm", "dist_timeout"):
         value = getattr(cfg, name)
         if value is not None and (not _is_real(value) or not 0 < value < math.inf):
@@ -115,9 +138,14 @@ def check_config(cfg: "TrainConfig") -> None:
         raise ConfigError(f"must be a whole number from 0 to steps ({cfg.steps}){cosine}", "warmup", cfg.warmup)
     if cfg.stop_after is not None and (not _is_int(cfg.stop_after) or cfg.stop_after < 1):
         raise ConfigError("must be a whole number >= 1 (the step to stop at)", "stop_after", cfg.stop_after)
-    for name in ("data", "out", "overlay", "kernel"):
-        if getattr(cfg, name) is not None and not isinstance(getattr(cfg, name), (str, os.PathLike)):
-            raise ConfigError("must be a path (a str) or None", name, getattr(cfg, name))
+    for name in ("data", "out", "overlay", "kernel", "model"):
+        value = getattr(cfg, name)
+        if value is not None and (not isinstance(value, (str, os.PathLike)) or not str(value).strip()):
+            raise ConfigError("must be a path (a non-empty str) or None", name, value)
+    if cfg.clip_mode == "global" and cfg.clip_grad_norm is None:
+        raise ConfigError("clips the gradients to a norm: give clip_grad_norm (the norm) too", "clip_mode", cfg.clip_mode)
+    if cfg.resume and cfg.overwrite:
+        raise ConfigError("continues the run in out; overwrite replaces it: give one of them", "overwrite", True)
     if cfg.width % cfg.heads:
         raise ConfigError(f"must divide width ({cfg.width}): {', '.join(map(str, _divisors(cfg.width)))}",
                           "heads", cfg.heads)
@@ -197,11 +225,17 @@ class TrainConfig:
     pipedream_2bw: bool = False
     # precision
     precision: str = "fp32"
+    skip_nonfinite: bool = False  # a step with a non-finite gradient is discarded whole, not taken
     # evaluation and checkpointing
     eval_every: int = 50  # steps between validation and checkpoint
+    # a Hugging Face model folder (l2l finetune) and a fingerprint of its config.json, so that a
+    # resume from another model's checkpoint is refused by name (the folder itself may move)
+    model: str | None = None
+    model_fingerprint: str | None = None
     # output and run control: not part of the run's identity (not compared on resume)
     out: str | None = "runs/latest"
     resume: bool = False
+    overwrite: bool = False  # replace the run already in out (its checkpoint, metrics and plot)
     stop_after: int | None = None  # checkpoint and stop at this step; steps stays the schedule's length
     tensorboard: bool = False
     verbose: bool = True  # banner, progress bar, summary (and a sample of the reference GPT)
@@ -217,7 +251,8 @@ class TrainConfig:
         cfg = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in CONTROL_FIELDS}
         if cfg["warmup"] is None:
             cfg["warmup"] = self.steps // 10
-        cfg["data"] = str(Path(cfg["data"]).expanduser().resolve()) if cfg["data"] else None
+        for name in ("data", "model"):
+            cfg[name] = str(Path(cfg[name]).expanduser().resolve()) if cfg[name] else None
         return cfg
 
     def model_config(self) -> GPTConfig:
@@ -226,7 +261,8 @@ class TrainConfig:
                          linear_projection=self.linear_projection)
 
 
-CONTROL_FIELDS = ("out", "resume", "stop_after", "tensorboard", "verbose", "overlay", "kernel", "dist_timeout")
+CONTROL_FIELDS = ("out", "resume", "overwrite", "stop_after", "tensorboard", "verbose", "overlay", "kernel",
+                  "dist_timeout")
 
 
 def resume_config(out: str | os.PathLike, **given) -> TrainConfig:
@@ -234,13 +270,21 @@ def resume_config(out: str | os.PathLike, **given) -> TrainConfig:
     RESUME_MAY_CHANGE and the control fields may differ, any other must agree."""
     meta = open_checkpoint(Path(out) / CHECKPOINT).meta
     saved = _saved_config(meta, Path(out) / CHECKPOINT)
-    if given.get("data"):  # as the checkpoint holds it
-        given["data"] = str(Path(given["data"]).expanduser().resolve())
+    for name in ("data", "model"):  # as the checkpoint holds them
+        if given.get(name):
+            given[name] = str(Path(given[name]).expanduser().resolve())
     clash = {k: v for k, v in given.items() if k in saved and k not in RESUME_MAY_CHANGE and v != saved[k]}
     if clash:
         raise ConfigError("--resume: the checkpoint's run differs from what is given: " + ", ".join(
-            f"{k} is {saved[k]!r} in the checkpoint, {v!r} given" for k, v in clash.items()))
+            _clash(k, saved, given) for k in clash))
     return TrainConfig(**{**saved, **given, "out": str(out), "resume": True})
+
+
+def _clash(name: str, saved: dict, given: dict) -> str:
+    if name == "model_fingerprint":
+        return (f"the checkpoint was trained from the model in {saved.get('model')} (config fingerprint "
+                f"{saved[name]}), and the model in {given.get('model')} has another config ({given.get(name)})")
+    return f"{name} is {saved[name]!r} in the checkpoint, {given.get(name)!r} given"
 
 
 def _saved_config(meta: dict, path: Path) -> dict:
@@ -248,8 +292,8 @@ def _saved_config(meta: dict, path: Path) -> dict:
     known = {f.name for f in dataclasses.fields(TrainConfig)} - set(CONTROL_FIELDS)
     saved = meta.get("config") if isinstance(meta, dict) else None
     if not isinstance(saved, dict) or not set(saved) <= known or not _is_int(meta.get("step")) \
-            or not _is_real(meta.get("elapsed")):
-        raise ConfigError(f"{path}: its metadata is not what this l2l-hw writes (config, step, elapsed)")
+            or meta["step"] < 0 or not _is_real(meta.get("elapsed")) or not meta["elapsed"] >= 0:
+        raise ConfigError(f"{path}: its metadata is not what this l2l-hw writes (config, a step >= 0, elapsed)")
     try:
         TrainConfig(**{**saved, "device": "cpu", "eps_backend": "cpu", "out": None})  # wherever it resumes
     except ConfigError as e:
@@ -273,7 +317,8 @@ def relay_options(cfg: TrainConfig, device: str | None = None) -> dict:
     """The Relay keyword options of `cfg`."""
     return dict(device=device or cfg.device, micro_batches=cfg.micro_batches, recompute=cfg.recompute,
                 precision=cfg.precision, pipedream_2bw=cfg.pipedream_2bw, activations=cfg.activations,
-                layer_drop=cfg.layer_drop, clip_grad_norm=cfg.clip_grad_norm, clip_mode=cfg.clip_mode)
+                layer_drop=cfg.layer_drop, clip_grad_norm=cfg.clip_grad_norm, clip_mode=cfg.clip_mode,
+                skip_nonfinite=cfg.skip_nonfinite)
 
 
 def build_relay(cfg: TrainConfig, layers=None, loss_fn: Callable | None = None, *, device: str | None = None,
@@ -341,6 +386,9 @@ def train(cfg: TrainConfig | None = None, *, layers=None, loss_fn: Callable | No
         cfg = dataclasses.replace(cfg, warmup=checkpoint[1]["config"]["warmup"])
     ranks = join_torchrun(cfg.device, cfg.dist_timeout)
     try:
+        if cfg.shard_state and ranks.world == 1 and not cfg.resume:  # a resumed sharded run may go on whole
+            raise ConfigError("shards the optimizer state across ranks: run under torchrun with 2 or more "
+                              "processes (torchrun --nproc-per-node N); this is one process", "shard_state", True)
         try:  # set-up: what fails here is a value or a file of the config, named in the message
             loop, corpus = _set_up(cfg, ranks, layers, loss_fn, data, val_data, relay, checkpoint)
         except ConfigError:
@@ -359,6 +407,8 @@ def train(cfg: TrainConfig | None = None, *, layers=None, loss_fn: Callable | No
 
 
 def _set_up(cfg: TrainConfig, ranks: Ranks, layers, loss_fn, data, val_data, relay, checkpoint):
+    if layers is None and relay is None:
+        check_memory(cfg)
     if cfg.out is not None and ranks.lead:
         prepare_out(cfg)
     corpus = None
@@ -375,11 +425,30 @@ def _set_up(cfg: TrainConfig, ranks: Ranks, layers, loss_fn, data, val_data, rel
     return loop, corpus
 
 
+def earlier_run(out: Path) -> list[str]:
+    """The files of a run already in `out` (an empty metrics file is none: a run that failed to start)."""
+    found = [name for name in RUN_FILES if (out / name).exists()]
+    if METRICS in found and (out / METRICS).is_file() and (out / METRICS).stat().st_size == 0:
+        found.remove(METRICS)
+    return found
+
+
 def prepare_out(cfg: TrainConfig) -> None:
-    """The output folder exists and takes files; what an interrupted checkpoint write left is removed."""
+    """The output folder exists and takes files; what an interrupted checkpoint write of this
+    program left is removed. A run already there is continued (resume), replaced (overwrite), or
+    the run is refused: nothing of it is changed."""
     out = Path(cfg.out)
+    found = earlier_run(out) if out.is_dir() else []
+    if found and not cfg.resume and not cfg.overwrite:
+        raise ConfigError(f"already holds a run ({', '.join(found)}); continue it with --resume, replace it with "
+                          "--overwrite, or give another --out", "out", str(cfg.out))
+    if out.exists() and not out.is_dir():
+        raise ConfigError("is a file, not a folder", "out", str(cfg.out))
     try:
         out.mkdir(parents=True, exist_ok=True)
+        if cfg.overwrite:  # what this program wrote there, and nothing else
+            for name in found:
+                shutil.rmtree(out / name) if (out / name).is_dir() else (out / name).unlink()
         remove_stale_temporaries(out / CHECKPOINT)
         with open(out / METRICS, "a"):
             pass
@@ -401,6 +470,40 @@ def load_corpus(cfg: TrainConfig) -> Corpus:
     return corpus
 
 
+def memory_needed(cfg: TrainConfig) -> int:
+    """A lower bound of the host memory (bytes) that training the reference GPT of `cfg` takes:
+    the EPS (fp32 param, m, v: 12 B per parameter, plus the gradients: 4), the layer inputs the
+    relay stashes (fp32, every layer and micro-batch), and one micro-batch's attention scores and
+    logits in one layer. The real need is higher; a config above this cannot run."""
+    c, t, vocab = cfg.width, cfg.context, 256
+    params = cfg.layers * 12 * c * c + (vocab + t) * c + (0 if cfg.tie_weights else vocab * c)
+    micro = -(-cfg.batch_size // cfg.micro_batches)
+    stash = cfg.batch_size * t * c * cfg.layers * 4
+    step = micro * (cfg.heads * t * t + t * vocab) * 4
+    return params * 16 + stash + step
+
+
+def host_memory() -> int | None:
+    """This machine's memory in bytes (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_memory(cfg: TrainConfig) -> None:
+    """Refuse a reference-GPT config that cannot fit this machine, before anything is allocated."""
+    need, have = memory_needed(cfg), host_memory()
+    if have is not None and need > have:
+        raise ConfigError(f"the model and its training need at least {_gib(need)} of memory (parameters, optimizer "
+                          f"state, activations: layers {cfg.layers}, width {cfg.width}, context {cfg.context}, "
+                          f"batch {cfg.batch_size}); this machine has {_gib(have)}")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:,.1f} GiB" if n < 2**50 else f"{n / 2**30:.3g} GiB"
+
+
 def sharded(cfg: TrainConfig, ranks: Ranks) -> bool:
     """Sharding needs ranks to share with: a sharded run resumed on one process is replicated."""
     return cfg.shard_state and ranks.world > 1
@@ -417,7 +520,7 @@ def _load_for_resume(cfg: TrainConfig):
     clash = [k for k in saved if k not in RESUME_MAY_CHANGE and saved[k] != run.get(k)]
     if clash:
         raise ConfigError(f"resume: {cfg.out}/{CHECKPOINT} is a different run: " + ", ".join(
-            f"{k} is {saved[k]!r} there, {run.get(k)!r} in the config" for k in clash))
+            _clash(k, saved, run) for k in clash))
     if cfg.steps < meta["step"]:
         raise ConfigError(f"is below the checkpoint's step {meta['step']}; give at least that many", "steps",
                           cfg.steps)
@@ -428,6 +531,11 @@ def _banner(cfg: TrainConfig, relay, ranks: Ranks, corpus: Corpus | None) -> str
     model = (f"{cfg.layers} layers x {cfg.width} wide, context {cfg.context}, " if corpus is not None
              else f"{len(relay.layers)} layers, ")
     data = f"corpus {corpus.source} ({len(corpus.train):,} train bytes), " if corpus is not None else ""
+    if corpus is not None and corpus.skipped:
+        data += (f"skipped {len(corpus.skipped)} path(s) that are not regular files "
+                 f"({', '.join(corpus.skipped[:3])}{', ...' if len(corpus.skipped) > 3 else ''}), ")
+    if cfg.shard_state and not sharded(cfg, ranks):
+        data += "optimizer state whole in this one process (the checkpoint's run was sharded), "
     return (f"l2l train: {model}batch {cfg.batch_size} in {cfg.micro_batches} micro-batches"
             f"{f' on each of {ranks.world} ranks' if ranks.world > 1 else ''}, EPS {cfg.eps_backend}"
             f"{' (state sharded)' if sharded(cfg, ranks) else ''}, device {ranks.device or cfg.device}, "
@@ -445,18 +553,46 @@ class _Loop:
         self.history: list[dict] = []
         self.elapsed = 0.0
         self.skip = 0  # batches of a fresh pass over `data` already trained on (resume without a data state)
+        self.saved_step: int | None = None  # the step of the newest checkpoint in out
 
     def restore(self, checkpoint: Checkpoint, meta: dict) -> None:
-        self.relay.load_state_dict(checkpoint.view("relay."))  # streamed, one tensor at a time
+        """The run as the checkpoint left it. Every entry is checked (names, dtypes, shapes, the step)
+        before the first is loaded; a fault is one CheckpointError naming the file and the entry."""
+        try:
+            data_state = self._check_entries(checkpoint)
+            self.relay.load_state_dict(checkpoint.view("relay."))  # streamed, one tensor at a time
+            if self.relay.step != meta["step"]:
+                raise ValueError(f"its relay state is at step {self.relay.step}, its metadata at step {meta['step']}")
+        except (ValueError, TypeError, KeyError) as e:
+            raise CheckpointError(f"{checkpoint.path}: {e}") from None
         restore_rng({k: checkpoint[k].read() for k in checkpoint if k.startswith("rng.")})
-        data_state = {k: e.read() for k, e in checkpoint.view("data.").items()}
         if hasattr(self.data, "load_state_dict"):
             self.data.load_state_dict(data_state)
         else:
             self.skip = self.relay.step
         self.elapsed = meta["elapsed"]
+        self.saved_step = meta["step"]
         if self.out is not None:
             self.history = read_metrics(self.out / METRICS, self.relay.step)
+
+    def _check_entries(self, checkpoint: Checkpoint) -> dict:
+        """The checkpoint's entries outside the relay: the RNG states this process restores and
+        the data position the data takes (read and returned); nothing more, nothing less."""
+        rng = torch.get_rng_state()
+        expected = {"rng.torch": (rng.shape, rng.dtype)}
+        if hasattr(self.data, "state_dict"):
+            expected.update({f"data.{k}": (v.shape, v.dtype) for k, v in self.data.state_dict().items()})
+        for name, (shape, dtype) in expected.items():
+            if name not in checkpoint:
+                raise ValueError(f"it has no entry {name!r} (the {'RNG' if name.startswith('rng.') else 'data'} "
+                                 "state a resume restores)")
+            if checkpoint[name].shape != shape or checkpoint[name].dtype != dtype:
+                raise ValueError(f"its entry {name!r} is {checkpoint[name].dtype} {tuple(checkpoint[name].shape)}; "
+                                 f"a resume needs {dtype} {tuple(shape)}")
+        extra = sorted(k for k in checkpoint if not k.startswith(("relay.", "rng.cuda.")) and k not in expected)
+        if extra:
+            raise ValueError(f"it has entries this run does not restore: {', '.join(extra[:3])}")
+        return {name[len("data."):]: checkpoint[name].read() for name in expected if name.startswith("data.")}
 
     def evaluate(self) -> float | None:
         if self.val_data is None:
@@ -482,6 +618,7 @@ class _Loop:
         except OSError as e:
             raise OutputError(f"{self.out / CHECKPOINT}: cannot write the checkpoint ({e}); the previous "
                               "checkpoint is unchanged") from e
+        self.saved_step = self.relay.step
 
     def write_rows(self, metrics, rows: list[dict], rewrite: bool = False) -> None:
         try:
@@ -507,11 +644,16 @@ class _Loop:
                 raise ConfigError(f"the data ends after {skipped} batches, before the checkpoint's step {self.skip}")
         val_loss = None
         bar = tqdm(total=stop, initial=relay.step, unit="step", desc="train", dynamic_ncols=True,
-                   disable=not (cfg.verbose and self.ranks.lead))
+                   disable=True if not (cfg.verbose and self.ranks.lead) else None)  # None: off unless a terminal
+        discarded = 0  # steps discarded in a row
         # the bar closes (ends its line) before an error is reported; metrics.jsonl is rewritten: rows past the
-        with bar, open(self.out / METRICS if self.files else os.devnull, "w") as metrics:
+        with bar, open(self.out / METRICS if self.files else os.devnull, "w") as metrics, StopSignals() as signals:
             self.write_rows(metrics, self.history)  # checkpoint are dropped
             while relay.step < stop:
+                if signals.agreed(self.ranks):  # a safe point: between steps, nothing half written
+                    if self.saved_step != relay.step:
+                        self.save()
+                    raise TrainingInterrupted(signals.received, relay.step, saved=self.out is not None)
                 batch = next(batches, None)
                 if batch is None:  # a finite iterable ran out: validate and checkpoint where it ended
                     if self.history and "val_loss" not in self.history[-1]:
@@ -520,7 +662,19 @@ class _Loop:
                             self.write_rows(metrics, self.history, rewrite=True)
                         self.save()
                     break
+                before = relay.step
                 row = self.step(batch)
+                discarded = discarded + 1 if relay.step == before else 0
+                if not math.isfinite(row["loss"]) and relay.step > before:
+                    raise NonFiniteLoss(
+                        f"the loss is {row['loss']} at step {relay.step} and the step was taken, so the weights are "
+                        f"not finite now; stopped before any checkpoint of them ({self._last_checkpoint()}). "
+                        "Lower the learning rate, or set skip_nonfinite to discard such steps")
+                if discarded >= MAX_DISCARDED:
+                    raise NonFiniteLoss(f"{discarded} steps in a row after step {relay.step} had non-finite gradients "
+                                        f"and were discarded; stopped ({self._last_checkpoint()})")
+                if not math.isfinite(row["loss"]):  # discarded: the weights are as they were
+                    continue
                 evaluate = relay.step % cfg.eval_every == 0 or relay.step == stop
                 if evaluate:
                     val_loss = row["val_loss"] = self.evaluate()
@@ -545,6 +699,13 @@ class _Loop:
             plot(self.history, self.out / PLOT)
         return TrainResult(relay, self.history, val_loss, self.elapsed)
 
+    def _last_checkpoint(self) -> str:
+        if self.out is None:
+            return "this run writes no checkpoint"
+        if self.saved_step is None:
+            return "no checkpoint was written yet"
+        return f"{self.out / CHECKPOINT} keeps step {self.saved_step}"
+
     def step(self, batch) -> dict:
         inputs, targets = rank_shard(batch, self.ranks.rank, self.ranks.world)
         lr = self.relay.eps.lr_at(self.relay.step + 1)  # 1-based: the step about to run
@@ -565,10 +726,50 @@ class _Loop:
         print(f"step {result.relay.step}/{cfg.steps}{val}  ({result.elapsed:.1f} s training)")
         if self.files:
             print(f"wrote {self.out / METRICS}, {self.out / PLOT}, {self.out / CHECKPOINT}")
-        if sample:
+        if sample and not all(torch.isfinite(p).all() for p in model.parameters()):
+            print("no sample: the weights are not finite")
+        elif sample:
             text = generate(model, SAMPLE_PROMPT, SAMPLE_BYTES, temperature=0.8, top_k=40, block_size=cfg.context,
                             generator=torch.Generator().manual_seed(cfg.seed))
             print("sample:\n" + (SAMPLE_PROMPT + text).decode("utf-8", errors="replace"))
+
+
+class StopSignals:
+    """SIGINT and SIGTERM, while training, ask the loop to stop at the next step boundary (where
+    it checkpoints and raises TrainingInterrupted) instead of killing it mid-step. A second
+    signal of the same kind acts as it did before (Ctrl-C twice raises KeyboardInterrupt). Only
+    the main thread can take signals; elsewhere this does nothing."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self.previous: dict[int, object] = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for signum in STOP_SIGNALS:
+                self.previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.received is None:
+            self.received = signum
+            signal.signal(signum, self.previous[signum])
+
+    def __exit__(self, *exc):
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+    def agreed(self, ranks: Ranks) -> bool:
+        """Whether to stop now: on every rank alike (each rank may see the signal at another step)."""
+        if ranks.world == 1:
+            return self.received is not None
+        import torch.distributed as dist
+
+        flag = torch.tensor([0 if self.received is None else self.received], device=ranks.device or "cpu")
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() and self.received is None:
+            self.received = int(flag.item())
+        return bool(flag.item())
 
 
 def rng_tensors() -> dict[str, torch.Tensor]:

@@ -227,14 +227,19 @@ def test_a_metrics_line_that_is_not_the_last_and_is_broken_is_one_line_naming_th
     assert_one_clear_line(err, str(out / "metrics.jsonl"), "line 1")
 
 
-def test_leftover_temporary_files_are_removed_and_the_checkpoint_has_the_folder_s_file_mode(tmp_path, capsys):
+def test_leftover_temporary_files_of_a_dead_run_are_removed_others_kept_and_the_checkpoint_has_the_folder_s_mode(
+        tmp_path, capsys):
     out = trained(tmp_path, capsys, steps=4, stop_after=2)
-    for name in (".checkpoint.safetensors.k2j3h4.tmp", ".tmpAb12Cd"):  # ours, and safetensors' own
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    ours = f".checkpoint.safetensors.l2l-tmp-{int(dead.stdout)}-k2j3h4.tmp"  # what a killed save leaves
+    others = [".checkpoint.safetensors.k2j3h4.tmp", ".tmpAb12Cd",  # look alike, not written by this program
+              f".checkpoint.safetensors.l2l-tmp-{os.getpid()}-x.tmp"]  # a live process's save in progress
+    for name in (ours, *others):
         (out / name).write_bytes(b"partial")
     rc, err = run_cli(capsys, "--resume", "--out", str(out))
     assert rc == 0, err
-    assert files(out) == [CKPT, "loss.png", "metrics.jsonl"]
-    modes = {name: (out / name).stat().st_mode & 0o777 for name in files(out)}
+    assert files(out) == sorted([CKPT, "loss.png", "metrics.jsonl", *others])
+    modes = {name: (out / name).stat().st_mode & 0o777 for name in (CKPT, "loss.png", "metrics.jsonl")}
     assert len(set(modes.values())) == 1, modes
 
 
@@ -324,7 +329,7 @@ def test_sigkill_at_10_random_moments_resumes_bit_identical_and_leaves_no_tempor
             landed["with a checkpoint to resume"] += 1
             rc, err = run_cli(capsys, "--resume", "--out", str(out))
         else:  # killed before its first checkpoint: there is nothing to resume, start again
-            rc, err = run_cli(capsys, *argv, "--out", str(out))
+            rc, err = run_cli(capsys, *argv, "--out", str(out), "--overwrite")
         assert rc == 0, err
         assert_same_runs(tmp_path / "straight", out)
         assert files(out) == [CKPT, "loss.png", "metrics.jsonl"], files(out)

@@ -55,7 +55,7 @@ def test_resume_with_a_config_that_differs_from_the_checkpoint_is_refused_naming
     data = [(torch.randn(8, 4), torch.randn(8, 2)) for _ in range(20)]
     cfg = TrainConfig(steps=20, batch_size=8, micro_batches=2, eval_every=10, out=str(tmp_path), verbose=False)
     train(cfg, layers=[nn.Linear(4, 2)], loss_fn=nn.functional.mse_loss, data=data)
-    with pytest.raises(ConfigError, match=r"lr is 0.002 there, 0.1 in the config"):
+    with pytest.raises(ConfigError, match=r"lr is 0.002 in the checkpoint, 0.1 given"):
         train(dataclasses.replace(cfg, lr=0.1, resume=True), layers=[nn.Linear(4, 2)],
               loss_fn=nn.functional.mse_loss, data=data)
     # a longer step target may change: the warm-up (None: a tenth of steps) stays the one the run began with

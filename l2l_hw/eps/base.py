@@ -35,21 +35,30 @@ WORKING_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.f
 STATE_SLOTS = {"adamw": ("m", "v"), "adam": ("m", "v"), "sgd": ("m",)}
 
 
+class OptionError(ValueError):
+    """An option value that is not allowed. `field`, `value` and `rule` ("must be ...") let a
+    caller say it in its own words (the command line names the flag)."""
+
+    def __init__(self, message: str, field: str | None = None, value=None, rule: str | None = None):
+        self.field, self.value, self.rule = field, value, rule or message
+        super().__init__(message)
+
+
 def check_number(name: str, value, low=None, high=None, integer: bool = False, high_open: bool = False):
     """`value` as a finite float (or an int), within [low, high] (high excluded with high_open);
-    otherwise one ValueError naming the argument, the value and what is allowed."""
+    otherwise one OptionError naming the argument, the value and what is allowed."""
     kind = "an integer" if integer else "a finite number"
     bounds = ([f">= {low:g}"] if low is not None else []) + ([f"{'<' if high_open else '<='} {high:g}"]
                                                             if high is not None else [])
-    allowed = f"{name} must be {' and '.join(bounds)} ({kind})" if bounds else f"{name} must be {kind}"
+    rule = f"must be {' and '.join(bounds)} ({kind})" if bounds else f"must be {kind}"
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or \
             (integer and not isinstance(value, numbers.Integral)):
-        raise ValueError(f"{allowed}, got {value!r} ({type(value).__name__})")
-    value = int(value) if integer else float(value)
-    if not math.isfinite(value) or (low is not None and value < low) or (high is not None and (
-            value >= high if high_open else value > high)):
-        raise ValueError(f"{allowed}, got {value!r}")
-    return value
+        raise OptionError(f"{name} {rule}, got {value!r} ({type(value).__name__})", name, value, rule)
+    number = int(value) if integer else float(value)
+    if not math.isfinite(number) or (low is not None and number < low) or (high is not None and (
+            number >= high if high_open else number > high)):
+        raise OptionError(f"{name} {rule}, got {number!r}", name, value, rule)
+    return number
 
 
 @dataclass(frozen=True)
@@ -71,11 +80,19 @@ class OptimConfig:
 
     def __post_init__(self):
         if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+            raise OptionError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}",
+                              "optimizer", self.optimizer, f"must be one of {', '.join(OPTIMIZERS)}")
         if self.weight_decay is None:
             object.__setattr__(self, "weight_decay", 1e-2 if self.optimizer == "adamw" else 0.0)
-        for name in ("lr", "eps", "weight_decay", "momentum", "min_lr"):  # finite: an infinite one trains to NaN
+        for name in ("lr", "eps", "weight_decay", "min_lr"):  # finite: an infinite one trains to NaN
             object.__setattr__(self, name, check_number(name, getattr(self, name), low=0.0))
+        # momentum >= 1 grows the buffer without bound (torch.optim.SGD takes it and diverges)
+        object.__setattr__(self, "momentum", check_number("momentum", self.momentum, low=0.0, high=1.0,
+                                                          high_open=True))
+        if self.momentum and self.optimizer != "sgd":
+            raise OptionError(f"momentum is SGD's; {self.optimizer} takes none (its betas play that part), got "
+                              f"momentum={self.momentum!r}", "momentum", self.momentum,
+                              f"is for the sgd optimizer; {self.optimizer} takes none (its betas play that part)")
         object.__setattr__(self, "dampening", check_number("dampening", self.dampening, low=0.0, high=1.0))
         betas = self.betas
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
@@ -364,16 +381,27 @@ class EPS(ABC):
         """Load a state_dict (or a streamed checkpoint's mapping, read one tensor at a time).
         Every entry's presence, dtype and shape is checked before anything is written."""
         self.wait()
+        if not isinstance(state, Mapping):
+            raise TypeError(f"EPS state must be a mapping of name -> tensor (a state_dict), got {type(state).__name__}")
         wanted = {f"{k}/{n}/{s}": layout for k, names in self.shapes.items() for n, shape in names.items()
                   for s, layout in self.stored_slots(shape).items()}
+        wanted["step"] = (torch.Size([]), torch.int64)
         missing = sorted(set(wanted) - set(state))
         if missing:
-            raise KeyError(f"EPS state is missing {len(missing)} entries, e.g. {missing[:3]}; was it saved with "
-                           f"another model, optimizer ({self.config.optimizer}) or state format?")
+            raise ValueError(f"EPS state is missing {len(missing)} entries, e.g. {missing[:3]}; was it saved with "
+                             f"another model, optimizer ({self.config.optimizer}) or state format?")
+        previous = {f"{k}/{n}/previous" for k, names in self.shapes.items() for n in names}
+        extra = sorted(set(state) - set(wanted) - previous)
+        if extra:
+            raise ValueError(f"EPS state has {len(extra)} entries this EPS does not hold, e.g. {extra[:3]}; was it "
+                             "saved with another model?")
         for name, (shape, dtype) in wanted.items():
             t = state[name]
             if t.shape != shape or t.dtype != dtype:
                 raise ValueError(f"EPS state {name} is {t.dtype} {tuple(t.shape)}; expected {dtype} {tuple(shape)}")
+        step = int(tensor_of(state["step"]))
+        if step < 0:
+            raise ValueError(f"EPS state step is {step}; a step count is >= 0")
         for key, names in self.shapes.items():
             for name, shape in names.items():
                 previous = state.get(f"{key}/{name}/previous") if self.double_buffer else None
@@ -381,7 +409,7 @@ class EPS(ABC):
                     previous = tensor_of(previous).to(WORKING_DTYPES[self.working_dtype])
                 self.load_tensor(key, name, {s: tensor_of(state[f"{key}/{name}/{s}"])
                                              for s in self.stored_slots(shape)}, previous)
-        self.step = int(tensor_of(state["step"]))
+        self.step = step
 
     def master(self, key: str) -> dict[str, torch.Tensor]:
         """fp32 master weights of a group (copies)."""

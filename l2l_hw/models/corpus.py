@@ -9,7 +9,9 @@ Train/validation split, deterministic across machines and runs:
   If that leaves either side shorter than MIN_SPLIT_BYTES, the byte rule below
   is used on the concatenation instead.
 - a single file (--data FILE): the last 10% of its bytes are validation.
-Files are read in sorted order until SIZE_CAP_BYTES is reached.
+Files are read in sorted order until SIZE_CAP_BYTES is reached. Only regular files
+are read: a FIFO, socket or device in a folder is skipped (`Corpus.skipped` names them),
+and given as --data it is refused, so no read can block.
 """
 import os
 import sysconfig
@@ -18,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from l2l_hw.inputs import path_kind
 
 SIZE_CAP_BYTES = 16 * 2**20  # the whole 3.11 stdlib fits; loads in ~0.1 s
 VAL_MODULUS = 10  # 1 file (or byte) in 10 goes to validation
@@ -55,10 +59,11 @@ def split_files(rel_paths) -> tuple[list[str], list[str]]:
 class Corpus:
     """Train and validation bytes in memory, as uint8 tensors."""
 
-    def __init__(self, train: np.ndarray, val: np.ndarray, source: str):
+    def __init__(self, train: np.ndarray, val: np.ndarray, source: str, skipped: tuple[str, ...] = ()):
         self.train = torch.from_numpy(train.copy())  # copy: frombuffer arrays are read-only
         self.val = torch.from_numpy(val.copy())
         self.source = source
+        self.skipped = skipped  # paths under the folder that are not regular files, not read
 
     @classmethod
     def load(cls, path: str | os.PathLike | None = None, cap: int = SIZE_CAP_BYTES) -> "Corpus":
@@ -71,18 +76,24 @@ class Corpus:
 
     @classmethod
     def _read(cls, root: Path, cap: int, suffix: str | None) -> "Corpus":
-        if root.is_file():
+        kind = path_kind(root)
+        if kind == "a regular file":
             raw = root.read_bytes()[:cap]
             if not _is_text(raw):
                 raise ValueError(f"{root} is a binary file (NUL bytes in its first 8 KiB); give a text file or a folder")
             data = np.frombuffer(raw, dtype=np.uint8)
             return cls(*_split_bytes(data), source=str(root))
-        if not root.is_dir():
-            raise FileNotFoundError(f"corpus path {root} is neither a file nor a folder")
-        texts, total = {}, 0
+        if kind == "missing":
+            raise FileNotFoundError(f"corpus path {root} is neither a file nor a folder: it does not exist")
+        if kind != "a folder":
+            raise ValueError(f"corpus path {root} is {kind}; give a text file or a folder")
+        texts, total, skipped = {}, 0, []
         for rel in sorted_files(root, suffix):
             if total >= cap:
                 break
+            if path_kind(root / rel) != "a regular file":
+                skipped.append(rel)
+                continue
             raw = (root / rel).read_bytes()[: cap - total]
             if _is_text(raw):
                 texts[rel] = raw
@@ -91,8 +102,10 @@ class Corpus:
         train = b"".join(texts[f] for f in train_files)
         val = b"".join(texts[f] for f in val_files)
         if min(len(train), len(val)) < MIN_SPLIT_BYTES:  # too few files for a per-file split
-            return cls(*_split_bytes(np.frombuffer(b"".join(texts.values()), np.uint8)), source=str(root))
-        return cls(np.frombuffer(train, np.uint8), np.frombuffer(val, np.uint8), source=str(root))
+            return cls(*_split_bytes(np.frombuffer(b"".join(texts.values()), np.uint8)), source=str(root),
+                       skipped=tuple(skipped))
+        return cls(np.frombuffer(train, np.uint8), np.frombuffer(val, np.uint8), source=str(root),
+                   skipped=tuple(skipped))
 
     def batch(self, split: str, batch_size: int, block_size: int, generator: torch.Generator | None = None):
         """Random windows: x (B, T) int64 and y = x shifted by one byte."""

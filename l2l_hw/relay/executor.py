@@ -633,11 +633,21 @@ class Relay:
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor | StateEntry]) -> None:
         """Load a state_dict, or a checkpoint's mapping (open_checkpoint(...).view(prefix)),
-        one tensor at a time."""
+        one tensor at a time. Every name, shape and dtype is checked before anything is written."""
+        if not isinstance(state, Mapping):
+            raise TypeError(f"a relay state must be a mapping of name -> tensor (relay.state_dict()), "
+                            f"got {type(state).__name__}")
+        buffers = {f"buffers/{i}/{n}": b for i, plan in enumerate(self.plans) for n, b in plan.buffers.items()}
+        strays = sorted(k for k in state if not k.startswith("eps/") and k not in buffers)
+        if strays:
+            raise ValueError(f"the relay state has {len(strays)} entries this relay does not hold, e.g. "
+                             f"{strays[:3]}; was it saved from another model?")
+        for name, b in buffers.items():
+            if name not in state:
+                raise ValueError(f"the relay state has no buffer {name}; was it saved from another model?")
+            if state[name].shape != b.shape or state[name].dtype != b.dtype:
+                raise ValueError(f"the relay state's buffer {name} is {state[name].dtype} {tuple(state[name].shape)}; "
+                                 f"this relay's is {b.dtype} {tuple(b.shape)}")
         self.eps.load_state_dict({k[4:]: v for k, v in state.items() if k.startswith("eps/")})
-        for i, plan in enumerate(self.plans):
-            for n, b in plan.buffers.items():
-                name = f"buffers/{i}/{n}"
-                if name not in state:
-                    raise KeyError(f"checkpoint has no buffer {name}; was it saved from another model?")
-                b.copy_(tensor_of(state[name]))
+        for name, b in buffers.items():
+            b.copy_(tensor_of(state[name]))
