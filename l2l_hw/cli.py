@@ -16,32 +16,35 @@ import torch
 
 import l2l_hw
 from l2l_hw.checkpoint import CheckpointError
-from l2l_hw.eps.golden import STATE_FORMATS
-from l2l_hw.train import (CONTROL_FIELDS, ConfigError, NonFiniteLoss, TrainConfig, TrainingInterrupted, build_eps,
-                          relay_options, resume_config, train)
+from l2l_hw.options import OptionError, allowed_choices, option_fields, spec
+from l2l_hw.train import (COMPONENTS, CONTROL_FIELDS, NonFiniteLoss, RunOptions, TrainConfig, TrainingInterrupted,
+                          build_eps, relay_options, resume_config, train)
 
 # ---------------------------------------------------------------------------- train
 
-RUN_FLAGS = [name for name in TrainConfig.__dataclass_fields__ if name not in CONTROL_FIELDS]
+FIELDS = {f.name: f for f in option_fields(TrainConfig)}
+
+
+def flag_of(name: str) -> str:
+    """The command-line flag of an option field."""
+    return spec(FIELDS[name])["flag"] or "--" + name.replace("_", "-")
 
 
 def train_config(args) -> TrainConfig:
-    """`l2l train`'s flags as a TrainConfig; with --resume, the checkpoint's run with the flags given."""
+    """`l2l train`'s (or finetune's) flags as a TrainConfig; with --resume, the checkpoint's run
+    with the flags given."""
+    RunOptions(resume=args.resume, overwrite=args.overwrite)  # before the checkpoint is read
     # Run flags default to None, so --resume can tell what was given from what was not.
-    given = {k: getattr(args, k, None) for k in RUN_FLAGS if getattr(args, k, None) is not None}
-    control = dict(out=args.out, stop_after=args.stop_after, tensorboard=args.tensorboard, overlay=args.overlay,
-                   kernel=args.kernel, dist_timeout=args.dist_timeout, overwrite=args.overwrite)
+    given = {k: getattr(args, k) for k in FIELDS if k not in CONTROL_FIELDS and getattr(args, k, None) is not None}
+    control = {k: getattr(args, k) for k in CONTROL_FIELDS if k != "resume" and hasattr(args, k)}
     return resume_config(**given, **control) if args.resume else TrainConfig(**given, **control)
 
 
-FLAG_OF = {"eps_backend": "--eps", "recompute": "--no-recompute"}  # where a flag's name is not the field's
-
-
-def flag_message(e: ConfigError) -> str:
-    """A config error in the command line's words: the flag, the value given, what is allowed."""
-    if e.field is None:
+def flag_message(e: OptionError) -> str:
+    """An option error in the command line's words: the flag, the value given, what is allowed."""
+    if e.field not in FIELDS:
         return str(e)
-    flag = FLAG_OF.get(e.field, "--" + e.field.replace("_", "-"))
+    flag = flag_of(e.field)
     value = "" if isinstance(e.value, bool) else " ''" if e.value == "" else f" {e.value}"  # a switch has no value
     return f"{flag}{value}: {e.rule}"
 
@@ -66,7 +69,7 @@ def run_command(command: str, body) -> int:
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         body()
-    except ConfigError as e:  # a bad flag value or input file: say which, no traceback
+    except OptionError as e:  # a bad flag value or input file: say which, no traceback
         return _fail(command, flag_message(e), 2)
     except (CheckpointError, NonFiniteLoss, FileNotFoundError, ValueError) as e:
         return _fail(command, str(e), 2)
@@ -102,12 +105,11 @@ def cmd_finetune(args) -> int:
     from l2l_hw import hf
 
     def body():
-        args.model_fingerprint = hf.config_fingerprint(args.model)
         cfg = train_config(args)
         batches = hf.finetune_batches(args.model, args.data, cfg.batch_size, cfg.context, seed=cfg.seed)
         held = len(batches) // 10  # a tenth of the minibatches for validation, none if too few
         fit, val = batches[held:], batches[:held] or None
-        relay = hf.from_pretrained(args.model, eps=build_eps(cfg), **relay_options(cfg))
+        relay = hf.from_pretrained(args.model, eps=build_eps(cfg), options=relay_options(cfg))
         train(cfg, relay=relay, data=fit * -(-cfg.steps // len(fit)), val_data=val)  # epochs enough for --steps
         if cfg.out is not None:
             saved = hf.save_pretrained(relay, Path(cfg.out) / "model", tokenizer=hf.load_tokenizer(args.model))
@@ -203,59 +205,31 @@ def add_bench_parsers(sub) -> None:
 
 # ---------------------------------------------------------------------------- parser
 
-def add_run_flags(p: argparse.ArgumentParser) -> None:
-    """The flags `l2l train` and `l2l finetune` share: optimizer, schedule, relay, EPS, run control.
-    Every run flag defaults to None so --resume can tell what was given; TrainConfig fills the rest."""
-    d = TrainConfig()
-    p.add_argument("--batch-size", type=int, help=f"sequences per minibatch (default {d.batch_size})")
-    p.add_argument("--micro-batches", type=int, help=f"micro-batches per minibatch (default {d.micro_batches})")
-    p.add_argument("--steps", type=int, help=f"total optimizer steps; with --resume a new target (default {d.steps})")
-    p.add_argument("--lr", type=float, help=f"peak learning rate (default {d.lr})")
-    p.add_argument("--schedule", choices=["constant", "cosine"], help=f"lr schedule (default {d.schedule})")
-    p.add_argument("--warmup", type=int, help="linear warm-up steps (default: a tenth of --steps)")
-    p.add_argument("--optimizer", choices=["adamw", "adam", "sgd"], help=f"(default {d.optimizer})")
-    p.add_argument("--momentum", type=float, help=f"SGD momentum (default {d.momentum})")
-    p.add_argument("--weight-decay", type=float, help=f"(default {d.weight_decay})")
-    p.add_argument("--optimizer-state", choices=list(STATE_FORMATS),
-                   help=f"how the EPS keeps m and v: fp32, bf16 or block-wise 8bit (default {d.optimizer_state})")
-    p.add_argument("--eps-backend", "--eps", dest="eps_backend", help=f"EPS backend (default {d.eps_backend})")
-    p.add_argument("--overlay", metavar="PATH", help="--eps fpga-pynq: the overlay to load (.bit with its .hwh, "
-                   "or .xclbin; docs/BOARD.md)")
-    p.add_argument("--kernel", metavar="NAME", help="--eps fpga-pynq: the kernel's IP name in the overlay "
-                   "(default: every IP named l2l_optim*, each a compute unit)")
-    p.add_argument("--device", help=f"where layers run: cpu, cuda, cuda:N (default {d.device}); under "
-                   "torchrun, cuda means each rank's own GPU (LOCAL_RANK)")
-    p.add_argument("--shard-state", action="store_true", default=None,
-                   help="under torchrun: each rank's EPS keeps 1/N of the optimizer state (ZeRO-style)")
-    p.add_argument("--dist-timeout", type=float, default=300.0, metavar="SECONDS",
-                   help="under torchrun: how long a rank waits for the others before failing (default 300)")
-    p.add_argument("--seed", type=int, help=f"seeds the weights, dropout and batches (default {d.seed})")
-    p.add_argument("--eval-every", type=int, help=f"steps between validation and checkpoint (default {d.eval_every})")
-    p.add_argument("--no-recompute", dest="recompute", action="store_false", default=None,
-                   help="keep each layer's forward graph instead of recomputing it in the backward "
-                        "(faster by one forward per step, memory grows with depth)")
-    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"],
-                   help="compute dtype; fp16 uses dynamic loss scaling (default fp32)")
-    p.add_argument("--pipedream-2bw", action="store_true", default=None,
-                   help="PipeDream-2BW: compute on the weights one step back, never wait for an update")
-    p.add_argument("--activations", choices=["device", "host"],
-                   help="where stashed layer inputs live; host = constant device memory (default device)")
-    p.add_argument("--layer-drop", type=float, help="probability of skipping each block per step (default 0)")
-    p.add_argument("--clip-grad-norm", type=float, help="clip gradients to this norm (default: no clipping)")
-    p.add_argument("--clip-mode", choices=["layer", "global"],
-                   help="per-layer norms, or one global norm with updates deferred to the step's end (default layer)")
-    p.add_argument("--skip-nonfinite", action="store_true", default=None,
-                   help="discard a step whose gradients are not finite and go on (default: a non-finite loss stops "
-                        "the run, keeping the last checkpoint)")
-    existing = p.add_mutually_exclusive_group()
-    existing.add_argument("--resume", action="store_true", help="continue exactly from --out's checkpoint and metrics")
-    existing.add_argument("--overwrite", action="store_true",
-                   help="replace the run already in --out (its checkpoint, metrics, plot); without it, or --resume, "
-                        "an --out that holds a run is refused")
-    p.add_argument("--stop-after", type=int, metavar="STEP",
-                   help="checkpoint and stop at this step, keeping --steps as the schedule's length")
-    p.add_argument("--tensorboard", action="store_true",
-                   help="also write the metrics as TensorBoard event files into --out/tensorboard")
+def add_option_flags(p: argparse.ArgumentParser, command: str) -> None:
+    """One flag per option field of TrainConfig's components that `command` takes, grouped by
+    component in --help: type, choices, default and help from the field's declaration
+    (l2l_hw/options.py). Run flags default to None, so --resume can tell what was given;
+    TrainConfig fills the rest."""
+    for component in COMPONENTS:
+        fields = [f for f in option_fields(component) if command in spec(f)["commands"] and spec(f)["cli"]]
+        if not fields:
+            continue
+        group = p.add_argument_group(component.__doc__.strip().split(". ")[0].splitlines()[0].rstrip("."))
+        for f in fields:
+            meta, name = spec(f), f.name
+            default = meta["command_defaults"].get(command, FIELDS[name].default)
+            kwargs = dict(dest=name, default=default if name in CONTROL_FIELDS else None,
+                          help=meta["help"] + ("" if default is None or isinstance(default, bool)
+                                               else f" (default {default})"))
+            if meta["kind"] == "bool":
+                kwargs["action"] = "store_false" if flag_of(name).startswith("--no-") else "store_true"
+            else:
+                kwargs.update(type={"int": int, "float": float}.get(meta["kind"], str), metavar=meta["metavar"])
+                if meta["kind"] == "choice":
+                    kwargs.update(choices=allowed_choices(meta), metavar=None)
+            if command in meta["required_in"]:
+                kwargs.update(required=True, help=meta["help"])
+            group.add_argument(flag_of(name), *meta["aliases"], **kwargs)
 
 
 class Parser(argparse.ArgumentParser):
@@ -277,25 +251,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"l2l-hw {l2l_hw.__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    d = TrainConfig()
     t = sub.add_parser("train", help="train the byte-level GPT through the relay",
                        description="Train the byte-level GPT through the relay; writes metrics.jsonl, "
                                    "loss.png and checkpoint.safetensors into --out.")
-    # Every run flag defaults to None so --resume can tell what was given; TrainConfig fills the rest.
-    t.add_argument("--layers", type=int, help=f"transformer blocks (default {d.layers})")
-    t.add_argument("--width", type=int, help=f"embedding width (default {d.width})")
-    t.add_argument("--heads", type=int, help=f"attention heads (default {d.heads})")
-    t.add_argument("--dropout", type=float, help=f"(default {d.dropout})")
-    t.add_argument("--tie-weights", action="store_true", default=None, help="share the token table with the LM head")
-    t.add_argument("--gelu", choices=["exact", "fewbit"],
-                   help=f"GELU backward: exact, or fewbit (3 bits saved per element) (default {d.gelu})")
-    t.add_argument("--linear-projection", type=float, metavar="RATIO",
-                   help="> 0: the MLP Linears save a random projection of RATIO of the rows for the weight "
-                        f"gradient instead of their input (default {d.linear_projection}: exact)")
-    t.add_argument("--context", type=int, help=f"context length in bytes (default {d.context})")
-    t.add_argument("--data", help="a text file or folder to train on (default: this Python's stdlib sources)")
-    t.add_argument("--out", default="runs/latest", help="output folder (default runs/latest)")
-    add_run_flags(t)
+    add_option_flags(t, "train")
     t.set_defaults(func=cmd_train)
 
     f = sub.add_parser("finetune", help="fine-tune a local Hugging Face model through the relay",
@@ -303,11 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "BERT masked LM) on a local text file through the relay; the same metrics, "
                                    "checkpoints and --resume as l2l train; the model is saved in transformers' "
                                    "format into --out/model.")
-    f.add_argument("--model", required=True, metavar="DIR", help="the model folder (config, safetensors, tokenizer)")
-    f.add_argument("--data", required=True, metavar="FILE", help="a UTF-8 text file, tokenized by the model's tokenizer")
-    f.add_argument("--context", type=int, help=f"tokens per sequence (default {d.context})")
-    f.add_argument("--out", default="runs/finetune", help="output folder (default runs/finetune)")
-    add_run_flags(f)
+    add_option_flags(f, "finetune")
     f.set_defaults(func=cmd_finetune)
 
     i = sub.add_parser("info", help="versions, EPS backends and devices usable here",

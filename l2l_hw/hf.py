@@ -496,22 +496,15 @@ def write_weights(tensors: Iterable[tuple[str, torch.Tensor]], path, max_shard_s
 
 
 def _relay_tensors(relay) -> Iterator[tuple[str, torch.Tensor]]:
-    """The relay's tensors by HF name, layer by layer: fp32 masters fetched from the EPS one
-    group at a time, host buffers; a tied tensor once, under the first name HF saves it by."""
-    written, group = set(), {}
-    for i, layer in enumerate(relay.layers):
-        plan = relay.plans[i]
-        for name, keys in layer.hf_keys.items():
-            if keys[0] in written:
-                continue
-            written.add(keys[0])
-            if name in plan.bindings:
-                key, gname = plan.bindings[name]
-                if key not in group:
-                    group = {key: relay.eps.master(key)}
-                yield keys[0], group[key][gname]
-            else:
-                yield keys[0], plan.frozen[name] if name in plan.frozen else plan.buffers[name]
+    """The relay's tensors by HF name, layer by layer, from its export (fp32 masters read from the
+    EPS one group at a time); a tied tensor once, under the first name HF saves it by."""
+    written = set()
+    for e in relay.export():
+        keys = relay.layers[e.layer].hf_keys.get(e.name)  # None: a buffer transformers does not save
+        if e.tensor is None or keys is None or keys[0] in written:
+            continue
+        written.add(keys[0])
+        yield keys[0], e.tensor
 
 
 def save_pretrained(relay, path, max_shard_size: int | str = "2GB", tokenizer=None) -> Path:

@@ -40,14 +40,12 @@ import torch
 
 from l2l_hw.checkpoint import Checkpoint, CheckpointError, open_checkpoint, remove_stale_temporaries, save_checkpoint
 from l2l_hw.distributed import Ranks, join_torchrun, leave_torchrun, rank_shard
-from l2l_hw.eps import known_backends, make_eps
-from l2l_hw.eps.base import OPTIMIZERS, SCHEDULES, OptimConfig, OptionError
-from l2l_hw.eps.golden import STATE_FORMATS
+from l2l_hw.eps import make_eps
+from l2l_hw.eps.options import EpsOptions, ScheduleOptions
 from l2l_hw.models import Corpus, GPTConfig, build_gpt, generate, lm_loss
-from l2l_hw.models.gpt import GELUS
-from l2l_hw.relay import Relay, device_problem, init_from_state
-from l2l_hw.relay.precision import COMPUTE_DTYPES
-from l2l_hw.relay.stash import POLICIES
+from l2l_hw.models.gpt import ModelOptions
+from l2l_hw.options import OptionError, check_options, fail, option, pick, with_default
+from l2l_hw.relay import Relay, RelayOptions, init_from_state
 from l2l_hw.version import __version__
 
 CHECKPOINT, METRICS, PLOT, TENSORBOARD = "checkpoint.safetensors", "metrics.jsonl", "loss.png", "tensorboard"
@@ -83,88 +81,93 @@ class TrainingInterrupted(KeyboardInterrupt):
         super().__init__(f"interrupted at step {step}" + ("; resume with --resume" if saved else ""))
 
 
-CLIP_MODES = ("layer", "global")  # Relay's clip_mode
-INT_AT_LEAST_1 = ("layers", "width", "heads", "context", "batch_size", "micro_batches", "steps", "eval_every")
-BOOLS = ("tie_weights", "recompute", "shard_state", "pipedream_2bw", "skip_nonfinite", "resume", "overwrite",
-         "tensorboard", "verbose")
-FLOAT_RANGES = {  # field -> (lowest, highest, whether the highest itself is allowed); every value finite
-    "dropout": (0.0, 1.0, False), "layer_drop": (0.0, 1.0, False), "linear_projection": (0.0, 1.0, True),
-}  # lr, momentum and weight_decay: OptimConfig's own checks
+@dataclass(frozen=True)
+class DataOptions:
+    """What the run trains on: the text, cut into minibatches of sequences."""
+
+    data: str | None = option(None, "the text to train on: for l2l train a file or a folder (default: this Python's "
+                              "stdlib sources), for l2l finetune a UTF-8 text file", kind="path", metavar="PATH",
+                              required_in=("finetune",))
+    context: int = option(GPTConfig.block_size, "tokens per sequence (bytes for l2l train's GPT)", kind="int", low=1)
+    batch_size: int = option(32, "sequences per minibatch", kind="int", low=1)
+    seed: int = option(1337, "seeds the weights, dropout and batches", kind="int", low=0, high=2**63, high_open=True)
+
+    def __post_init__(self):
+        check_options(self)
 
 
-def choices() -> dict[str, tuple]:
-    return {"optimizer": OPTIMIZERS, "schedule": SCHEDULES, "precision": tuple(COMPUTE_DTYPES),
-            "activations": POLICIES, "clip_mode": CLIP_MODES, "gelu": GELUS, "eps_backend": tuple(known_backends()),
-            "optimizer_state": STATE_FORMATS}
+@dataclass(frozen=True)
+class RunOptions:
+    """Validation, checkpoints, the output folder and the run's control."""
+
+    eval_every: int = option(50, "steps between validation and checkpoint", kind="int", low=1)
+    model: str | None = option(None, "the Hugging Face model folder (config, safetensors, tokenizer)", kind="path",
+                               metavar="DIR", commands=("finetune",), required_in=("finetune",))
+    out: str | None = option("runs/latest", "output folder (Python: None writes nothing)", kind="path",
+                             optional=True, command_defaults={"finetune": "runs/finetune"})
+    resume: bool = option(False, "continue exactly from --out's checkpoint and metrics", kind="bool")
+    overwrite: bool = option(False, "replace the run already in --out (its checkpoint, metrics, plot); without it, "
+                             "or --resume, an --out that holds a run is refused", kind="bool")
+    stop_after: int | None = option(None, "checkpoint and stop at this step, keeping --steps as the schedule's length",
+                                    kind="int", low=1, metavar="STEP")
+    tensorboard: bool = option(False, "also write the metrics as TensorBoard event files into --out/tensorboard",
+                               kind="bool")
+    dist_timeout: float = option(300.0, "under torchrun: how long a rank waits for the others before failing",
+                                 kind="float", low=0.0, low_open=True, metavar="SECONDS")
+    verbose: bool = option(True, "banner, progress bar, summary (and a sample of the reference GPT)", kind="bool",
+                           cli=False)  # the command line always reports
+
+    def __post_init__(self):
+        check_options(self)
+        if self.resume and self.overwrite:
+            fail("overwrite", True, "replaces the run in out, resume continues it: give one of them")
 
 
-def check_device(device) -> None:
-    """cpu, cuda or cuda:N, as this machine has them (the relay's own check)."""
-    problem = device_problem(device) if isinstance(device, str) else "must be cpu, cuda or cuda:N"
-    if problem is not None:
-        raise ConfigError(problem, "device", device)
+COMPONENTS = (ModelOptions, DataOptions, ScheduleOptions, EpsOptions, RelayOptions, RunOptions)
 
 
-def check_config(cfg: "TrainConfig") -> None:
-    """Every field's type and range, and the rules between fields; ConfigError names the first bad one."""
-    for name in INT_AT_LEAST_1:
-        value = getattr(cfg, name)
-        if not _is_int(value) or value < 1:
-            raise ConfigError("must be a whole number >= 1", name, value)
-    for name in BOOLS:
-        if not isinstance(getattr(cfg, name), bool):
-            raise ConfigError("must be True or False", name, getattr(cfg, name))
-    for name, (low, high, high_ok) in FLOAT_RANGES.items():
-        value = getattr(cfg, name)
-        if not _is_real(value) or not (low <= value < high or (high_ok and value == high)) or not math.isfinite(value):
-            allowed = f">= {low:g}" if high == math.inf else f"in [{low:g}, {high:g}{']' if high_ok else ')'}"
-            raise ConfigError(f"must be a finite number {allowed}", name, value)
-    for name, allowed in choices().items():
-        if getattr(cfg, name) not in allowed:
-            raise ConfigError(f"must be one of {', '.join(allowed)}", name, getattr(cfg, name))
-    try:  # the optimizer's rules, as make_eps applies them
-        OptimConfig(optimizer=cfg.optimizer, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    except OptionError as e:
-        raise ConfigError(e.rule, e.field, e.value) from None
-    for name in ("clip_grad_norm", "dist_timeout"):
-        value = getattr(cfg, name)
-        if value is not None and (not _is_real(value) or not 0 < value < math.inf):
-            raise ConfigError("must be a finite number > 0", name, value)
-    if not _is_int(cfg.seed) or not 0 <= cfg.seed < 2**63:
-        raise ConfigError("must be a whole number in [0, 2^63)", "seed", cfg.seed)
-    if cfg.warmup is not None and (not _is_int(cfg.warmup) or not 0 <= cfg.warmup <= cfg.steps
-                                   or (cfg.schedule == "cosine" and cfg.warmup == cfg.steps)):
-        cosine = " (less with the cosine schedule)" if cfg.schedule == "cosine" else ""
-        raise ConfigError(f"must be a whole number from 0 to steps ({cfg.steps}){cosine}", "warmup", cfg.warmup)
-    if cfg.stop_after is not None and (not _is_int(cfg.stop_after) or cfg.stop_after < 1):
-        raise ConfigError("must be a whole number >= 1 (the step to stop at)", "stop_after", cfg.stop_after)
-    for name in ("data", "out", "overlay", "kernel", "model"):
-        value = getattr(cfg, name)
-        if value is not None and (not isinstance(value, (str, os.PathLike)) or not str(value).strip()):
-            raise ConfigError("must be a path (a non-empty str) or None", name, value)
-    if cfg.clip_mode == "global" and cfg.clip_grad_norm is None:
-        raise ConfigError("clips the gradients to a norm: give clip_grad_norm (the norm) too", "clip_mode", cfg.clip_mode)
-    if cfg.resume and cfg.overwrite:
-        raise ConfigError("continues the run in out; overwrite replaces it: give one of them", "overwrite", True)
-    if cfg.width % cfg.heads:
-        raise ConfigError(f"must divide width ({cfg.width}): {', '.join(map(str, _divisors(cfg.width)))}",
-                          "heads", cfg.heads)
-    if cfg.micro_batches > cfg.batch_size:
-        raise ConfigError(f"must be at most batch_size ({cfg.batch_size})", "micro_batches", cfg.micro_batches)
-    if cfg.activations == "host" and not cfg.recompute:
-        raise ConfigError("needs recompute (without it the forward graphs keep every layer's intermediates on "
-                          "the device)", "activations", cfg.activations)
-    if cfg.shard_state and cfg.optimizer_state != "fp32":
-        raise ConfigError("shard_state keeps fp32 optimizer state only; drop one of them", "optimizer_state",
-                          cfg.optimizer_state)
-    if cfg.kernel is not None and cfg.overlay is None:
-        raise ConfigError("names an IP in an overlay: give --overlay too (the fpga-pynq EPS)", "kernel", cfg.kernel)
-    if (cfg.eps_backend == "fpga-pynq") != (cfg.overlay is not None):
-        if cfg.overlay is None:
-            raise ConfigError("needs an overlay (--overlay PATH: the .bit with its .hwh beside it, or an xclbin; "
-                              "docs/BOARD.md)", "eps_backend", cfg.eps_backend)
-        raise ConfigError(f"is for the fpga-pynq EPS, not {cfg.eps_backend}", "overlay", cfg.overlay)
-    check_device(cfg.device)
+@dataclass(frozen=True)
+class TrainConfig(RunOptions, RelayOptions, EpsOptions, ScheduleOptions, DataOptions, ModelOptions):
+    """One training run: the options of each component (COMPONENTS), each declared once in its own
+    dataclass, with `l2l train`'s defaults: the reference GPT on the stdlib corpus.
+
+    The default run: 0.9 M parameters, 4096 tokens a step, 200 steps. Measured with the
+    relay on 2 CPU cores shared with other jobs: 250 steps took 147 s (val loss 2.22); 300
+    steps at batch 16 reached 2.39 (lr 3e-3) and 2.52 (lr 6e-3). 200 steps keep the run
+    inside 1 to 3 minutes with room for a slower machine.
+    """
+
+    micro_batches: int = with_default(RelayOptions, "micro_batches", 4)  # the relay's own default is 1
+
+    def __post_init__(self):
+        try:
+            for component in COMPONENTS:
+                component.__post_init__(self)
+            if self.micro_batches > self.batch_size:
+                fail("micro_batches", self.micro_batches, f"must be at most batch_size ({self.batch_size})")
+        except OptionError as e:
+            raise ConfigError(e.rule, e.field, e.value) from None
+
+    def run_config(self) -> dict:
+        """The fields that define the run's numbers: saved in the checkpoint, compared on resume.
+        A fine-tuning run also records its model's config fingerprint."""
+        cfg = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in CONTROL_FIELDS}
+        cfg["warmup"] = self.warmup_steps
+        for name in ("data", "model"):
+            cfg[name] = str(Path(cfg[name]).expanduser().resolve()) if cfg[name] else None
+        if self.model is not None:
+            from l2l_hw.hf import config_fingerprint
+
+            cfg[FINGERPRINT] = config_fingerprint(self.model)
+        return cfg
+
+    def model_config(self) -> GPTConfig:
+        return self.gpt_config(self.context)
+
+
+CONTROL_FIELDS = ("out", "resume", "overwrite", "stop_after", "tensorboard", "verbose", "overlay", "kernel",
+                  "dist_timeout")
+FINGERPRINT = "model_fingerprint"  # in a fine-tuning run's saved config: l2l_hw.hf.config_fingerprint
 
 
 def _is_int(value) -> bool:
@@ -173,96 +176,6 @@ def _is_int(value) -> bool:
 
 def _is_real(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0][:12]
-
-
-@dataclass
-class TrainConfig:
-    """One training run. The defaults are `l2l train`'s: the reference GPT on the stdlib corpus.
-
-    The default run: 0.9 M parameters, 4096 tokens a step, 200 steps. Measured with the
-    relay on 2 CPU cores shared with other jobs: 250 steps took 147 s (val loss 2.22); 300
-    steps at batch 16 reached 2.39 (lr 3e-3) and 2.52 (lr 6e-3). 200 steps keep the run
-    inside 1 to 3 minutes with room for a slower machine.
-    """
-
-    # model: the reference GPT, its defaults declared once in GPTConfig; unused when train()
-    # is given layers or a relay
-    layers: int = GPTConfig.n_layer
-    width: int = GPTConfig.n_embd
-    heads: int = GPTConfig.n_head
-    context: int = GPTConfig.block_size
-    dropout: float = GPTConfig.dropout
-    tie_weights: bool = GPTConfig.tie_weights
-    gelu: str = GPTConfig.gelu  # "fewbit": 3-bit GELU' in backward (l2l_hw.approx)
-    linear_projection: float = GPTConfig.linear_projection  # > 0: MLP Linears keep a random sketch of rows
-    # data: the reference corpus (a text file or folder; None: this Python's stdlib sources)
-    data: str | None = None
-    batch_size: int = 32
-    seed: int = 1337  # the weights, dropout and batches
-    # optimizer and schedule (l2l_hw.eps.OptimConfig)
-    optimizer: str = "adamw"
-    lr: float = 2e-3
-    momentum: float = 0.0
-    weight_decay: float = 0.1
-    optimizer_state: str = "fp32"  # m and v in the EPS: fp32, bf16 or block-wise 8bit (golden.STATE_FORMATS)
-    steps: int = 200
-    schedule: str = "cosine"
-    warmup: int | None = None  # None: a tenth of steps
-    # relay and EPS (l2l_hw.Relay, l2l_hw.make_eps)
-    micro_batches: int = 4
-    eps_backend: str = "cpu"
-    device: str = "cpu"
-    recompute: bool = True
-    activations: str = "device"
-    layer_drop: float = 0.0
-    clip_grad_norm: float | None = None
-    clip_mode: str = "layer"
-    shard_state: bool = False
-    pipedream_2bw: bool = False
-    # precision
-    precision: str = "fp32"
-    skip_nonfinite: bool = False  # a step with a non-finite gradient is discarded whole, not taken
-    # evaluation and checkpointing
-    eval_every: int = 50  # steps between validation and checkpoint
-    # a Hugging Face model folder (l2l finetune) and a fingerprint of its config.json, so that a
-    # resume from another model's checkpoint is refused by name (the folder itself may move)
-    model: str | None = None
-    model_fingerprint: str | None = None
-    # output and run control: not part of the run's identity (not compared on resume)
-    out: str | None = "runs/latest"
-    resume: bool = False
-    overwrite: bool = False  # replace the run already in out (its checkpoint, metrics and plot)
-    stop_after: int | None = None  # checkpoint and stop at this step; steps stays the schedule's length
-    tensorboard: bool = False
-    verbose: bool = True  # banner, progress bar, summary (and a sample of the reference GPT)
-    overlay: str | None = None  # --eps fpga-pynq: the overlay (where the EPS runs, not what it computes)
-    kernel: str | None = None
-    dist_timeout: float = 300.0  # under torchrun: seconds a rank waits for the others
-
-    def __post_init__(self):
-        check_config(self)
-
-    def run_config(self) -> dict:
-        """The fields that define the run's numbers: saved in the checkpoint, compared on resume."""
-        cfg = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in CONTROL_FIELDS}
-        if cfg["warmup"] is None:
-            cfg["warmup"] = self.steps // 10
-        for name in ("data", "model"):
-            cfg[name] = str(Path(cfg[name]).expanduser().resolve()) if cfg[name] else None
-        return cfg
-
-    def model_config(self) -> GPTConfig:
-        return GPTConfig(n_layer=self.layers, n_embd=self.width, n_head=self.heads, block_size=self.context,
-                         dropout=self.dropout, tie_weights=self.tie_weights, gelu=self.gelu,
-                         linear_projection=self.linear_projection)
-
-
-CONTROL_FIELDS = ("out", "resume", "overwrite", "stop_after", "tensorboard", "verbose", "overlay", "kernel",
-                  "dist_timeout")
 
 
 def resume_config(out: str | os.PathLike, **given) -> TrainConfig:
@@ -277,11 +190,12 @@ def resume_config(out: str | os.PathLike, **given) -> TrainConfig:
     if clash:
         raise ConfigError("--resume: the checkpoint's run differs from what is given: " + ", ".join(
             _clash(k, saved, given) for k in clash))
+    saved = {k: v for k, v in saved.items() if k != FINGERPRINT}  # compared when the run resumes (_load_for_resume)
     return TrainConfig(**{**saved, **given, "out": str(out), "resume": True})
 
 
 def _clash(name: str, saved: dict, given: dict) -> str:
-    if name == "model_fingerprint":
+    if name == FINGERPRINT:
         return (f"the checkpoint was trained from the model in {saved.get('model')} (config fingerprint "
                 f"{saved[name]}), and the model in {given.get('model')} has another config ({given.get(name)})")
     return f"{name} is {saved[name]!r} in the checkpoint, {given.get(name)!r} given"
@@ -289,13 +203,14 @@ def _clash(name: str, saved: dict, given: dict) -> str:
 
 def _saved_config(meta: dict, path: Path) -> dict:
     """The checkpoint's run config, checked as a TrainConfig (a checkpoint of another version may differ)."""
-    known = {f.name for f in dataclasses.fields(TrainConfig)} - set(CONTROL_FIELDS)
+    known = {f.name for f in dataclasses.fields(TrainConfig)} - set(CONTROL_FIELDS) | {FINGERPRINT}
     saved = meta.get("config") if isinstance(meta, dict) else None
     if not isinstance(saved, dict) or not set(saved) <= known or not _is_int(meta.get("step")) \
             or meta["step"] < 0 or not _is_real(meta.get("elapsed")) or not meta["elapsed"] >= 0:
         raise ConfigError(f"{path}: its metadata is not what this l2l-hw writes (config, a step >= 0, elapsed)")
-    try:
-        TrainConfig(**{**saved, "device": "cpu", "eps_backend": "cpu", "out": None})  # wherever it resumes
+    try:  # wherever it resumes
+        TrainConfig(**{**{k: v for k, v in saved.items() if k != FINGERPRINT}, "device": "cpu", "eps_backend": "cpu",
+                       "out": None})
     except ConfigError as e:
         raise ConfigError(f"{path}: its config is not usable: {e}") from e
     return saved
@@ -303,22 +218,16 @@ def _saved_config(meta: dict, path: Path) -> dict:
 
 def build_eps(cfg: TrainConfig, shard_state: bool | None = None):
     """The EPS of `cfg`: optimizer, schedule and backend."""
-    backend_options = {"overlay": cfg.overlay, "kernel": cfg.kernel} if cfg.overlay else {}
-    if cfg.optimizer_state != "fp32":  # a backend registered without state formats still takes the default
-        backend_options["state"] = cfg.optimizer_state
-    return make_eps(
-        cfg.eps_backend, optimizer=cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum,
-        schedule=cfg.schedule, warmup_steps=cfg.run_config()["warmup"], total_steps=cfg.steps,
-        min_lr=cfg.lr / 10,  # floor at lr/10, as nanoGPT
-        shard_state=cfg.shard_state if shard_state is None else shard_state, **backend_options)
+    arguments = pick(EpsOptions, cfg).make_eps_arguments(pick(ScheduleOptions, cfg))
+    if shard_state is not None:
+        arguments["shard_state"] = shard_state
+    return make_eps(**arguments)
 
 
-def relay_options(cfg: TrainConfig, device: str | None = None) -> dict:
-    """The Relay keyword options of `cfg`."""
-    return dict(device=device or cfg.device, micro_batches=cfg.micro_batches, recompute=cfg.recompute,
-                precision=cfg.precision, pipedream_2bw=cfg.pipedream_2bw, activations=cfg.activations,
-                layer_drop=cfg.layer_drop, clip_grad_norm=cfg.clip_grad_norm, clip_mode=cfg.clip_mode,
-                skip_nonfinite=cfg.skip_nonfinite)
+def relay_options(cfg: TrainConfig, device: str | None = None) -> RelayOptions:
+    """The relay's options of `cfg` (on `device` where given: a rank's own GPU)."""
+    options = pick(RelayOptions, cfg)
+    return dataclasses.replace(options, device=device) if device else options
 
 
 def build_relay(cfg: TrainConfig, layers=None, loss_fn: Callable | None = None, *, device: str | None = None,
@@ -329,7 +238,7 @@ def build_relay(cfg: TrainConfig, layers=None, loss_fn: Callable | None = None, 
     torch.manual_seed(cfg.seed)
     if layers is None:
         layers, loss_fn = build_gpt(cfg.model_config()), lm_loss
-    return Relay(layers, loss_fn, eps=build_eps(cfg, shard_state), init=init, **relay_options(cfg, device))
+    return Relay(layers, loss_fn, eps=build_eps(cfg, shard_state), options=relay_options(cfg, device), init=init)
 
 
 class OutputError(OSError):

@@ -61,7 +61,7 @@ def test_more_micro_batches_than_samples_is_refused():
 def test_bad_relay_arguments_are_refused():
     with pytest.raises(TypeError, match="layer 1 is a str"):
         relay_for([nn.Linear(4, 2), "relu"])
-    with pytest.raises(ValueError, match="micro_batches must be >= 1"):
+    with pytest.raises(ValueError, match="micro_batches=0: must be a whole number >= 1"):
         relay_for([nn.Linear(4, 2)], u=0)
     with pytest.raises(TypeError, match="eps must be an EPS"):
         l2l_hw.Relay([nn.Linear(4, 2)], nn.functional.mse_loss, eps="cpu")

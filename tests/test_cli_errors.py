@@ -28,7 +28,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def run_cli(capsys, *argv) -> tuple[int, str]:
     capsys.readouterr()
-    rc = main(["train", *argv])
+    try:
+        rc = main(["train", *argv])
+    except SystemExit as e:  # argparse's own refusals (a choice not allowed)
+        rc = e.code
     err = capsys.readouterr().err
     return rc, err
 
@@ -75,7 +78,7 @@ BAD_FLAGS = [  # (flags, the words the one line must hold)
     (["--micro-batches", "9"], ["--micro-batches 9", "batch_size (8)"]),
     (["--clip-grad-norm", "0"], ["--clip-grad-norm 0", "> 0"]),
     (["--momentum", "inf"], ["--momentum inf", "finite"]),
-    (["--eps", "tpu"], ["--eps tpu", "cpu"]),
+    (["--eps", "tpu"], ["--eps", "invalid choice: 'tpu'", "cpu"]),
     (["--eps", "fpga-pynq"], ["--eps fpga-pynq", "needs an overlay"]),
     (["--overlay", "x.bit"], ["--overlay x.bit", "fpga-pynq"]),
     (["--activations", "host", "--no-recompute"], ["--activations host", "recompute"]),

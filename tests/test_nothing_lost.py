@@ -262,7 +262,7 @@ SILENT_FLAGS = [  # flags that were accepted without effect or misread
     (["--lr", "-inf"], ["--lr -inf", "finite"]),
     (["--lr", "-1e-3"], ["--lr -0.001", ">= 0"]),
     (["--batch-size", "1e12"], ["--batch-size", "invalid int value: '1e12'"]),
-    (["--resume", "--overwrite"], ["--overwrite", "not allowed with argument --resume"]),
+    (["--resume", "--overwrite"], ["--overwrite", "give one of them"]),
 ]
 
 

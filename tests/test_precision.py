@@ -71,5 +71,5 @@ def test_precision_must_match_an_eps_already_in_use():
     l2l_hw.Relay(gpt(), lm_loss, eps=eps)
     with pytest.raises(ValueError, match="precision='bf16' needs an EPS whose working copy is bf16"):
         l2l_hw.Relay(gpt(), lm_loss, eps=eps, precision="bf16")
-    with pytest.raises(ValueError, match="unknown precision 'fp8'"):
+    with pytest.raises(ValueError, match="precision='fp8': must be one of fp32, bf16, fp16"):
         l2l_hw.Relay(gpt(), lm_loss, eps=l2l_hw.make_eps("cpu"), precision="fp8")

@@ -2,19 +2,22 @@
 
 An EPS holds fp32 master weights and optimizer state for named groups of tensors
 (one group per relay layer, plus one per parameter shared by several layers).
-The relay only ever talks to this interface:
+The relay only ever talks to the interface `EPS` (abstract methods only):
 
     configure(...)             what the relay needs of it (working copy, double buffering, deferral)
     register(key, params)      take the fp32 master copy, allocate state
     fetch(key) / fetch_async   host working copy the device computes with next
     push_grads(key, grads)     schedule the eager update of that group; returns at once
     commit_step()              wait for every update of the step; the step is done
+    discard_step() / wait() / master(key)
     state_dict() / load_state_dict() / state_entries()   (the last: streamed checkpoints)
     sharded, process_group     what it is, so the relay never inspects its class
 
-The step semantics (deferred updates, commit without waiting, discarding a step) are
-written here once; the update engine (l2l_hw/eps/engine.py) owns the buffers and the
-update thread; a backend supplies only how one tensor is updated and stored.
+`LocalEps` implements it for whole tensors: the step semantics (deferred updates, commit
+without waiting, discarding a step) written once; the update engine (l2l_hw/eps/engine.py)
+owns the buffers and the update thread; a backend supplies only how one tensor is updated
+and stored. The sharded EPS (l2l_hw/eps/sharded.py) implements the interface by wrapping a
+LocalEps that keeps this rank's slices.
 """
 from __future__ import annotations
 
@@ -26,6 +29,8 @@ from typing import Callable, Mapping
 
 import torch
 
+from l2l_hw.options import OptionError
+
 OPTIMIZERS = ("adamw", "adam", "sgd")
 SCHEDULES = ("constant", "cosine")
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -33,15 +38,6 @@ WORKING_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.f
 # Optimizer state slots per optimizer: m is Adam's exp_avg or SGD's momentum buffer,
 # v is Adam's exp_avg_sq.
 STATE_SLOTS = {"adamw": ("m", "v"), "adam": ("m", "v"), "sgd": ("m",)}
-
-
-class OptionError(ValueError):
-    """An option value that is not allowed. `field`, `value` and `rule` ("must be ...") let a
-    caller say it in its own words (the command line names the flag)."""
-
-    def __init__(self, message: str, field: str | None = None, value=None, rule: str | None = None):
-        self.field, self.value, self.rule = field, value, rule or message
-        super().__init__(message)
 
 
 def check_number(name: str, value, low=None, high=None, integer: bool = False, high_open: bool = False):
@@ -160,11 +156,131 @@ class PendingFetch:
 
 
 class EPS(ABC):
-    """Eager Param Server: the interface and the step semantics, written once."""
+    """Eager Param Server: the interface the relay calls, nothing else. A local EPS
+    (LocalEps, below) keeps whole tensors; the sharded EPS (l2l_hw/eps/sharded.py) wraps
+    any EPS and keeps this rank's slices."""
 
     name = "abstract"
     sharded = False  # this rank keeps slices of every tensor (l2l_hw/eps/sharded.py)
     process_group = None  # the torch.distributed group of a sharded EPS
+    config: OptimConfig
+    step: int  # optimizer steps committed
+    shapes: dict[str, dict[str, torch.Size]]  # group -> tensor name -> the whole tensor's shape
+    working_dtype: str  # what fetch() gives: fp32, bf16 or fp16
+    double_buffer: bool  # updates write spare buffers; a step can be discarded, the previous version read
+
+    @abstractmethod
+    def configure(self, working_dtype: str | None = None, double_buffer: bool | None = None,
+                  defer_updates: bool | None = None, device: str | torch.device | None = None) -> None:
+        """What the relay needs of the EPS, said once before the first register()."""
+
+    @abstractmethod
+    def register(self, key: str, params: dict[str, torch.Tensor]) -> None:
+        """Take the fp32 master copy of a group's parameters and allocate its state."""
+
+    @abstractmethod
+    def fetch(self, key: str, previous: bool = False) -> dict[str, torch.Tensor]:
+        """Host working copy of a group (working_dtype); `previous`: one commit back."""
+
+    def fetch_async(self, key: str, previous: bool = False) -> PendingFetch:
+        """fetch() that may still be under way when it returns (a sharded EPS's all-gather):
+        the relay's weight prefetch starts it one layer ahead and waits when the layer runs."""
+        return PendingFetch(self.fetch(key, previous=previous))
+
+    @abstractmethod
+    def push_grads(self, key: str, grads: dict[str, torch.Tensor], inv_scale: float = 1.0) -> None:
+        """Schedule the eager update of group `key` for the step under way; returns at once."""
+
+    @abstractmethod
+    def commit_step(self, grad_scale: float = 1.0, skip_nonfinite: bool = False, wait: bool = True) -> bool:
+        """Finish the step's updates and make them the committed state (LocalEps says how);
+        whether a non-finite gradient was seen."""
+
+    @abstractmethod
+    def discard_step(self) -> None:
+        """Forget the step under way."""
+
+    @abstractmethod
+    def wait(self) -> None:
+        """Block until every scheduled update has finished; raise an update's exception."""
+
+    @abstractmethod
+    def master(self, key: str) -> dict[str, torch.Tensor]:
+        """fp32 master weights of a group (copies)."""
+
+    def lr_at(self, step: int) -> float:
+        return self.config.lr_at(step)
+
+    @abstractmethod
+    def state_entries(self) -> dict[str, StateEntry]:
+        """Master weights and optimizer state as `{key}/{name}/{slot}` entries (plus `step`),
+        read one at a time (streamed checkpoints)."""
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Master weights and optimizer state as `{key}/{name}/{slot}` tensors plus `step` (copies)."""
+        return {name: e.read().to(e.dtype, copy=True) for name, e in self.state_entries().items()}
+
+    @abstractmethod
+    def load_state_dict(self, state: Mapping[str, torch.Tensor | StateEntry]) -> None:
+        """Load what state_dict / state_entries gave (any EPS of the same model and rule)."""
+
+
+def new_group(shapes: dict[str, dict[str, torch.Size]], key: str,
+              params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What any EPS registers, checked (a new key; floating-point tensors with values, not on the
+    meta device) and recorded in `shapes`; the tensors as fp32 on the host."""
+    if key in shapes:
+        raise ValueError(f"EPS group {key!r} is registered already")
+    for name, p in params.items():
+        if not p.is_floating_point():
+            raise TypeError(f"parameter {key}/{name} has dtype {p.dtype}; the EPS keeps floating-point parameters")
+        if p.device.type == "meta":
+            raise ValueError(f"parameter {key}/{name} is on the meta device: it has no values to register")
+    shapes[key] = {name: p.shape for name, p in params.items()}
+    return {n: p.detach().to("cpu", torch.float32) for n, p in params.items()}
+
+
+def check_state_mapping(state) -> None:
+    if not isinstance(state, Mapping):
+        raise TypeError(f"EPS state must be a mapping of name -> tensor (a state_dict), got {type(state).__name__}")
+
+
+class StepPushes:
+    """The groups whose gradients were pushed in the step under way and, when updates wait for
+    the commit (`defer`: global-norm clipping scales them all by one factor), their gradients,
+    held on the host until then. Written once for the local and the sharded EPS."""
+
+    def __init__(self):
+        self.groups: set[str] = set()
+        self.deferred: list[tuple[str, dict[str, torch.Tensor], float]] = []
+        self.defer = False
+
+    def add(self, key: str, grads: dict[str, torch.Tensor], inv_scale: float, step: int,
+            update: Callable[[str, dict[str, torch.Tensor], float], None]) -> None:
+        """Group `key`'s gradients of step `step`: updated now by `update`, or deferred."""
+        if key in self.groups:
+            raise RuntimeError(f"gradients for EPS group {key!r} were pushed twice in step {step}")
+        self.groups.add(key)
+        if self.defer:
+            self.deferred.append((key, {n: g.detach().to("cpu") for n, g in grads.items()}, inv_scale))
+        else:
+            update(key, grads, inv_scale)
+
+    def run_deferred(self, grad_scale: float, update: Callable[[str, dict[str, torch.Tensor], float], None]) -> None:
+        for key, grads, inv_scale in self.deferred:
+            update(key, grads, inv_scale * grad_scale)
+        self.deferred.clear()
+
+    def clear(self) -> None:
+        """Forget the step: its groups and any gradients still deferred."""
+        self.groups.clear()
+        self.deferred.clear()
+
+
+class LocalEps(EPS):
+    """An EPS of whole tensors: the step semantics (deferred updates, commit without waiting,
+    discarding a step, double buffering), written once; l2l_hw/eps/engine.py adds the
+    buffers and the update thread, a backend how one tensor is stored and updated."""
 
     def __init__(self, config: OptimConfig, working_dtype: str = "fp32", double_buffer: bool = False):
         if working_dtype not in WORKING_DTYPES:
@@ -173,12 +289,10 @@ class EPS(ABC):
         self.working_dtype = working_dtype
         self.step = 0  # optimizer steps committed
         self.shapes: dict[str, dict[str, torch.Size]] = {}
-        self._pushed: set[str] = set()  # groups updated in the step under way
+        self.pushes = StepPushes()  # what the step under way pushed (and deferred, with global clipping)
         self.found_nonfinite = False  # a non-finite gradient was seen in the step under way
         # Deferred updates run at commit, all scaled by one factor (global-norm clipping):
         # the gradients wait in host memory and the updates no longer overlap the backward.
-        self.defer_updates = False
-        self._deferred: list[tuple[str, dict[str, torch.Tensor], float]] = []
         # Double buffering: updates write a second copy of param and state; the step
         # commits by swapping, so a step can be discarded whole (overflow) and the
         # committed state is consistent at any time (checkpoints).
@@ -207,23 +321,12 @@ class EPS(ABC):
                                  "make_eps(..., double_buffer=True) for this relay")
             self.double_buffer = True
         if defer_updates is not None:
-            self.defer_updates = bool(defer_updates)
+            self.pushes.defer = bool(defer_updates)
 
     # -- registration ---------------------------------------------------------
     def register(self, key: str, params: dict[str, torch.Tensor]) -> None:
         """Take the fp32 master copy of a group's parameters and allocate its state."""
-        if key in self.shapes:
-            raise ValueError(f"EPS group {key!r} is registered already")
-        for name, p in params.items():
-            if not p.is_floating_point():
-                raise TypeError(f"parameter {key}/{name} has dtype {p.dtype}; the EPS keeps floating-point parameters")
-            if p.device.type == "meta":
-                raise ValueError(f"parameter {key}/{name} is on the meta device: it has no values to register")
-        self.shapes[key] = {name: p.shape for name, p in params.items()}
-        self._register(key, {n: p.detach().to("cpu", torch.float32) for n, p in params.items()})
-
-    def lr_at(self, step: int) -> float:
-        return self.config.lr_at(step)
+        self._register(key, new_group(self.shapes, key, params))
 
     # -- the step -------------------------------------------------------------
     def push_grads(self, key: str, grads: dict[str, torch.Tensor], inv_scale: float = 1.0) -> None:
@@ -232,13 +335,7 @@ class EPS(ABC):
         Tensors of the group missing from `grads` had no gradient and stay as they are."""
         self._settle()
         self._check_grads(key, grads)
-        if key in self._pushed:
-            raise RuntimeError(f"gradients for EPS group {key!r} were pushed twice in step {self.step + 1}")
-        self._pushed.add(key)
-        if self.defer_updates:
-            self._deferred.append((key, {n: g.detach().to("cpu") for n, g in grads.items()}, inv_scale))
-        else:
-            self._push(key, grads, inv_scale)
+        self.pushes.add(key, grads, inv_scale, self.step + 1, self._push)
 
     def commit_step(self, grad_scale: float = 1.0, skip_nonfinite: bool = False, wait: bool = True) -> bool:
         """Run deferred updates with their gradients times `grad_scale`, wait for every
@@ -253,11 +350,11 @@ class EPS(ABC):
 
         Returns whether a non-finite gradient was seen in the step (False with wait=False)."""
         self._settle()
-        self._run_deferred(grad_scale)
+        self.pushes.run_deferred(grad_scale, self._push)
         if not wait:
             if not self.double_buffer or skip_nonfinite:
                 raise ValueError("commit_step(wait=False) needs double buffering and skip_nonfinite=False")
-            self._unsettled, self._pushed = set(self._pushed), set()
+            self._unsettled, self.pushes.groups = set(self.pushes.groups), set()
             self.step += 1
             return False
         self._wait()
@@ -268,14 +365,9 @@ class EPS(ABC):
         if self.double_buffer:
             self._swap()
         self.step += 1
-        self._pushed.clear()
+        self.pushes.groups.clear()
         self.found_nonfinite = False
         return found
-
-    def _run_deferred(self, grad_scale: float) -> None:
-        for key, grads, inv_scale in self._deferred:
-            self._push(key, grads, inv_scale * grad_scale)
-        self._deferred.clear()
 
     def _settle(self) -> None:
         """Finish a commit made with wait=False: wait for its updates and swap them in. If one
@@ -287,7 +379,7 @@ class EPS(ABC):
             self._wait()
         except BaseException:
             self.step -= 1
-            self._pushed |= keys
+            self.pushes.groups |= keys
             self.discard_step()
             raise
         self._swap()
@@ -305,9 +397,8 @@ class EPS(ABC):
         in place cannot be restored, and this says so."""
         self._settle()
         self._wait()
-        updated = set(self._pushed) if not self.defer_updates else set()
-        self._deferred.clear()
-        self._pushed.clear()
+        updated = set(self.pushes.groups) if not self.pushes.defer else set()
+        self.pushes.clear()
         self.found_nonfinite = False
         self._discard()
         if updated and not self.double_buffer:
@@ -340,11 +431,6 @@ class EPS(ABC):
             self._settle()
         return self._fetch(key, previous and self.double_buffer)
 
-    def fetch_async(self, key: str, previous: bool = False) -> PendingFetch:
-        """fetch() that may still be under way when it returns (a sharded EPS's all-gather):
-        the relay's weight prefetch starts it one layer ahead and waits when the layer runs."""
-        return PendingFetch(self.fetch(key, previous=previous))
-
     # -- checkpoints ----------------------------------------------------------
     def slots(self) -> tuple[str, ...]:
         """The fp32 tensors each parameter has in the state: param and the optimizer's slots."""
@@ -373,16 +459,11 @@ class EPS(ABC):
     def _reader(self, key: str, name: str, slot: str) -> Callable[[], torch.Tensor]:
         return lambda: self.read_state(key, name)[slot]
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Master weights and optimizer state as `{key}/{name}/{slot}` tensors plus `step` (copies)."""
-        return {name: e.read().to(e.dtype, copy=True) for name, e in self.state_entries().items()}
-
     def load_state_dict(self, state: Mapping[str, torch.Tensor | StateEntry]) -> None:
         """Load a state_dict (or a streamed checkpoint's mapping, read one tensor at a time).
         Every entry's presence, dtype and shape is checked before anything is written."""
         self.wait()
-        if not isinstance(state, Mapping):
-            raise TypeError(f"EPS state must be a mapping of name -> tensor (a state_dict), got {type(state).__name__}")
+        check_state_mapping(state)
         wanted = {f"{k}/{n}/{s}": layout for k, names in self.shapes.items() for n, shape in names.items()
                   for s, layout in self.stored_slots(shape).items()}
         wanted["step"] = (torch.Size([]), torch.int64)
@@ -390,15 +471,15 @@ class EPS(ABC):
         if missing:
             raise ValueError(f"EPS state is missing {len(missing)} entries, e.g. {missing[:3]}; was it saved with "
                              f"another model, optimizer ({self.config.optimizer}) or state format?")
-        previous = {f"{k}/{n}/previous" for k, names in self.shapes.items() for n in names}
-        extra = sorted(set(state) - set(wanted) - previous)
-        if extra:
-            raise ValueError(f"EPS state has {len(extra)} entries this EPS does not hold, e.g. {extra[:3]}; was it "
-                             "saved with another model?")
         for name, (shape, dtype) in wanted.items():
             t = state[name]
             if t.shape != shape or t.dtype != dtype:
                 raise ValueError(f"EPS state {name} is {t.dtype} {tuple(t.shape)}; expected {dtype} {tuple(shape)}")
+        previous = {f"{k}/{n}/previous" for k, names in self.shapes.items() for n in names}
+        extra = sorted(set(state) - set(wanted) - previous)
+        if extra:
+            raise ValueError(f"EPS state has {len(extra)} entries this EPS does not hold, e.g. {extra[:3]}; was it "
+                             "saved with another model or state format?")
         step = int(tensor_of(state["step"]))
         if step < 0:
             raise ValueError(f"EPS state step is {step}; a step count is >= 0")

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from l2l_hw.eps import golden
-from l2l_hw.eps.base import EPS, STATE_SLOTS, WORKING_DTYPES, OptimConfig
+from l2l_hw.eps.base import STATE_SLOTS, WORKING_DTYPES, LocalEps, OptimConfig
 from l2l_hw.eps.golden import step_scalars
 from l2l_hw.eps.worker import UpdateWorker
 
@@ -59,7 +59,7 @@ class TensorBuffers:
         return [*self.current.values(), *self.spare.values(), *([self.previous] if self.previous is not None else [])]
 
 
-class AsyncEps(EPS):
+class AsyncEps(LocalEps):
     """An EPS whose updates run on the update thread over buffers the engine owns."""
 
     # False where an update can fail halfway through a tensor: updates then write spare buffers.

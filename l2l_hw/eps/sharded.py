@@ -21,12 +21,13 @@ every rank calls them in the same order (the relay does).
 from __future__ import annotations
 
 import math
+from typing import Mapping
 
 import torch
 import torch.distributed as dist
 
 from l2l_hw.distributed import comm_device, guarded
-from l2l_hw.eps.base import EPS, StateEntry
+from l2l_hw.eps.base import EPS, LocalEps, StateEntry, StepPushes, check_state_mapping, new_group, tensor_of
 
 
 def shard_sizes(shapes: dict[str, torch.Size], world: int) -> dict[str, int]:
@@ -56,48 +57,48 @@ def unpack(block: torch.Tensor, sizes: dict[str, int], shapes: dict[str, torch.S
 
 
 class ShardedEps(EPS):
-    """Holds this rank's slices in `inner` (any EPS backend, used through its public
-    interface only); see the module docstring."""
+    """This rank's slices of every tensor, kept by any EPS (`inner`), behind the EPS interface:
+    registration, gradients and state go in as slices, fetches and state come out whole."""
 
     name = "sharded"
     sharded = True
 
-    def __init__(self, inner: EPS, process_group=None):
+    def __init__(self, inner: LocalEps, process_group=None):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("shard_state=True needs torch.distributed initialized first "
                                "(torch.distributed.init_process_group, or run under torchrun)")
         self.inner = inner
+        self.config = inner.config
         self.process_group = process_group
         self.world = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         self.comm_device = comm_device(process_group)
-        super().__init__(inner.config, inner.working_dtype, inner.double_buffer)
-        self.sizes: dict[str, dict[str, int]] = {}
+        self.shapes: dict[str, dict[str, torch.Size]] = {}  # whole shapes; the backend holds slices
+        self.sizes: dict[str, dict[str, int]] = {}  # elements per rank of each tensor
+        self.pushes = StepPushes()  # with global-norm clipping, the gradients wait here until commit
 
-    # The backend keeps the per-step state; these read and write through to it.
-    working_dtype = property(lambda self: self.inner.working_dtype, lambda self, v: None)
-    step = property(lambda self: self.inner.step, lambda self, v: setattr(self.inner, "step", v))
-    double_buffer = property(lambda self: self.inner.double_buffer, lambda self, v: None)
-    found_nonfinite = property(lambda self: self.inner.found_nonfinite,
-                               lambda self, v: setattr(self.inner, "found_nonfinite", v))
+    # The backend keeps the per-step state and the buffers' format.
+    step = property(lambda self: self.inner.step)
+    working_dtype = property(lambda self: self.inner.working_dtype)
+    double_buffer = property(lambda self: self.inner.double_buffer)
 
     def configure(self, working_dtype=None, double_buffer=None, defer_updates=None, device=None) -> None:
         self.inner.configure(working_dtype=working_dtype, double_buffer=double_buffer, device=device)
-        if defer_updates is not None:  # deferred here, whole; the backend gets them at commit
-            self.defer_updates = bool(defer_updates)
-
-    def lr_at(self, step: int) -> float:
-        return self.inner.lr_at(step)
+        if defer_updates is not None:  # deferred here; the backend gets them at commit
+            self.pushes.defer = bool(defer_updates)
 
     # -- registration and the step ---------------------------------------------
-    def _register(self, key: str, params: dict[str, torch.Tensor]) -> None:
+    def register(self, key: str, params: dict[str, torch.Tensor]) -> None:
+        whole = new_group(self.shapes, key, params)
         self.sizes[key] = sizes = shard_sizes(self.shapes[key], self.world)
-        self.inner.register(key, {n: self._mine(params[n], size) for n, size in sizes.items()})
+        self.inner.register(key, {n: self._mine(whole[n], size) for n, size in sizes.items()})
 
     def _mine(self, t: torch.Tensor, size: int) -> torch.Tensor:
         return rows(t, size, self.world)[self.rank].clone()
 
-    def _check_grads(self, key: str, grads: dict[str, torch.Tensor]) -> None:
+    def push_grads(self, key: str, grads: dict[str, torch.Tensor], inv_scale: float = 1.0) -> None:
+        """This rank's slice of each of the group's rank-averaged gradients (the relay
+        reduce-scatters them)."""
         if key not in self.shapes:
             raise KeyError(f"unknown EPS group {key!r}; registered groups: {', '.join(self.shapes) or 'none'}")
         for name, g in grads.items():
@@ -105,33 +106,27 @@ class ShardedEps(EPS):
             if want is None or g.shape != (want,):
                 raise ValueError(f"a sharded EPS takes this rank's slice of each gradient: {key}/{name} should be "
                                  f"a ({want},) tensor, got {tuple(g.shape)}; the Relay reduce-scatters them")
-
-    def _push(self, key: str, grads: dict[str, torch.Tensor], inv_scale: float) -> None:
-        self.inner.push_grads(key, grads, inv_scale)
-
-    def _wait(self) -> None:
-        self.inner.wait()
-
-    def _swap(self) -> None:
-        """Never called: commit_step hands the commit to the backend, which swaps its own buffers."""
+        self.pushes.add(key, grads, inv_scale, self.step + 1, self.inner.push_grads)
 
     def commit_step(self, grad_scale: float = 1.0, skip_nonfinite: bool = False, wait: bool = True) -> bool:
-        self._run_deferred(grad_scale)
-        if not wait:  # no flag to agree on: nothing is skipped (base.commit_step)
-            self._pushed.clear()
+        """As the backend's, after every rank agrees whether any slice saw a non-finite gradient."""
+        self.pushes.run_deferred(grad_scale, self.inner.push_grads)
+        self.pushes.groups.clear()
+        if not wait:  # no flag to agree on: nothing is skipped (LocalEps.commit_step)
             return self.inner.commit_step(wait=False)
         self.inner.wait()
         flag = torch.tensor([float(self.inner.found_nonfinite)], device=self.comm_device)
         guarded(self.process_group, "agreeing on non-finite gradients at commit", dist.all_reduce, flag,
                 op=dist.ReduceOp.MAX, group=self.process_group)
         self.inner.found_nonfinite = bool(flag.item())
-        self._pushed.clear()
         return self.inner.commit_step(skip_nonfinite=skip_nonfinite)
 
     def discard_step(self) -> None:
-        self._deferred.clear()
-        self._pushed.clear()
+        self.pushes.clear()
         self.inner.discard_step()
+
+    def wait(self) -> None:
+        self.inner.wait()
 
     # -- whole tensors from slices ---------------------------------------------
     def _gather(self, key: str, slices: dict[str, torch.Tensor], root: int | None = None,
@@ -155,7 +150,7 @@ class ShardedEps(EPS):
             return pending
         return pending.wait() if root is None or self.rank == root else None
 
-    def _fetch(self, key: str, previous: bool = False) -> dict[str, torch.Tensor]:
+    def fetch(self, key: str, previous: bool = False) -> dict[str, torch.Tensor]:
         return self._gather(key, self.inner.fetch(key, previous=previous))
 
     def fetch_async(self, key: str, previous: bool = False) -> "PendingGather":
@@ -174,7 +169,7 @@ class ShardedEps(EPS):
         self.wait()
         out = {"step": torch.tensor(self.step, dtype=torch.int64)}
         for key, sizes in self.sizes.items():
-            for slot in self.slots():
+            for slot in self.inner.slots():
                 whole = self._gather(key, {n: self.inner.read_state(key, n)[slot] for n in sizes}, root=0)
                 if whole is not None:
                     out.update({f"{key}/{n}/{slot}": t.to("cpu", copy=True) for n, t in whole.items()})
@@ -188,11 +183,24 @@ class ShardedEps(EPS):
         """Gathered whole on rank 0 (a collective): a sharded checkpoint is not streamed."""
         return {name: StateEntry(t.shape, t.dtype, lambda t=t: t) for name, t in self.state_dict().items()}
 
-    def load_tensor(self, key: str, name: str, slots: dict[str, torch.Tensor],
-                    previous: torch.Tensor | None = None) -> None:
-        size = self.sizes[key][name]
-        self.inner.load_tensor(key, name, {s: self._mine(t, size) for s, t in slots.items()},
-                               None if previous is None else self._mine(previous, size))
+    def load_state_dict(self, state: Mapping[str, torch.Tensor | StateEntry]) -> None:
+        """Whole tensors in (from a checkpoint of any number of ranks, sharded or not); the backend
+        loads this rank's slices, read one tensor at a time, after checking every entry."""
+        check_state_mapping(state)
+        sliced = {}
+        for name, entry in state.items():
+            key, _, rest = name.partition("/")
+            tensor_name = rest.rpartition("/")[0]
+            size = self.sizes.get(key, {}).get(tensor_name)
+            if size is None:  # `step`, or a name the backend refuses as unknown
+                sliced[name] = entry
+                continue
+            if entry.shape != self.shapes[key][tensor_name]:
+                raise ValueError(f"EPS state {name} is {entry.dtype} {tuple(entry.shape)}; expected a whole "
+                                 f"{tuple(self.shapes[key][tensor_name])} tensor")
+            sliced[name] = StateEntry(torch.Size([size]), entry.dtype,
+                                      lambda e=entry, size=size: self._mine(tensor_of(e), size))
+        self.inner.load_state_dict(sliced)
 
 
 class PendingGather:

@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from l2l_hw.approx import FewBitGELU, RandomProjectionLinear
+from l2l_hw.options import check_options, fail, option
 
 VOCAB_SIZE = 256  # one token per byte: no tokenizer, nothing to download
 GELUS = ("exact", "fewbit")  # the MLP's GELU backward: exact, or l2l_hw.approx.FewBitGELU
@@ -30,6 +31,40 @@ class GPTConfig:
     tie_weights: bool = False  # Head's weight IS Embedding's token table
     gelu: str = "exact"  # "fewbit": 3-bit GELU' in backward (l2l_hw.approx.FewBitGELU)
     linear_projection: float = 0.0  # > 0: MLP Linears keep a random sketch of this ratio of rows for backward
+
+
+TRAIN_ONLY = ("train",)  # `l2l finetune` takes its model from the folder
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """The reference GPT's shape, as `l2l train` sets it (the context length is the data's)."""
+
+    layers: int = option(GPTConfig.n_layer, "transformer blocks", kind="int", low=1, commands=TRAIN_ONLY)
+    width: int = option(GPTConfig.n_embd, "embedding width", kind="int", low=1, commands=TRAIN_ONLY)
+    heads: int = option(GPTConfig.n_head, "attention heads (must divide --width)", kind="int", low=1,
+                        commands=TRAIN_ONLY)
+    dropout: float = option(GPTConfig.dropout, "dropout probability", kind="float", low=0.0, high=1.0,
+                            high_open=True, commands=TRAIN_ONLY)
+    tie_weights: bool = option(GPTConfig.tie_weights, "share the token table with the LM head", kind="bool",
+                               commands=TRAIN_ONLY)
+    gelu: str = option(GPTConfig.gelu, "GELU backward: exact, or fewbit (3 bits saved per element)",
+                       kind="choice", choices=GELUS, commands=TRAIN_ONLY)
+    linear_projection: float = option(
+        GPTConfig.linear_projection, "> 0: the MLP Linears save a random projection of this ratio of the rows for "
+        "the weight gradient instead of their input (0: exact)", kind="float", low=0.0, high=1.0, metavar="RATIO",
+        commands=TRAIN_ONLY)
+
+    def __post_init__(self):
+        check_options(self)
+        if self.width % self.heads:
+            divisors = [str(d) for d in range(1, self.width + 1) if self.width % d == 0][:12]
+            fail("heads", self.heads, f"must divide width ({self.width}): {', '.join(divisors)}")
+
+    def gpt_config(self, context: int) -> GPTConfig:
+        return GPTConfig(n_layer=self.layers, n_embd=self.width, n_head=self.heads, block_size=context,
+                         dropout=self.dropout, tie_weights=self.tie_weights, gelu=self.gelu,
+                         linear_projection=self.linear_projection)
 
 
 class Embedding(nn.Module):

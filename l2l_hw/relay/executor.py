@@ -22,10 +22,10 @@ once, after its last use in the backward sweep.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import numbers
-import re
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
 from torch import nn
@@ -34,6 +34,7 @@ from torch.func import functional_call
 from l2l_hw.eps.base import EPS, StateEntry, check_number, tensor_of
 from l2l_hw.relay.data_parallel import GradReducer
 from l2l_hw.relay.memory import DeviceMemory
+from l2l_hw.relay.options import RelayOptions
 from l2l_hw.relay.precision import LossScaler, compute_dtype
 from l2l_hw.relay.prefetch import WeightStream
 from l2l_hw.relay.stash import ActivationStash
@@ -43,6 +44,15 @@ Activation = torch.Tensor | tuple  # what a layer takes and returns
 
 class RelayError(RuntimeError):
     """A layer or the loss failed inside the relay; the message names the layer and shapes."""
+
+
+class Exported(NamedTuple):
+    """One tensor of the trained model (Relay.export)."""
+
+    layer: int
+    name: str  # the layer's own name for it
+    tensor: torch.Tensor | None  # None: a parameter shared with an earlier layer, given there
+    first: tuple[int, str]  # the (layer, name) that gave its values
 
 
 @dataclass
@@ -91,22 +101,6 @@ def _set_rng_state(device: torch.device, state) -> None:
         torch.cuda.set_rng_state(state[1], device)
 
 
-def device_problem(device) -> str | None:
-    """What is wrong with `device` for the relay on this machine (None: nothing): cpu, cuda or
-    cuda:N, as torch sees them. The one check, for Relay and TrainConfig alike."""
-    name = str(device)
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", name):
-        return "must be cpu, cuda or cuda:N"
-    if name.startswith("cuda"):
-        if not torch.cuda.is_available():
-            return ("is not available here: CUDA is not available on this machine "
-                    "(torch.cuda.is_available() is False); use cpu")
-        count = torch.cuda.device_count()
-        if int(name.partition(":")[2] or 0) >= count:
-            return f"is not available here: this machine has {count} CUDA device(s): cuda:0 to cuda:{count - 1}"
-    return None
-
-
 def _replace_tensors(module: nn.Module, make: Callable[[str, torch.Tensor], torch.Tensor],
                      which: Callable[[torch.Tensor], bool]) -> None:
     """Swap every parameter and buffer of `module` that `which` selects for `make(name, old)`,
@@ -149,12 +143,20 @@ class Relay:
     """Train `layers` with their weights in `eps`, one layer at a time on `device`."""
 
     def __init__(self, layers: nn.Sequential | Sequence[nn.Module], loss_fn: Callable, eps: EPS,
-                 device: str | torch.device = "cpu", micro_batches: int = 1, recompute: bool = True,
-                 activations: str = "device", layer_drop: float | Callable[[int], float] = 0.0,
-                 droppable: Sequence[int] | None = None, layer_drop_seed: int = 0,
-                 clip_grad_norm: float | None = None, clip_mode: str = "layer", precision: str = "fp32",
-                 pipedream_2bw: bool = False, process_group=None, skip_nonfinite: bool = False,
-                 init: Callable[[int, nn.Module], dict[str, torch.Tensor]] | None = None):
+                 options: RelayOptions | None = None, *, droppable: Sequence[int] | None = None,
+                 layer_drop_seed: int = 0, process_group=None,
+                 init: Callable[[int, nn.Module], dict[str, torch.Tensor]] | None = None, **option_values):
+        """`options` (RelayOptions), or its fields as keyword arguments (over `options` where
+        both are given): device, micro_batches, recompute, activations, precision,
+        pipedream_2bw, layer_drop, clip_grad_norm, clip_mode, skip_nonfinite."""
+        unknown = sorted(set(option_values) - {f.name for f in dataclasses.fields(RelayOptions)})
+        if unknown:
+            raise TypeError(f"Relay got unknown option(s) {', '.join(unknown)}; its options are "
+                            f"{', '.join(f.name for f in dataclasses.fields(RelayOptions))}")
+        if isinstance(option_values.get("device"), torch.device):
+            option_values["device"] = str(option_values["device"])
+        options = dataclasses.replace(options or RelayOptions(), **option_values)
+        self.options = options
         self.layers = list(layers)
         if not self.layers:
             raise ValueError("Relay needs at least one layer")
@@ -163,40 +165,23 @@ class Relay:
                 raise TypeError(f"layer {i} is a {type(layer).__name__}; layers must be torch.nn.Module instances")
         if not isinstance(eps, EPS):
             raise TypeError(f"eps must be an EPS from l2l_hw.make_eps(...), got {type(eps).__name__}")
-        if isinstance(micro_batches, bool) or not isinstance(micro_batches, numbers.Integral) or micro_batches < 1:
-            raise ValueError(f"micro_batches must be >= 1 and an integer, got {micro_batches!r}")
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be a callable loss_fn(output, targets), got {type(loss_fn).__name__}")
-        for name, flag in (("recompute", recompute), ("pipedream_2bw", pipedream_2bw),
-                           ("skip_nonfinite", skip_nonfinite)):
-            if not isinstance(flag, bool):
-                raise ValueError(f"{name} must be True or False, got {flag!r}")
         self.loss_fn = loss_fn
         self.eps = eps
-        problem = device_problem(device)
-        if problem is not None:
-            raise ValueError(f"device {str(device)!r} {problem}")
-        self.device = torch.device(device)
-        self.micro_batches = int(micro_batches)
-        self.recompute = bool(recompute)
-        if activations == "host" and not self.recompute:
-            raise ValueError('activations="host" needs recompute=True: without recompute the forward '
-                             "graphs keep every layer's intermediates on the device")
-        self.stash = ActivationStash(activations, self.device)
+        self.device = torch.device(options.device)
+        self.micro_batches = options.micro_batches
+        self.recompute = options.recompute
+        self.stash = ActivationStash(options.activations, self.device)
         self.memory = DeviceMemory(self.device)
-        if not callable(layer_drop):
-            layer_drop = check_number("layer_drop", layer_drop, low=0.0, high=1.0, high_open=True)
-        self.layer_drop, self.layer_drop_seed = layer_drop, check_number("layer_drop_seed", layer_drop_seed, integer=True)
+        self.layer_drop = options.layer_drop
+        self.layer_drop_seed = check_number("layer_drop_seed", layer_drop_seed, integer=True)
         self.droppable = set(range(1, len(self.layers) - 1) if droppable is None else droppable)
         if not all(isinstance(i, numbers.Integral) and 0 <= i < len(self.layers) for i in self.droppable):
             raise ValueError(f"droppable must be layer indices in [0, {len(self.layers)}), got {sorted(self.droppable)}")
-        if clip_mode not in ("layer", "global"):
-            raise ValueError(f"clip_mode must be 'layer' or 'global', got {clip_mode!r}")
-        if clip_grad_norm is not None and check_number("clip_grad_norm", clip_grad_norm, low=0.0) == 0:
-            raise ValueError(f"clip_grad_norm must be > 0 (a finite number), got {clip_grad_norm}")
-        self.clip_norm = clip_grad_norm
-        self.clip_mode = clip_mode if clip_grad_norm is not None else None
-        self.precision = precision
+        self.clip_norm = options.clip_grad_norm
+        self.clip_mode = options.clip_mode if options.clip_grad_norm is not None else None
+        self.precision = precision = options.precision
         self.compute_dtype = compute_dtype(precision)
         if eps.shapes and eps.working_dtype != precision:
             raise ValueError(f"precision={precision!r} needs an EPS whose working copy is {precision}; this "
@@ -204,10 +189,10 @@ class Relay:
         self.scaler = LossScaler() if precision == "fp16" else None
         # PipeDream-2BW: step t+1 computes on the weights without step t's update (the EPS's
         # previous buffer), so no layer waits for its update: W(t+1) = W(t) - lr * grad(W(t-1)).
-        self.pipedream_2bw = bool(pipedream_2bw)
+        self.pipedream_2bw = options.pipedream_2bw
         # A step with a non-finite gradient is discarded whole: always for fp16 (the loss scale
         # overflowed), on request otherwise (torch.optim lets non-finite values propagate).
-        self.skip_nonfinite = self.scaler is not None or bool(skip_nonfinite)
+        self.skip_nonfinite = self.scaler is not None or options.skip_nonfinite
         # The EPS rounds its fp32 masters to what the layers compute in; discarding a step after
         # eager updates ran, or reading the version one step back, needs its double buffers.
         eps.configure(working_dtype=precision, double_buffer=self.skip_nonfinite or self.pipedream_2bw,
@@ -600,21 +585,42 @@ class Relay:
                 m.train(mode)
         return self.dp.mean(total, n, "averaging the evaluation loss") if self.dp is not None else total
 
+    def export(self) -> Iterator[Exported]:
+        """The model's tensors, layer by layer, by each layer's own names (its parameters, then its
+        buffers): the trainable ones as fp32 master weights read from the EPS one group at a time
+        (so this holds one group, however large the model), frozen parameters and buffers as the
+        relay holds them. A parameter shared with an earlier layer (a tied embedding and head)
+        comes with tensor None and `first` naming the (layer, name) that gave its values."""
+        first: dict[tuple[str, str], tuple[int, str]] = {}  # EPS (group, name) -> its first (layer, name)
+        key, group = None, {}
+        for i, plan in enumerate(self.plans):
+            for name, _ in plan.module.named_parameters():
+                if name not in plan.bindings:
+                    yield Exported(i, name, plan.frozen[name], (i, name))
+                    continue
+                binding = plan.bindings[name]
+                if binding in first:
+                    yield Exported(i, name, None, first[binding])
+                    continue
+                if binding[0] != key:
+                    key, group = binding[0], self.eps.master(binding[0])
+                first[binding] = (i, name)
+                yield Exported(i, name, group[binding[1]], (i, name))
+            for name, b in plan.buffers.items():
+                yield Exported(i, name, b, (i, name))
+
     def materialize(self) -> nn.Sequential:
         """The trained model as an nn.Sequential on the CPU with the fp32 master weights (a new
-        model: the relay's own modules hold no weights, only the structure)."""
+        model: the relay's own modules hold no weights, only the structure); from export()."""
         model = copy.deepcopy(nn.Sequential(*self.layers))  # trainable parameters are on meta: cheap
-        made: dict[int, nn.Parameter] = {}  # one Parameter per tied one
-        masters: dict[str, dict[str, torch.Tensor]] = {}
-        for layer, plan in zip(model, self.plans):
-            def master(name, meta, plan=plan):
-                if id(meta) not in made:
-                    key, gname = plan.bindings[name]
-                    if key not in masters:
-                        masters[key] = self.eps.master(key)
-                    made[id(meta)] = nn.Parameter(masters[key][gname])
-                return made[id(meta)]
-            _replace_tensors(layer, master, lambda t: t.is_meta)
+        trained: dict[tuple[int, str], nn.Parameter] = {}
+        for e in self.export():
+            if e.name in self.plans[e.layer].bindings:
+                trained[(e.layer, e.name)] = trained[e.first] if e.tensor is None else nn.Parameter(e.tensor)
+        made = {id(p): trained[(i, name)] for i, layer in enumerate(model) for name, p in layer.named_parameters()
+                if (i, name) in trained}  # by the meta tensor: a tensor under two names gets one Parameter
+        for layer in model:
+            _replace_tensors(layer, lambda name, meta: made[id(meta)], lambda t: t.is_meta)
         return model
 
     # -- checkpoints -----------------------------------------------------------

@@ -1,0 +1,84 @@
+"""A training run's EPS and learning-rate schedule, as options declared once (l2l_hw/options.py):
+which backend keeps the weights, the optimizer and its state format, the schedule. The
+optimizer's own rules are OptimConfig's (l2l_hw/eps/base.py), applied here as make_eps
+applies them; `make_eps(**eps_options.make_eps_arguments(schedule))` builds the EPS."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from l2l_hw.eps.base import OPTIMIZERS, SCHEDULES, OptimConfig
+from l2l_hw.eps.golden import STATE_FORMATS
+from l2l_hw.eps.registry import known_backends
+from l2l_hw.options import OptionError, check_options, fail, option
+
+
+@dataclass(frozen=True)
+class ScheduleOptions:
+    """How long the run is and how its learning rate moves."""
+
+    steps: int = option(200, "total optimizer steps; with --resume a new target", kind="int", low=1)
+    schedule: str = option("cosine", "lr schedule: constant, or cosine down to lr/10", kind="choice",
+                           choices=SCHEDULES)
+    warmup: int | None = option(None, "linear warm-up steps (default: a tenth of --steps)", kind="int", low=0)
+
+    def __post_init__(self):
+        check_options(self)
+        if self.warmup is not None and (self.warmup > self.steps or (self.schedule == "cosine"
+                                                                     and self.warmup == self.steps)):
+            cosine = " (less with the cosine schedule)" if self.schedule == "cosine" else ""
+            fail("warmup", self.warmup, f"must be a whole number from 0 to steps ({self.steps}){cosine}")
+
+    @property
+    def warmup_steps(self) -> int:
+        return self.steps // 10 if self.warmup is None else self.warmup
+
+
+@dataclass(frozen=True)
+class EpsOptions:
+    """Which EPS keeps the weights and how it updates them."""
+
+    eps_backend: str = option("cpu", "EPS backend", kind="choice", choices=lambda: tuple(known_backends()),
+                              flag="--eps", aliases=("--eps-backend",))
+    optimizer: str = option("adamw", "the update rule (as torch.optim's)", kind="choice", choices=OPTIMIZERS)
+    # lr, momentum, weight_decay: their ranges and rules are OptimConfig's (__post_init__)
+    lr: float = option(2e-3, "peak learning rate", kind="float")
+    momentum: float = option(0.0, "SGD momentum, in [0, 1)", kind="float")
+    weight_decay: float = option(0.1, "decoupled weight decay (AdamW), L2 (Adam, SGD)", kind="float")
+    optimizer_state: str = option("fp32", "how the EPS keeps m and v: fp32, bf16 or block-wise 8bit", kind="choice",
+                                  choices=STATE_FORMATS)
+    shard_state: bool = option(False, "under torchrun: each rank's EPS keeps 1/N of the optimizer state (ZeRO-style)",
+                               kind="bool")
+    overlay: str | None = option(None, "--eps fpga-pynq: the overlay to load (.bit with its .hwh, or .xclbin; "
+                                 "docs/BOARD.md)", kind="path", metavar="PATH")
+    kernel: str | None = option(None, "--eps fpga-pynq: the kernel's IP name in the overlay (default: every IP "
+                                "named l2l_optim*, each a compute unit)", kind="text", metavar="NAME")
+
+    def __post_init__(self):
+        check_options(self)
+        try:  # the optimizer's rules, as make_eps applies them
+            OptimConfig(**self.optimizer_arguments())
+        except OptionError as e:
+            fail(e.field, e.value, e.rule)
+        if self.shard_state and self.optimizer_state != "fp32":
+            fail("optimizer_state", self.optimizer_state, "shard_state keeps fp32 optimizer state only; drop one "
+                 "of them")
+        if self.kernel is not None and self.overlay is None:
+            fail("kernel", self.kernel, "names an IP in an overlay: give --overlay too (the fpga-pynq EPS)")
+        if (self.eps_backend == "fpga-pynq") != (self.overlay is not None):
+            if self.overlay is None:
+                fail("eps_backend", self.eps_backend, "needs an overlay (--overlay PATH: the .bit with its .hwh "
+                     "beside it, or an xclbin; docs/BOARD.md)")
+            fail("overlay", self.overlay, f"is for the fpga-pynq EPS, not {self.eps_backend}")
+
+    def optimizer_arguments(self) -> dict:
+        """OptimConfig's arguments of these options (the schedule's aside)."""
+        return dict(optimizer=self.optimizer, lr=self.lr, weight_decay=self.weight_decay, momentum=self.momentum)
+
+    def make_eps_arguments(self, schedule: ScheduleOptions) -> dict:
+        """make_eps's arguments for these options and `schedule` (the lr floors at lr/10, as nanoGPT's)."""
+        backend = {"overlay": self.overlay, "kernel": self.kernel} if self.overlay else {}
+        if self.optimizer_state != "fp32":  # a backend registered without state formats still takes the default
+            backend["state"] = self.optimizer_state
+        return dict(name=self.eps_backend, **self.optimizer_arguments(), schedule=schedule.schedule,
+                    warmup_steps=schedule.warmup_steps, total_steps=schedule.steps, min_lr=self.lr / 10,
+                    shard_state=self.shard_state, **backend)
