@@ -33,6 +33,10 @@ class ScheduleOptions:
         return self.steps // 10 if self.warmup is None else self.warmup
 
 
+OPTIMIZER_ARGUMENTS = {"optimizer": "optimizer", "lr": "lr", "weight_decay": "weight_decay",  # EpsOptions field
+                       "momentum": "momentum"}  # -> the OptimConfig argument it is
+
+
 @dataclass(frozen=True)
 class EpsOptions:
     """Which EPS keeps the weights and how it updates them."""
@@ -40,7 +44,7 @@ class EpsOptions:
     eps_backend: str = option("cpu", "EPS backend", kind="choice", choices=lambda: tuple(known_backends()),
                               flag="--eps", aliases=("--eps-backend",))
     optimizer: str = option("adamw", "the update rule (as torch.optim's)", kind="choice", choices=OPTIMIZERS)
-    # lr, momentum, weight_decay: their ranges and rules are OptimConfig's (__post_init__)
+    # lr, momentum, weight_decay: their ranges and rules are OptimConfig's (OPTIMIZER_ARGUMENTS)
     lr: float = option(2e-3, "peak learning rate", kind="float")
     momentum: float = option(0.0, "SGD momentum, in [0, 1)", kind="float")
     weight_decay: float = option(0.1, "decoupled weight decay (AdamW), L2 (Adam, SGD)", kind="float")
@@ -57,8 +61,8 @@ class EpsOptions:
         check_options(self)
         try:  # the optimizer's rules, as make_eps applies them
             OptimConfig(**self.optimizer_arguments())
-        except OptionError as e:
-            fail(e.field, e.value, e.rule)
+        except OptionError as e:  # named as here
+            fail(next(f for f, a in OPTIMIZER_ARGUMENTS.items() if a == e.field), e.value, e.rule)
         if self.shard_state and self.optimizer_state != "fp32":
             fail("optimizer_state", self.optimizer_state, "shard_state keeps fp32 optimizer state only; drop one "
                  "of them")
@@ -72,7 +76,7 @@ class EpsOptions:
 
     def optimizer_arguments(self) -> dict:
         """OptimConfig's arguments of these options (the schedule's aside)."""
-        return dict(optimizer=self.optimizer, lr=self.lr, weight_decay=self.weight_decay, momentum=self.momentum)
+        return {argument: getattr(self, name) for name, argument in OPTIMIZER_ARGUMENTS.items()}
 
     def make_eps_arguments(self, schedule: ScheduleOptions) -> dict:
         """make_eps's arguments for these options and `schedule` (the lr floors at lr/10, as nanoGPT's)."""
