@@ -34,7 +34,7 @@ class ScheduleOptions:
 
 
 OPTIMIZER_ARGUMENTS = {"optimizer": "optimizer", "lr": "lr", "weight_decay": "weight_decay",  # EpsOptions field
-                       "momentum": "momentum"}  # -> the OptimConfig argument it is
+                       "momentum": "momentum", "adam_eps": "eps"}  # -> the OptimConfig argument it is
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,7 @@ class EpsOptions:
     lr: float = option(2e-3, "peak learning rate", kind="float")
     momentum: float = option(0.0, "SGD momentum, in [0, 1)", kind="float")
     weight_decay: float = option(0.1, "decoupled weight decay (AdamW), L2 (Adam, SGD)", kind="float")
+    adam_eps: float = option(1e-8, "Adam's epsilon, added to the square root of v", kind="float")
     optimizer_state: str = option("fp32", "how the EPS keeps m and v: fp32, bf16 or block-wise 8bit", kind="choice",
                                   choices=STATE_FORMATS)
     shard_state: bool = option(False, "under torchrun: each rank's EPS keeps 1/N of the optimizer state (ZeRO-style)",
