@@ -34,8 +34,12 @@ def train_config(args) -> TrainConfig:
     """`l2l train`'s (or finetune's) flags as a TrainConfig; with --resume, the checkpoint's run
     with the flags given."""
     RunOptions(resume=args.resume, overwrite=args.overwrite)  # before the checkpoint is read
-    # Run flags default to None, so --resume can tell what was given from what was not.
+    # Run flags default to None, so --resume can tell what was given from what was not; a new
+    # run takes the command's own defaults where it has them (finetune's are transformers').
     given = {k: getattr(args, k) for k in FIELDS if k not in CONTROL_FIELDS and getattr(args, k, None) is not None}
+    if not args.resume:
+        given = {**{k: spec(f)["command_defaults"][args.command] for k, f in FIELDS.items()
+                    if args.command in spec(f)["command_defaults"] and k not in CONTROL_FIELDS}, **given}
     control = {k: getattr(args, k) for k in CONTROL_FIELDS if k != "resume" and hasattr(args, k)}
     return resume_config(**given, **control) if args.resume else TrainConfig(**given, **control)
 
@@ -106,13 +110,21 @@ def cmd_finetune(args) -> int:
 
     def body():
         cfg = train_config(args)
-        batches = hf.finetune_batches(args.model, args.data, cfg.batch_size, cfg.context, seed=cfg.seed)
-        held = len(batches) // 10  # a tenth of the minibatches for validation, none if too few
-        fit, val = batches[held:], batches[:held] or None
-        relay = hf.from_pretrained(args.model, eps=build_eps(cfg), options=relay_options(cfg))
+        batches = hf.finetune_batches(cfg.model, cfg.data, cfg.batch_size, cfg.context, seed=cfg.seed,
+                                      doc_separator=cfg.doc_separator)
+        if cfg.val_data is not None:
+            fit, val = batches, hf.finetune_batches(cfg.model, cfg.val_data, cfg.batch_size, cfg.context,
+                                                    seed=cfg.seed, doc_separator=cfg.doc_separator)
+            print(f"validation: {len(val)} minibatches of {cfg.val_data}")
+        else:  # a tenth of the minibatches held out, at least one where there are two
+            held = len(batches) // 10 or (1 if len(batches) > 1 else 0)
+            fit, val = batches[held:], batches[:held] or None
+            print(f"validation: {held} of the {len(batches)} minibatches of {cfg.data} held out"
+                  + ("" if held else " (none: give --val-data to validate)"))
+        relay = hf.from_pretrained(cfg.model, eps=build_eps(cfg), options=relay_options(cfg))
         train(cfg, relay=relay, data=fit * -(-cfg.steps // len(fit)), val_data=val)  # epochs enough for --steps
         if cfg.out is not None:
-            saved = hf.save_pretrained(relay, Path(cfg.out) / "model", tokenizer=hf.load_tokenizer(args.model))
+            saved = hf.save_pretrained(relay, Path(cfg.out) / "model", files_from=cfg.model)
             print(f"saved the fine-tuned model for transformers in {saved}")
 
     return run_command("finetune", body)

@@ -31,6 +31,7 @@ import hashlib
 import inspect
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -507,10 +508,12 @@ def _relay_tensors(relay) -> Iterator[tuple[str, torch.Tensor]]:
         yield keys[0], e.tensor
 
 
-def save_pretrained(relay, path, max_shard_size: int | str = "2GB", tokenizer=None) -> Path:
+def save_pretrained(relay, path, max_shard_size: int | str = "2GB", tokenizer=None, files_from=None) -> Path:
     """Write the relay's model as a transformers folder: config.json and fp32 safetensors
     shards, streamed layer by layer from the EPS masters (write_weights). `tokenizer`
-    (optional) is saved alongside."""
+    (optional) is saved alongside; `files_from` (the model folder it was loaded from) gives
+    every other file of that folder, copied unchanged: the tokenizer's files,
+    generation_config.json, a chat template."""
     folder = Path(path)
     write_weights(_relay_tensors(relay), folder, max_shard_size)
     config = copy.deepcopy(relay.layers[0].config)
@@ -518,6 +521,11 @@ def save_pretrained(relay, path, max_shard_size: int | str = "2GB", tokenizer=No
     config.save_pretrained(folder)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
+    if files_from is not None:
+        for source in sorted(_model_folder(files_from).iterdir()):
+            if path_kind(source) == "a regular file" and source.name != "config.json" and not (
+                    source.name.startswith("model") and source.name.endswith((".safetensors", INDEX_FILE))):
+                shutil.copyfile(source, folder / source.name)
     return folder
 
 
@@ -545,44 +553,59 @@ def max_positions(config) -> int | None:
     return None
 
 
+def tokenize_text(tokenizer, data_file, doc_separator: str | None = None) -> list[int]:
+    """The token ids of a UTF-8 text file as written, as transformers' run_clm reads it: line
+    by line with each line's newline kept (so the file streams), concatenated. With
+    `doc_separator`, a line that is exactly it (after its newline) ends a document: it is
+    dropped and the end-of-text token stands in its place."""
+    data = regular_file(data_file, "data file")
+    if doc_separator is not None and tokenizer.eos_token_id is None:
+        raise ValueError("a document separator needs an end-of-text token, and this tokenizer has none")
+    ids = []
+    with open(data, encoding="utf-8", newline="") as f:
+        try:
+            for line in f:
+                if doc_separator is not None and line.rstrip("\r\n") == doc_separator:
+                    ids.append(tokenizer.eos_token_id)
+                elif line:
+                    ids += tokenizer(line, add_special_tokens=False)["input_ids"]
+        except UnicodeDecodeError as e:
+            raise ValueError(f"data file {data} is not UTF-8 text: {e.reason} near byte {f.buffer.tell()}") from None
+    return ids
+
+
 def finetune_batches(path, data_file, batch_size: int, seq_len: int, seed: int = 0,
-                     mask_fraction: float = 0.15) -> list[tuple]:
+                     mask_fraction: float = 0.15, doc_separator: str | None = None) -> list[tuple]:
     """One epoch of `(inputs, targets)` minibatches for relay.train_step from a local text file,
     tokenized by the tokenizer in the model folder `path`.
 
-    The text (lines joined by the tokenizer's EOS token where it has one) is cut into
-    sequences of `seq_len` tokens, shuffled with `seed`, `batch_size` per minibatch (the
-    last, shorter group dropped). Causal LMs: labels are the input ids (the loss shifts).
-    Masked LMs (BERT): `mask_fraction` of the tokens are replaced by the mask token and
-    are the only labelled ones. Targets carry the token count (`TokenLoss.targets`)."""
+    The text, tokenized as written (tokenize_text: newlines kept, documents ended by the
+    end-of-text token where `doc_separator` marks them), is packed into blocks of `seq_len`
+    tokens, as transformers' run_clm packs it (the last, shorter block dropped), shuffled
+    with `seed`, `batch_size` per minibatch (the last, shorter group dropped). Causal LMs:
+    labels are the input ids (the loss shifts). Masked LMs (BERT): `mask_fraction` of the
+    tokens are replaced by the mask token and are the only labelled ones. Targets carry the
+    token count (`TokenLoss.targets`)."""
     folder = _model_folder(path)
     config = load_config(folder)
     masked = _model_class(config).__name__ == "BertForMaskedLM"
     _weights(folder)
     tokenizer = load_tokenizer(folder)
-    data = regular_file(data_file, "data file")
     if batch_size < 1 or seq_len < 2:
         raise ValueError(f"batch_size must be >= 1 and seq_len >= 2, got {batch_size} and {seq_len}")
     limit = max_positions(config)
     if limit is not None and seq_len > limit:
         raise ValueError(f"a context of {seq_len} tokens is longer than the model's position table: "
                          f"{folder / 'config.json'} has {limit} positions")
-    try:
-        text = data.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"data file {data} is not UTF-8 text: byte {e.start} cannot be decoded ({e.reason})") from None
-    ids = []
-    for line in text.splitlines():
-        if line.strip():
-            ids += tokenizer(line, add_special_tokens=False)["input_ids"]
-            if tokenizer.eos_token_id is not None:
-                ids.append(tokenizer.eos_token_id)
+    if masked and tokenizer.mask_token_id is None:
+        raise ValueError(f"the tokenizer in {folder} has no mask token; a masked LM needs one")
+    ids = tokenize_text(tokenizer, data_file, doc_separator)
     if ids and max(ids) >= config.vocab_size:
         raise ValueError(f"the tokenizer in {folder} gives token id {max(ids)}, past the model's vocabulary: "
                          f"{folder / 'config.json'} has vocab_size {config.vocab_size}")
     n_seq = len(ids) // seq_len
     if n_seq < batch_size:
-        raise ValueError(f"{data} gives {len(ids)} tokens: fewer than one minibatch of {batch_size} x {seq_len}")
+        raise ValueError(f"{data_file} gives {len(ids)} tokens: fewer than one minibatch of {batch_size} x {seq_len}")
     tokens = torch.tensor(ids[:n_seq * seq_len]).view(n_seq, seq_len)
     g = torch.Generator().manual_seed(seed)
     tokens = tokens[torch.randperm(n_seq, generator=g)]
@@ -592,8 +615,6 @@ def finetune_batches(path, data_file, batch_size: int, seq_len: int, seed: int =
         input_ids = tokens[start:start + batch_size].clone()
         labels = input_ids.clone()
         if masked:
-            if tokenizer.mask_token_id is None:
-                raise ValueError(f"the tokenizer in {folder} has no mask token; a masked LM needs one")
             chosen = torch.rand(input_ids.shape, generator=g) < mask_fraction
             labels[~chosen] = IGNORE_INDEX
             input_ids[chosen] = tokenizer.mask_token_id

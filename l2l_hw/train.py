@@ -7,7 +7,7 @@
 
 train() runs `cfg.steps` relay steps on the batches of `data` (an iterable of
 (inputs, targets) global minibatches; under torchrun each rank cuts its own shard),
-and every `cfg.eval_every` steps and at the end validates on `val_data` and writes an
+and every `cfg.eval_interval` steps and at the end validates on `val_data` and writes an
 atomic checkpoint into `cfg.out`, after that step's metrics row. `cfg.resume`
 continues from that checkpoint bit-exactly: master weights, optimizer state, every
 RNG state and the data position (the data's own `state_dict()` when it has one,
@@ -88,6 +88,11 @@ class DataOptions:
     data: str | None = option(None, "the text to train on: for l2l train a file or a folder (default: this Python's "
                               "stdlib sources), for l2l finetune a UTF-8 text file", kind="path", metavar="PATH",
                               required_in=("finetune",))
+    val_data: str | None = option(None, "a UTF-8 text file to validate on (default: a tenth of --data's minibatches, "
+                                  "held out)", kind="path", metavar="PATH", commands=("finetune",))
+    doc_separator: str | None = option(None, "a line that separates documents in --data: each is ended by the "
+                                       "end-of-text token (default: the text as one stream, as run_clm reads it)",
+                                       kind="text", metavar="LINE", commands=("finetune",))
     context: int = option(GPTConfig.block_size, "tokens per sequence (bytes for l2l train's GPT)", kind="int", low=1)
     batch_size: int = option(32, "sequences per minibatch", kind="int", low=1)
     seed: int = option(1337, "seeds the weights, dropout and batches", kind="int", low=0, high=2**63, high_open=True)
@@ -100,7 +105,8 @@ class DataOptions:
 class RunOptions:
     """Validation, checkpoints, the output folder and the run's control."""
 
-    eval_every: int = option(50, "steps between validation and checkpoint", kind="int", low=1)
+    eval_every: int | None = option(None, "steps between validation and checkpoint (default: a tenth of --steps)",
+                                    kind="int", low=1)
     model: str | None = option(None, "the Hugging Face model folder (config, safetensors, tokenizer)", kind="path",
                                metavar="DIR", commands=("finetune",), required_in=("finetune",))
     out: str | None = option("runs/latest", "output folder (Python: None writes nothing)", kind="path",
@@ -145,6 +151,8 @@ class TrainConfig(RunOptions, RelayOptions, EpsOptions, ScheduleOptions, DataOpt
                 component.__post_init__(self)
             if self.micro_batches > self.batch_size:
                 fail("micro_batches", self.micro_batches, f"must be at most batch_size ({self.batch_size})")
+            if self.min_lr is not None and self.min_lr > self.lr:
+                fail("min_lr", self.min_lr, f"must be at most lr ({self.lr})")
         except OptionError as e:
             raise ConfigError(e.rule, e.field, e.value) from None
 
@@ -153,7 +161,7 @@ class TrainConfig(RunOptions, RelayOptions, EpsOptions, ScheduleOptions, DataOpt
         A fine-tuning run also records its model's config fingerprint."""
         cfg = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in CONTROL_FIELDS}
         cfg["warmup"] = self.warmup_steps
-        for name in ("data", "model"):
+        for name in ("data", "model", "val_data"):
             cfg[name] = str(Path(cfg[name]).expanduser().resolve()) if cfg[name] else None
         if self.model is not None:
             from l2l_hw.hf import config_fingerprint
@@ -163,6 +171,11 @@ class TrainConfig(RunOptions, RelayOptions, EpsOptions, ScheduleOptions, DataOpt
 
     def model_config(self) -> GPTConfig:
         return self.gpt_config(self.context)
+
+    @property
+    def eval_interval(self) -> int:
+        """Steps between validations and checkpoints: eval_every, or a tenth of the run."""
+        return self.eval_every or max(1, self.steps // 10)
 
 
 CONTROL_FIELDS = ("out", "resume", "overwrite", "stop_after", "tensorboard", "verbose", "overlay", "kernel",
@@ -183,7 +196,7 @@ def resume_config(out: str | os.PathLike, **given) -> TrainConfig:
     RESUME_MAY_CHANGE and the control fields may differ, any other must agree."""
     meta = open_checkpoint(Path(out) / CHECKPOINT).meta
     saved = _saved_config(meta, Path(out) / CHECKPOINT)
-    for name in ("data", "model"):  # as the checkpoint holds them
+    for name in ("data", "model", "val_data"):  # as the checkpoint holds them
         if given.get(name):
             given[name] = str(Path(given[name]).expanduser().resolve())
     clash = {k: v for k, v in given.items() if k in saved and k not in RESUME_MAY_CHANGE and v != saved[k]}
@@ -291,6 +304,8 @@ def train(cfg: TrainConfig | None = None, *, layers=None, loss_fn: Callable | No
     if layers is not None and (loss_fn is None or relay is not None):
         raise ConfigError("train(layers=...) needs loss_fn= and no relay=")
     checkpoint = _load_for_resume(cfg) if cfg.resume else None
+    if relay is not None and checkpoint is None:  # a relay built elsewhere: the seed still rules dropout
+        torch.manual_seed(cfg.seed)
     if checkpoint is not None and cfg.warmup is None:  # "a tenth of steps" was settled when the run began
         cfg = dataclasses.replace(cfg, warmup=checkpoint[1]["config"]["warmup"])
     ranks = join_torchrun(cfg.device, cfg.dist_timeout)
@@ -437,8 +452,11 @@ def _load_for_resume(cfg: TrainConfig):
 
 
 def _banner(cfg: TrainConfig, relay, ranks: Ranks, corpus: Corpus | None) -> str:
+    params = sum(math.prod(shape) for names in relay.eps.shapes.values() for shape in names.values())
+    family = getattr(getattr(relay.layers[0], "config", None), "model_type", None)  # a Hugging Face model's
     model = (f"{cfg.layers} layers x {cfg.width} wide, context {cfg.context}, " if corpus is not None
-             else f"{len(relay.layers)} layers, ")
+             else f"{family + ' ' if family else ''}{len(relay.layers)} relay layers, ")
+    model += f"{params:,} trained parameters, {cfg.batch_size * cfg.context:,} tokens a step, "
     data = f"corpus {corpus.source} ({len(corpus.train):,} train bytes), " if corpus is not None else ""
     if corpus is not None and corpus.skipped:
         data += (f"skipped {len(corpus.skipped)} path(s) that are not regular files "
@@ -584,7 +602,7 @@ class _Loop:
                                         f"and were discarded; stopped ({self._last_checkpoint()})")
                 if not math.isfinite(row["loss"]):  # discarded: the weights are as they were
                     continue
-                evaluate = relay.step % cfg.eval_every == 0 or relay.step == stop
+                evaluate = relay.step % cfg.eval_interval == 0 or relay.step == stop
                 if evaluate:
                     val_loss = row["val_loss"] = self.evaluate()
                 if self.files:

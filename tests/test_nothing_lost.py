@@ -141,8 +141,7 @@ def test_data_that_is_a_fifo_is_one_line_for_train_and_finetune(tmp_path, fifo_f
     done = run_with_timeout(["train", *SMALL, "--steps", "1", "--out", str(tmp_path / "a"), "--data", str(pipe)])
     assert done.returncode == 2
     one_line(done.stderr, "train", f"--data {pipe}", "FIFO")
-    done = run_with_timeout(["finetune", "--model", str(hf_folder("gpt2")), "--data", str(pipe),
-                             "--out", str(tmp_path / "b")])
+    done = run_with_timeout(finetune(hf_folder("gpt2"), pipe, tmp_path / "b"))
     assert done.returncode == 2
     one_line(done.stderr, "finetune", str(pipe), "FIFO", "not a regular file")
 

@@ -32,7 +32,7 @@ import torch
 from l2l_hw.options import OptionError
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
-SCHEDULES = ("constant", "cosine")
+SCHEDULES = ("constant", "cosine", "linear")
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 WORKING_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Optimizer state slots per optimizer: m is Adam's exp_avg or SGD's momentum buffer,
@@ -104,8 +104,8 @@ class OptimConfig:
             (not self.nesterov or (self.momentum > 0 and self.dampening == 0),
              "nesterov needs momentum > 0 and dampening = 0 (as torch.optim.SGD)"),
             (self.schedule in SCHEDULES, f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}"),
-            (self.schedule != "cosine" or (self.total_steps or 0) > self.warmup_steps,
-             "the cosine schedule needs total_steps greater than warmup_steps"),
+            (self.schedule == "constant" or (self.total_steps or 0) > self.warmup_steps,
+             f"the {self.schedule} schedule needs total_steps greater than warmup_steps"),
             (self.min_lr <= self.lr, f"min_lr must be <= lr ({self.lr}), got {self.min_lr}"),
         ]
         for ok, message in checks:
@@ -113,7 +113,13 @@ class OptimConfig:
                 raise ValueError(message)
 
     def lr_at(self, step: int) -> float:
-        """Learning rate of optimizer step `step` (1-based): linear warm-up, then constant or cosine."""
+        """Learning rate of optimizer step `step` (1-based): linear warm-up, then constant or
+        cosine; or "linear", transformers' get_linear_schedule_with_warmup (its factor of the
+        steps taken before this one: up from 0 over the warm-up, then down to min_lr at total_steps)."""
+        if self.schedule == "linear":
+            done, warmup, total = step - 1, self.warmup_steps, self.total_steps
+            factor = done / max(1, warmup) if done < warmup else max(0.0, (total - done) / max(1, total - warmup))
+            return self.min_lr + (self.lr - self.min_lr) * factor
         if self.warmup_steps and step <= self.warmup_steps:
             return self.lr * step / self.warmup_steps
         if self.schedule == "constant":

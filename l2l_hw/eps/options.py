@@ -17,16 +17,26 @@ class ScheduleOptions:
     """How long the run is and how its learning rate moves."""
 
     steps: int = option(200, "total optimizer steps; with --resume a new target", kind="int", low=1)
-    schedule: str = option("cosine", "lr schedule: constant, or cosine down to lr/10", kind="choice",
-                           choices=SCHEDULES)
-    warmup: int | None = option(None, "linear warm-up steps (default: a tenth of --steps)", kind="int", low=0)
+    schedule: str = option("cosine", "lr schedule: constant; cosine down to --min-lr; or linear down to --min-lr "
+                           "(transformers' default)", kind="choice", choices=SCHEDULES,
+                           command_defaults={"finetune": "linear"})
+    warmup: int | None = option(None, "linear warm-up steps (l2l train's default: a tenth of --steps)", kind="int",
+                                low=0, command_defaults={"finetune": 0})
+    min_lr: float | None = option(None, "the learning rate the schedule ends at (default: lr/10 for cosine, 0 for "
+                                  "linear)", kind="float", low=0.0)
 
     def __post_init__(self):
         check_options(self)
-        if self.warmup is not None and (self.warmup > self.steps or (self.schedule == "cosine"
+        if self.warmup is not None and (self.warmup > self.steps or (self.schedule != "constant"
                                                                      and self.warmup == self.steps)):
-            cosine = " (less with the cosine schedule)" if self.schedule == "cosine" else ""
-            fail("warmup", self.warmup, f"must be a whole number from 0 to steps ({self.steps}){cosine}")
+            decaying = f" (less with the {self.schedule} schedule)" if self.schedule != "constant" else ""
+            fail("warmup", self.warmup, f"must be a whole number from 0 to steps ({self.steps}){decaying}")
+
+    def floor(self, lr: float) -> float:
+        """The learning rate the schedule ends at, for a peak of `lr`."""
+        if self.min_lr is not None:
+            return self.min_lr
+        return lr / 10 if self.schedule == "cosine" else 0.0
 
     @property
     def warmup_steps(self) -> int:
@@ -45,9 +55,12 @@ class EpsOptions:
                               flag="--eps", aliases=("--eps-backend",))
     optimizer: str = option("adamw", "the update rule (as torch.optim's)", kind="choice", choices=OPTIMIZERS)
     # lr, momentum, weight_decay: their ranges and rules are OptimConfig's (OPTIMIZER_ARGUMENTS)
-    lr: float = option(2e-3, "peak learning rate", kind="float")
+    lr: float = option(2e-3, "peak learning rate", kind="float", command_defaults={"finetune": 5e-5})
     momentum: float = option(0.0, "SGD momentum, in [0, 1)", kind="float")
-    weight_decay: float = option(0.1, "decoupled weight decay (AdamW), L2 (Adam, SGD)", kind="float")
+    weight_decay: float = option(0.1, "decoupled weight decay (AdamW), L2 (Adam, SGD)", kind="float",
+                                 command_defaults={"finetune": 0.0})
+    adam_beta1: float = option(0.9, "Adam's beta1", kind="float", low=0.0, high=1.0, high_open=True)
+    adam_beta2: float = option(0.999, "Adam's beta2", kind="float", low=0.0, high=1.0, high_open=True)
     adam_eps: float = option(1e-8, "Adam's epsilon, added to the square root of v", kind="float")
     optimizer_state: str = option("fp32", "how the EPS keeps m and v: fp32, bf16 or block-wise 8bit", kind="choice",
                                   choices=STATE_FORMATS)
@@ -77,13 +90,15 @@ class EpsOptions:
 
     def optimizer_arguments(self) -> dict:
         """OptimConfig's arguments of these options (the schedule's aside)."""
-        return {argument: getattr(self, name) for name, argument in OPTIMIZER_ARGUMENTS.items()}
+        return {**{argument: getattr(self, name) for name, argument in OPTIMIZER_ARGUMENTS.items()},
+                "betas": (self.adam_beta1, self.adam_beta2)}
 
     def make_eps_arguments(self, schedule: ScheduleOptions) -> dict:
-        """make_eps's arguments for these options and `schedule` (the lr floors at lr/10, as nanoGPT's)."""
+        """make_eps's arguments for these options and `schedule` (by default cosine floors at lr/10, as
+        nanoGPT's, and linear ends at 0, as transformers')."""
         backend = {"overlay": self.overlay, "kernel": self.kernel} if self.overlay else {}
         if self.optimizer_state != "fp32":  # a backend registered without state formats still takes the default
             backend["state"] = self.optimizer_state
         return dict(name=self.eps_backend, **self.optimizer_arguments(), schedule=schedule.schedule,
-                    warmup_steps=schedule.warmup_steps, total_steps=schedule.steps, min_lr=self.lr / 10,
+                    warmup_steps=schedule.warmup_steps, total_steps=schedule.steps, min_lr=schedule.floor(self.lr),
                     shard_state=self.shard_state, **backend)
