@@ -272,7 +272,7 @@ always @* begin
 end
 
 // run_start: one clock, the first of ST_RUN, decided in ST_SETUP (timing, docs/BENCHMARKS.md,
-// issue 19: the checks on n and the pointers end in this register, not in the clock enables
+// The checks on n and the pointers end in this register, not in the clock enables
 // of every stream register of the reader and writer). It loads the engines and clears their
 // FIFOs, the lanes' valid bits and l2l_optim_quant; nothing is issued in that clock.
 reg run_start_reg;
@@ -350,7 +350,7 @@ l2l_optim_writer #(
 );
 
 // ---------------------------------------------------------------- issue
-// Timing (docs/BENCHMARKS.md, issue 19): every decision of the issue logic comes from
+// Timing (docs/BENCHMARKS.md): every decision of the issue logic comes from
 // registers: the groups left and the last-group flag are counted down, the credit is
 // registered one clock early (so it reserves room for one more group), and the lanes take
 // their operands from an input register (ISSUE_STAGES), not from the FIFO read ports.

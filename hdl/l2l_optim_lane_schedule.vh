@@ -7,7 +7,7 @@
 // Every operand select of the lane whose result feeds a unit is registered: it reads its
 // inputs and the configuration LANE_SELECT_LATENCY clocks before the point it is named
 // for (timing: a select driven by a configuration tap straight into a unit's first stage
-// set the lane's clock on the ECP5, docs/BENCHMARKS.md, issue 19).
+// set the lane's clock on the ECP5, docs/BENCHMARKS.md).
 localparam integer LANE_SELECT_LATENCY = 1;
 localparam integer T_G32  = FP_CONVERT_LATENCY + LANE_SELECT_LATENCY;   // g widened to fp32, selected
 localparam integer T_GS   = T_G32 + FP32_MUL_LATENCY;            // A gs = g*inv_scale, B pw = p*decay

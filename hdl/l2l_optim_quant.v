@@ -58,6 +58,7 @@ module l2l_optim_quant #
 );
 
 `include "fp_latency.vh"
+`include "l2l_optim_regs.vh"  // QUANT_BLOCK
 `include "l2l_optim_state8.vh"
 
 localparam integer BLOCK_GROUPS = QUANT_BLOCK / LANES;

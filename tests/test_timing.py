@@ -78,7 +78,7 @@ def test_yosys_names_the_lines_of_the_files(tmp_path):
     assert checked >= 2, modules.keys()
 
 
-# The critical path of l2l_optim at seed 1 (nextpnr 0.10, issue 19), cut: a block RAM's read
+# The critical path of l2l_optim at seed 1 (nextpnr 0.10), cut: a block RAM's read
 # port into the multiplier's first stage, every cell mapped by yosys, so no hdl/ line on it.
 BLOCK_RAM_PATH = """\
 Info: Critical path report for clock '$glbnet$clk$TRELLIS_IO_IN' (posedge -> posedge):

@@ -187,8 +187,22 @@ def test_no_import_cycle_inside_l2l_hw():
     assert not cycles, cycles
 
 
-def test_the_library_never_imports_the_command_line():
+def imports_between(importers: str, imported: str) -> list[str]:
+    """'a imports b' for every import of a module in package (or module) `imported` by one in `importers`."""
+    def inside(name, package):
+        return name == package or name.startswith(package + ".")
     modules = package_modules()
-    users = [name for name, tree in modules.items() if name != "l2l_hw.cli"
-             and any(target == "l2l_hw.cli" for target, _ in imports_of(name, tree, modules))]
+    return [f"{name} imports {target}" for name, tree in modules.items() if inside(name, importers)
+            for target, _ in imports_of(name, tree, modules) if inside(target, imported) and target != name]
+
+
+def test_the_library_never_imports_the_command_line():
+    users = imports_between("l2l_hw", "l2l_hw.cli")
+    assert not users, users
+
+
+def test_the_hardware_floor_never_imports_the_eps():
+    """l2l_hw/hw (register map, driver, transports) sits below the EPS that uses it: what
+    both need (the quantization block) lives in the register map, l2l_hw/hw/regs.py."""
+    users = imports_between("l2l_hw.hw", "l2l_hw.eps")
     assert not users, users

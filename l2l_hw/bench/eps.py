@@ -16,7 +16,7 @@ Every step is compared with the stream of its own bytes: the host kernel's
 l2l_host_stream moves the same reads, in-place updates and writes with no arithmetic,
 with plain and with non-temporal stores, on 1 thread and on the kernel's threads; in each
 round the fastest of those is the stream. It was meant as a limit that the kernels, which
-do strictly more, cannot beat; on a VM (docs/BENCHMARKS.md, issue 18) the fused kernel
+do strictly more, cannot beat; on a 2-vCPU VM (docs/BENCHMARKS.md) the fused kernel
 moved its bytes faster than every no-arithmetic loop tried, so `fused_vs_stream` > 1 says
 the stream is no limit there, and the report says so. `stream_thread_scaling` (the stream
 on the kernel's threads against 1 thread) says why: near the thread count, the stream is
@@ -40,12 +40,12 @@ import argparse
 import os
 import platform
 import statistics
-import time
 from dataclasses import dataclass
 
 import torch
 
 from l2l_hw.bench import print_report
+from l2l_hw.bench.timer import round_robin
 from l2l_hw.eps import golden, host_kernel
 from l2l_hw.eps.base import OptimConfig
 
@@ -89,18 +89,8 @@ class Rounds:
 
     @classmethod
     def timed(cls, fns: dict, repeats: int) -> "Rounds":
-        """Each function timed round robin (one run of each per round), so that a neighbour's
-        load on a shared machine hits every variant alike."""
-        for fn in fns.values():
-            for _ in range(WARMUP):
-                fn()
-        times = {name: [] for name in fns}
-        for _ in range(repeats):
-            for name, fn in fns.items():
-                t0 = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - t0)
-        return cls(times)
+        """Each function timed round robin (l2l_hw/bench/timer.py) after WARMUP untimed runs."""
+        return cls(round_robin(fns, repeats, WARMUP))
 
     def median(self, name: str) -> float:
         return statistics.median(self.times[name])

@@ -15,6 +15,7 @@ import torch
 
 import l2l_hw
 from l2l_hw.bench import print_report, train_steps
+from l2l_hw.bench.timer import round_robin
 from l2l_hw.models import Corpus, GPTConfig, build_gpt, lm_loss
 
 # Big enough that compute, not Python overhead, dominates a step; small enough
@@ -65,15 +66,8 @@ def run(steps: int = 5, device: str = "cpu") -> dict:
     trainers = {"torch": _torch_trainer(x, y, dev)}
     trainers.update({f"u{u}": _relay_trainer(x, y, u, dev) for u in MICRO_BATCHES})
     trainers[NO_RECOMPUTE] = _relay_trainer(x, y, 4, dev, recompute=False)
-    for step in trainers.values():
-        for _ in range(WARMUP_STEPS):
-            step()
-    # Round robin, one step of each variant per round: a neighbour's load on a
-    # shared machine then slows every variant alike instead of whichever ran last.
-    times = {name: [] for name in trainers}
-    for _ in range(steps):
-        for name, step in trainers.items():
-            times[name].append(step())
+    # each trainer returns its step's own seconds (train()'s, or synchronized with the device)
+    times = round_robin(trainers, steps, WARMUP_STEPS, self_timed=True)
     median = {name: statistics.median(t) for name, t in times.items()}
     torch.manual_seed(SEED)
     report = {

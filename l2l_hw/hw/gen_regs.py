@@ -1,5 +1,8 @@
 """Generate the register-map views from hdl/l2l_optim_regs.json, the one source.
 
+The source holds the registers and the kernel's constants that software must agree on
+(QUANT_BLOCK, the 8-bit state's block size, read by the RTL, golden.py and the driver).
+
     python -m l2l_hw.hw.gen_regs          # rewrite hdl/l2l_optim_regs.vh and l2l_hw/hw/regs.py
     python -m l2l_hw.hw.gen_regs --check  # exit 1 when either file is stale
 
@@ -34,10 +37,11 @@ def load(path: Path = SOURCE) -> dict:
 def verilog(spec: dict) -> str:
     aw = spec["addr_width"]
     out = [f"// {HEADER}.",
-           "// Included inside a module body: localparams of the register map.",
+           "// Included inside a module body: localparams of the register map and the kernel's constants.",
            "/* verilator lint_off UNUSEDPARAM */",
            f"localparam [31:0] REG_ID_VALUE = 32'h{int(spec['id'], 0):08X};",
-           f"localparam [31:0] REG_VERSION_VALUE = 32'h{int(spec['version'], 0):08X};"]
+           f"localparam [31:0] REG_VERSION_VALUE = 32'h{int(spec['version'], 0):08X};",
+           *(f"localparam integer {c['name']} = {c['value']};  // {c['doc']}" for c in spec.get("constants", []))]
     for reg in spec["registers"]:
         words = reg["width"] // 32
         if words == 1:
@@ -66,6 +70,7 @@ def python(spec: dict) -> str:
            f"ID_VALUE = 0x{int(spec['id'], 0):08X}  # what register ID reads: {spec.get('id_meaning', '')}",
            f"VERSION_VALUE = 0x{int(spec['version'], 0):08X}  # what register VERSION reads",
            f"ADDR_WIDTH = {spec['addr_width']}",
+           *(f"{c['name']} = {c['value']}  # {c['doc']}" for c in spec.get("constants", [])),
            ""]
     for reg in spec["registers"]:
         out.append(f"{reg['name']} = 0x{reg['offset']:02X}  # {reg['width']}-bit {reg['access']}: {reg['doc']}")
@@ -108,6 +113,7 @@ def python(spec: dict) -> str:
 def markdown(spec: dict) -> str:
     """The register map as a Markdown table (for docs; not committed anywhere)."""
     rows = ["| offset | name | bits | access | meaning |", "| --- | --- | --- | --- | --- |"]
+    rows += [f"| | {c['name']} = {c['value']} | | constant | {c['doc']} |" for c in spec.get("constants", [])]
     for reg in spec["registers"]:
         rows.append(f"| 0x{reg['offset']:02X} | {reg['name']} | {reg['width']} | {reg['access']} | {reg['doc']} |")
         for f in reg.get("fields", []):

@@ -7,6 +7,7 @@ are two 32-bit words, low word first (NAME, NAME + 4).
 ID_VALUE = 0x4C324C4F  # what register ID reads: ASCII 'L2LO'
 VERSION_VALUE = 0x00020000  # what register VERSION reads
 ADDR_WIDTH = 8
+QUANT_BLOCK = 256  # elements per block of the 8-bit state: one fp32 scale each for m and for v (golden.quantize)
 
 CTRL = 0x00  # 32-bit rw: Vitis HLS ap_ctrl_hs control
 GIE = 0x04  # 32-bit rw: global interrupt enable

@@ -105,7 +105,7 @@ class MLP(nn.Module):
         super().__init__()
         if cfg.gelu not in GELUS:
             raise ValueError(f"gelu must be one of {', '.join(GELUS)}, got {cfg.gelu!r}")
-        # Approximate backwards (issue 7): same parameters and init, less saved for backward.
+        # Approximate backwards: same parameters and init, less saved for backward.
         linear = partial(RandomProjectionLinear, ratio=cfg.linear_projection) if cfg.linear_projection > 0 else nn.Linear
         self.c_fc = linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)  # (B, T, 4C)
         self.gelu = FewBitGELU() if cfg.gelu == "fewbit" else nn.GELU()

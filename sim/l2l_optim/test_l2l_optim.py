@@ -256,12 +256,12 @@ def state8_arrays(rng, m, v, specials):
     """m and v as the 8-bit state stores them (golden.quantize): codes and block scales. With
     specials, whole blocks of zeros and a block whose scale is NaN (it held Inf or NaN)."""
     m, v = m.copy(), v.copy()
-    blocks = -(-m.size // golden.QUANT_BLOCK)
+    blocks = -(-m.size // regs.QUANT_BLOCK)
     if specials and blocks > 1:
-        zero = int(rng.integers(blocks)) * golden.QUANT_BLOCK
-        m[zero:zero + golden.QUANT_BLOCK] = 0.0
-        v[zero:zero + golden.QUANT_BLOCK] = 0.0
-        bad = int(rng.integers(blocks)) * golden.QUANT_BLOCK
+        zero = int(rng.integers(blocks)) * regs.QUANT_BLOCK
+        m[zero:zero + regs.QUANT_BLOCK] = 0.0
+        v[zero:zero + regs.QUANT_BLOCK] = 0.0
+        bad = int(rng.integers(blocks)) * regs.QUANT_BLOCK
         m[min(bad + 3, m.size - 1)] = np.inf
     stored = {}
     for slot, x in (("m", m), ("v", v)):
@@ -285,7 +285,7 @@ async def run_case(tb, rng, n, optimizer="adamw", grad="fp32", copy="none", in_p
     # fill the RAM span we use with a known pattern, guards included
     start = layout.addr
     state_bytes = n if q8 else 4 * n
-    scale_bytes = 4 * -(-n // golden.QUANT_BLOCK)
+    scale_bytes = 4 * -(-n // regs.QUANT_BLOCK)
     src = {"p": layout.place(4 * n), "m": layout.place(state_bytes), "v": layout.place(state_bytes),
            "g": layout.place(GRAD_BYTES[grad] * n)}
     if q8:
@@ -433,7 +433,7 @@ async def test_state8_bit_identical(dut):
     down in the subnormal codes; DRAM == golden.apply_rule_stored, guards untouched."""
     tb = await setup(dut, seed=5)
     rng = np.random.default_rng(5)
-    b = golden.QUANT_BLOCK
+    b = regs.QUANT_BLOCK
     sizes = [1, b - 1, b + tb.lanes + 1, 3 * b + 5, 2 * b]
     grads = ["fp32", "bf16", "fp16"]
     copies = ["bf16", "none", "fp16"]

@@ -20,6 +20,7 @@ from cocotb.clock import Clock
 from cocotb.triggers import ClockCycles, RisingEdge
 
 from l2l_hw.eps import golden
+from l2l_hw.hw.regs import QUANT_BLOCK
 
 CODE = golden.M_CODE if int(os.environ.get("L2L_QUANT_SIGNED", "1")) else golden.V_CODE
 
@@ -82,7 +83,7 @@ class TB:
 
     async def _collect(self, groups, codes, scales, last_seen):
         dut, lanes = self.dut, self.lanes
-        blocks = -(-groups * lanes // golden.QUANT_BLOCK)
+        blocks = -(-groups * lanes // QUANT_BLOCK)
         got = 0
         while got < groups:
             await RisingEdge(dut.clk)
@@ -148,7 +149,7 @@ KINDS = ("random", "wide", "zero", "nonfinite", "huge", "tiny", "ties")
 def make_case(rng: np.random.Generator, n: int) -> np.ndarray:
     parts, left = [], n
     while left > 0:
-        size = min(left, golden.QUANT_BLOCK)
+        size = min(left, QUANT_BLOCK)
         parts.append(block_values(rng, rng.choice(KINDS), size))
         left -= size
     return np.concatenate(parts)
@@ -160,7 +161,8 @@ async def test_quantize_bit_identical(dut):
     await tb.reset()
     rng = np.random.default_rng(19)
     prng = random.Random(19)
-    for n, busy in [(1, 0.0), (255, 0.3), (256, 0.0), (257, 0.5), (1000, 0.2), (3 * 256 + 5, 0.0),
+    b = QUANT_BLOCK
+    for n, busy in [(1, 0.0), (b - 1, 0.3), (b, 0.0), (b + 1, 0.5), (1000, 0.2), (3 * b + 5, 0.0),
                     (4096 + 77, 0.1), (2048, 0.0)]:
         x = make_case(rng, n)
         codes, scales, _, last_seen = await tb.run(x, busy, prng)
@@ -174,7 +176,7 @@ async def test_every_kind_of_block(dut):
     rng = np.random.default_rng(7)
     prng = random.Random(7)
     for kind in KINDS:
-        x = np.concatenate([block_values(rng, kind, golden.QUANT_BLOCK) for _ in range(3)] +
+        x = np.concatenate([block_values(rng, kind, QUANT_BLOCK) for _ in range(3)] +
                            [block_values(rng, kind, 100)])
         codes, scales, _, last_seen = await tb.run(x, 0.1, prng)
         check(x, codes, scales, last_seen, -(-x.size // tb.lanes))
@@ -191,7 +193,7 @@ async def test_back_to_back_never_waits(dut):
     prng = random.Random(3)
     tails = set()
     for blocks in (1, 2, 5, 8):
-        n = blocks * golden.QUANT_BLOCK
+        n = blocks * QUANT_BLOCK
         x = make_case(rng, n)
         codes, scales, clocks, last_seen = await tb.run(x, 0.0, prng)
         check(x, codes, scales, last_seen, n // tb.lanes)
