@@ -44,7 +44,7 @@ from l2l_hw.inputs import path_kind, regular_file
 IGNORE_INDEX = -100  # HF's label for tokens that carry no loss
 SUPPORTED = ("GPT2LMHeadModel, BertForMaskedLM, and decoder-only causal LMs laid out as Llama "
              "(model.embed_tokens, model.layers, model.norm, model.rotary_emb, lm_head: Llama, Mistral, "
-             "Qwen2, Qwen3, ...)")
+             "Qwen2, Qwen3, Gemma-3, ...)")
 WEIGHTS_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 SIZES = ("num_hidden_layers", "n_layer", "num_attention_heads", "n_head", "hidden_size", "n_embd", "vocab_size",
          "n_positions", "max_position_embeddings")  # config.json's sizes, each a whole number >= 1 where given
@@ -103,6 +103,7 @@ class Block(nn.Module):
         super().__init__()
         self.layer = layer
         self.rotary_emb = rotary_emb
+        self.typed_rotary = rotary_emb is not None and "layer_type" in inspect.signature(rotary_emb.forward).parameters
         self.config = config
         self.attention = attention
 
@@ -119,8 +120,9 @@ class Block(nn.Module):
         hidden, mask = _unpack(x)
         positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)  # (1, T)
         extra = {}
-        if self.rotary_emb is not None:
-            extra["position_embeddings"] = self.rotary_emb(hidden, position_ids=positions)
+        if self.rotary_emb is not None:  # per layer type where the model has several (Gemma-3: local and global)
+            by_type = {"layer_type": self.attention} if self.typed_rotary else {}
+            extra["position_embeddings"] = self.rotary_emb(hidden, position_ids=positions, **by_type)
         out = self.layer(hidden, attention_mask=self._mask(hidden, mask, positions), position_ids=positions,
                          **extra)
         return _pack(out[0] if isinstance(out, tuple) else out, mask)

@@ -60,6 +60,10 @@ def tiny(kind: str, seed: int = 0):
                                           hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
     if kind == "qwen2":
         return Qwen2ForCausalLM(Qwen2Config(**common, num_attention_heads=4, num_key_value_heads=2))
+    if kind == "gemma3":  # local (sliding) and global layers, each with its own rotary table
+        return transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+            **common, num_attention_heads=2, num_key_value_heads=1, head_dim=8, sliding_window=3,
+            layer_types=["sliding_attention", "full_attention"], rope_theta=100.0))
     if kind == "mistral-sliding":  # a window shorter than the sequence: the sliding mask matters
         return MistralForCausalLM(MistralConfig(**common, num_attention_heads=4, num_key_value_heads=2,
                                                 sliding_window=3))
@@ -131,7 +135,7 @@ def logits(model, ids, mask):
 
 
 @pytest.mark.parametrize("u", [1, 3])
-@pytest.mark.parametrize("kind", ["gpt2", "llama-gqa-tied-bias", "llama-untied", "bert"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama-gqa-tied-bias", "llama-untied", "gemma3", "bert"])
 def test_relay_trains_hf_model_as_pytorch_and_saves_what_transformers_loads(tmp_path, kind, u, one_thread):
     model = tiny(kind)
     model.save_pretrained(tmp_path / "start")
@@ -177,7 +181,7 @@ def test_relay_trains_hf_model_as_pytorch_and_saves_what_transformers_loads(tmp_
     assert rel_diff(relay_logits, logits(model, ids, mask)) <= TOL
 
 
-@pytest.mark.parametrize("kind", ["llama-gqa-tied-bias", "qwen2", "mistral-sliding", "gpt2", "bert"])
+@pytest.mark.parametrize("kind", ["llama-gqa-tied-bias", "qwen2", "mistral-sliding", "gemma3", "gpt2", "bert"])
 def test_split_layers_compute_the_model_logits_and_loss(kind):
     """One code path for the Llama family: HF's own layers, masks and rotary embedding."""
     model = tiny(kind)
