@@ -441,16 +441,26 @@ class LayerInit:
         return out
 
 
-def from_pretrained(path, eps, **relay_options):
+def no_decay_rule(model: nn.Module, layers: list[nn.Module]):
+    """`no_decay(i, name)` for the relay: the parameters transformers' Trainer updates without
+    weight decay (its own get_decay_parameter_names: biases and norms), by relay layer and name."""
+    decayed = set(_transformers().Trainer.get_decay_parameter_names(None, model))  # uses no Trainer state
+    return lambda i, name: name in layers[i].hf_keys and not decayed & set(layers[i].hf_keys[name])
+
+
+def from_pretrained(path, eps, exempt_from_decay: bool = True, **relay_options):
     """A Relay holding the model of a local transformers folder: the skeleton on the meta device,
     the safetensors streamed into `eps` layer by layer (this holds one layer and the shard it
-    reads). The relay's loss_fn is the model's `TokenLoss` (`batch()` gives exact HF losses)."""
+    reads). The relay's loss_fn is the model's `TokenLoss` (`batch()` gives exact HF losses).
+    exempt_from_decay: biases and norms are updated without weight decay, as transformers'
+    Trainer does (False: every parameter decays, as torch.optim over model.parameters())."""
     from l2l_hw.relay import Relay
 
     folder = _model_folder(path)
     model = skeleton(folder)
     layers, loss_fn = split(model)
-    return Relay(layers, loss_fn, eps=eps, init=LayerInit(folder, model, layers), **relay_options)
+    return Relay(layers, loss_fn, eps=eps, init=LayerInit(folder, model, layers), no_decay=no_decay_rule(model, layers) if exempt_from_decay else None,
+                 **relay_options)
 
 
 # ---------------------------------------------------------------------------- saving

@@ -72,10 +72,12 @@ def finetune_argv(folder: Path, tmp_path: Path, out: str, *extra: str) -> list[s
             "--batch-size", "4", "--micro-batches", "2", "--context", "16", "--seed", "7", *extra]
 
 
-def test_the_loss_curve_matches_transformers_trainer_with_its_defaults(gpt2_folder, tmp_path):
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])  # 0.1: Trainer exempts biases and norms, so must we
+def test_the_loss_curve_matches_transformers_trainer_with_its_defaults(gpt2_folder, tmp_path, weight_decay):
     folder = gpt2_folder()
     steps, lr = 20, 1e-3  # the defaults otherwise: linear decay to 0, no warm-up, no weight decay, AdamW
-    assert main(finetune_argv(folder, tmp_path, "l2l", "--steps", str(steps), "--lr", str(lr))) == 0
+    assert main(finetune_argv(folder, tmp_path, "l2l", "--steps", str(steps), "--lr", str(lr),
+                              "--weight-decay", str(weight_decay))) == 0
     ours = [r["loss"] for r in read_metrics(tmp_path / "l2l" / "metrics.jsonl")]
 
     batches = hf.finetune_batches(folder, tmp_path / "text.txt", batch_size=4, seq_len=16, seed=7)
@@ -96,6 +98,7 @@ def test_the_loss_curve_matches_transformers_trainer_with_its_defaults(gpt2_fold
 
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / "trainer"), per_device_train_batch_size=4, max_steps=steps, learning_rate=lr,
+        weight_decay=weight_decay,
         seed=7, max_grad_norm=0.0,  # the relay updates each layer eagerly: it clips only when asked
         report_to=[], save_strategy="no", logging_strategy="no", use_cpu=True, dataloader_drop_last=True)
     InOrder(model=transformers.AutoModelForCausalLM.from_pretrained(folder), args=args, train_dataset=rows).train()

@@ -140,7 +140,8 @@ def test_relay_trains_hf_model_as_pytorch_and_saves_what_transformers_loads(tmp_
     model = tiny(kind)
     model.save_pretrained(tmp_path / "start")
     hf_keys = set(saved_tensors(tmp_path / "start"))
-    relay = hf.from_pretrained(tmp_path / "start", eps=l2l_hw.make_eps("cpu", **OPTIM), micro_batches=u)
+    relay = hf.from_pretrained(tmp_path / "start", eps=l2l_hw.make_eps("cpu", **OPTIM), micro_batches=u,
+                               exempt_from_decay=False)  # as torch.optim.AdamW(model.parameters())
     relay_losses = []
     for step in range(STEPS):
         ids, mask, labels = make_batch(step)

@@ -181,8 +181,10 @@ class EPS(ABC):
         """What the relay needs of the EPS, said once before the first register()."""
 
     @abstractmethod
-    def register(self, key: str, params: dict[str, torch.Tensor]) -> None:
-        """Take the fp32 master copy of a group's parameters and allocate its state."""
+    def register(self, key: str, params: dict[str, torch.Tensor], no_decay: frozenset[str] = frozenset()) -> None:
+        """Take the fp32 master copy of a group's parameters and allocate its state; the tensors
+        named in `no_decay` are updated without weight decay (biases and norms, as transformers'
+        Trainer does)."""
 
     @abstractmethod
     def fetch(self, key: str, previous: bool = False) -> dict[str, torch.Tensor]:
@@ -231,12 +233,14 @@ class EPS(ABC):
         """Load what state_dict / state_entries gave (any EPS of the same model and rule)."""
 
 
-def new_group(shapes: dict[str, dict[str, torch.Size]], key: str,
-              params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def new_group(shapes: dict[str, dict[str, torch.Size]], key: str, params: dict[str, torch.Tensor],
+              no_decay: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
     """What any EPS registers, checked (a new key; floating-point tensors with values, not on the
-    meta device) and recorded in `shapes`; the tensors as fp32 on the host."""
+    meta device; no_decay names some of them) and recorded in `shapes`; the tensors as fp32 on the host."""
     if key in shapes:
         raise ValueError(f"EPS group {key!r} is registered already")
+    if not set(no_decay) <= set(params):
+        raise ValueError(f"no_decay names tensors that group {key!r} does not hold: {sorted(set(no_decay) - set(params))}")
     for name, p in params.items():
         if not p.is_floating_point():
             raise TypeError(f"parameter {key}/{name} has dtype {p.dtype}; the EPS keeps floating-point parameters")
@@ -296,6 +300,7 @@ class LocalEps(EPS):
         self.step = 0  # optimizer steps committed
         self.shapes: dict[str, dict[str, torch.Size]] = {}
         self.pushes = StepPushes()  # what the step under way pushed (and deferred, with global clipping)
+        self.no_decay: dict[str, frozenset[str]] = {}  # per group, the tensors updated without weight decay
         self.found_nonfinite = False  # a non-finite gradient was seen in the step under way
         # Deferred updates run at commit, all scaled by one factor (global-norm clipping):
         # the gradients wait in host memory and the updates no longer overlap the backward.
@@ -330,9 +335,10 @@ class LocalEps(EPS):
             self.pushes.defer = bool(defer_updates)
 
     # -- registration ---------------------------------------------------------
-    def register(self, key: str, params: dict[str, torch.Tensor]) -> None:
+    def register(self, key: str, params: dict[str, torch.Tensor], no_decay: frozenset[str] = frozenset()) -> None:
         """Take the fp32 master copy of a group's parameters and allocate its state."""
-        self._register(key, new_group(self.shapes, key, params))
+        self._register(key, new_group(self.shapes, key, params, no_decay))
+        self.no_decay[key] = frozenset(no_decay)
 
     # -- the step -------------------------------------------------------------
     def push_grads(self, key: str, grads: dict[str, torch.Tensor], inv_scale: float = 1.0) -> None:

@@ -29,6 +29,7 @@ layer i overlaps the backward of layer i-1 on the caller's thread.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -195,11 +196,12 @@ class AsyncEps(LocalEps):
     # -- the step ---------------------------------------------------------------------
     def _push(self, key, grads, inv_scale):
         s = step_scalars(self.config, self.step + 1, inv_scale)
-        self._worker.submit(key, self._update, key, grads, s)
+        plain = dataclasses.replace(s, weight_decay=golden.f32(0.0), decay=golden.f32(1.0))  # no_decay's tensors
+        self._worker.submit(key, self._update, key, grads, {n: plain if n in self.no_decay[key] else s for n in grads})
 
-    def _update(self, key: str, grads: dict[str, torch.Tensor], s) -> bool:
+    def _update(self, key: str, grads: dict[str, torch.Tensor], scalars: dict) -> bool:
         """Update thread: the group's gradients to the host first (all that can fail), then
-        one run per tensor, in place or into the spare buffers."""
+        one run per tensor (with its step scalars), in place or into the spare buffers."""
         # fp32, bf16 or fp16 as they came (push_grads checked shapes and dtypes): the backend widens them
         host = {name: grad.detach().to("cpu").contiguous() for name, grad in grads.items()}
         found = False
@@ -207,7 +209,7 @@ class AsyncEps(LocalEps):
             b = self.buffers[key][name]
             written = [piece for slot in self._slots_written() for piece in self._pieces(slot, g.shape)]
             dst = b.spare if self.out_of_place else {piece: b.current[piece] for piece in written}
-            found |= self._run(key, name, self.config.optimizer, s, g, b.current, dst)
+            found |= self._run(key, name, self.config.optimizer, scalars[name], g, b.current, dst)
         if self.double_buffer:
             self._written.setdefault(key, set()).update(host)
         elif self.out_of_place:  # every tensor of the group succeeded: swap the group in

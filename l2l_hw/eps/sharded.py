@@ -88,10 +88,10 @@ class ShardedEps(EPS):
             self.pushes.defer = bool(defer_updates)
 
     # -- registration and the step ---------------------------------------------
-    def register(self, key: str, params: dict[str, torch.Tensor]) -> None:
-        whole = new_group(self.shapes, key, params)
+    def register(self, key: str, params: dict[str, torch.Tensor], no_decay: frozenset[str] = frozenset()) -> None:
+        whole = new_group(self.shapes, key, params, no_decay)
         self.sizes[key] = sizes = shard_sizes(self.shapes[key], self.world)
-        self.inner.register(key, {n: self._mine(whole[n], size) for n, size in sizes.items()})
+        self.inner.register(key, {n: self._mine(whole[n], size) for n, size in sizes.items()}, no_decay)
 
     def _mine(self, t: torch.Tensor, size: int) -> torch.Tensor:
         return rows(t, size, self.world)[self.rank].clone()

@@ -145,10 +145,13 @@ class Relay:
     def __init__(self, layers: nn.Sequential | Sequence[nn.Module], loss_fn: Callable, eps: EPS,
                  options: RelayOptions | None = None, *, droppable: Sequence[int] | None = None,
                  layer_drop_seed: int = 0, process_group=None,
-                 init: Callable[[int, nn.Module], dict[str, torch.Tensor]] | None = None, **option_values):
+                 init: Callable[[int, nn.Module], dict[str, torch.Tensor]] | None = None,
+                 no_decay: Callable[[int, str], bool] | None = None, **option_values):
         """`options` (RelayOptions), or its fields as keyword arguments (over `options` where
         both are given): device, micro_batches, recompute, activations, precision,
-        pipedream_2bw, layer_drop, clip_grad_norm, clip_mode, skip_nonfinite."""
+        pipedream_2bw, layer_drop, clip_grad_norm, clip_mode, skip_nonfinite.
+        `no_decay(i, name)`: whether layer i's parameter `name` is updated without weight decay
+        (transformers' Trainer exempts biases and norms; hf.from_pretrained passes its rule)."""
         unknown = sorted(set(option_values) - {f.name for f in dataclasses.fields(RelayOptions)})
         if unknown:
             raise TypeError(f"Relay got unknown option(s) {', '.join(unknown)}; its options are "
@@ -199,7 +202,7 @@ class Relay:
                       defer_updates=self.clip_mode == "global", device=self.device)
         self.dp = self._data_parallel(process_group)
         self._pending = []  # gradient reductions under way, oldest first
-        self.plans = self._plan(init)
+        self.plans = self._plan(init, no_decay or (lambda i, name: False))
         self.weights = WeightStream(eps, self.device, previous=self.pipedream_2bw)
         self.groups = sorted({key for plan in self.plans for key in plan.groups})
 
@@ -221,7 +224,7 @@ class Relay:
                           "broadcasting rank 0's initial weights")
         return dp
 
-    def _plan(self, init) -> list[LayerPlan]:
+    def _plan(self, init, no_decay: Callable[[int, str], bool]) -> list[LayerPlan]:
         """Register each layer's own trainable parameters in the EPS, one layer at a time, then
         keep only the modules' structure: their trainable parameters move to the meta device,
         so the EPS holds the only copy of the weights. A layer built on the meta device gets
@@ -252,7 +255,7 @@ class Relay:
                 plan.bindings[name] = owner[id(p)]
             plan.buffers = {name: b for name, b in module.named_buffers()}
             if own:
-                self.eps.register(f"layer{i}", own)
+                self.eps.register(f"layer{i}", own, frozenset(n for n in own if no_decay(i, n)))
             del own
             _replace_tensors(module, lambda name, p: released.setdefault(id(p), nn.Parameter(
                 torch.empty_like(p, device="meta"))), lambda t: trainable(t) and not t.is_meta)
