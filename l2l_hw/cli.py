@@ -4,6 +4,7 @@ calls l2l_hw.train (l2l_hw/train.py, where the loop and its outputs are describe
 prints what is usable here; `l2l bench NAME` runs one benchmark of l2l_hw.bench.
 """
 import argparse
+import dataclasses
 import importlib
 import importlib.metadata
 import platform
@@ -110,17 +111,21 @@ def cmd_finetune(args) -> int:
 
     def body():
         cfg = train_config(args)
-        batches = hf.finetune_batches(cfg.model, cfg.data, cfg.batch_size, cfg.context, seed=cfg.seed,
-                                      doc_separator=cfg.doc_separator)
+        reading = dict(seed=cfg.seed, doc_separator=cfg.doc_separator, text_field=cfg.text_field)
+        batches = hf.finetune_batches(cfg.model, cfg.data, cfg.batch_size, cfg.context, **reading)
         if cfg.val_data is not None:
-            fit, val = batches, hf.finetune_batches(cfg.model, cfg.val_data, cfg.batch_size, cfg.context,
-                                                    seed=cfg.seed, doc_separator=cfg.doc_separator)
+            fit, val = batches, hf.finetune_batches(cfg.model, cfg.val_data, cfg.batch_size, cfg.context, **reading)
             print(f"validation: {len(val)} minibatches of {cfg.val_data}")
         else:  # a tenth of the minibatches held out, at least one where there are two
             held = len(batches) // 10 or (1 if len(batches) > 1 else 0)
             fit, val = batches[held:], batches[:held] or None
             print(f"validation: {held} of the {len(batches)} minibatches of {cfg.data} held out"
                   + ("" if held else " (none: give --val-data to validate)"))
+        if cfg.epochs is not None and not args.resume:  # the run's length in steps: its schedule needs it
+            if args.steps is not None:
+                raise OptionError("--epochs and --steps both give the run's length: give one of them")
+            cfg = dataclasses.replace(cfg, steps=cfg.epochs * len(fit))
+            print(f"{cfg.epochs} epoch(s) of {len(fit)} minibatches: {cfg.steps} steps")
         relay = hf.from_pretrained(cfg.model, eps=build_eps(cfg), options=relay_options(cfg))
         train(cfg, relay=relay, data=fit * -(-cfg.steps // len(fit)), val_data=val)  # epochs enough for --steps
         if cfg.out is not None:

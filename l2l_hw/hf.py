@@ -565,19 +565,27 @@ def max_positions(config) -> int | None:
     return None
 
 
-def tokenize_text(tokenizer, data_file, doc_separator: str | None = None) -> list[int]:
+def tokenize_text(tokenizer, data_file, doc_separator: str | None = None, text_field: str | None = None) -> list[int]:
     """The token ids of a UTF-8 text file as written, as transformers' run_clm reads it: line
     by line with each line's newline kept (so the file streams), concatenated. With
     `doc_separator`, a line that is exactly it (after its newline) ends a document: it is
-    dropped and the end-of-text token stands in its place."""
+    dropped and the end-of-text token stands in its place. JSON Lines (`text_field`, or a
+    .jsonl file: field "text"): each line's object is a document, its field's text followed
+    by the end-of-text token."""
     data = regular_file(data_file, "data file")
-    if doc_separator is not None and tokenizer.eos_token_id is None:
-        raise ValueError("a document separator needs an end-of-text token, and this tokenizer has none")
+    if text_field is None and data.suffix == ".jsonl":
+        text_field = "text"
+    if (doc_separator is not None or text_field is not None) and tokenizer.eos_token_id is None:
+        raise ValueError("documents need an end-of-text token to separate them, and this tokenizer has none")
     ids = []
     with open(data, encoding="utf-8", newline="") as f:
         try:
-            for line in f:
-                if doc_separator is not None and line.rstrip("\r\n") == doc_separator:
+            for number, line in enumerate(f, 1):
+                if text_field is not None:
+                    if line.strip():
+                        ids += tokenizer(_record_text(line, text_field, data, number),
+                                         add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+                elif doc_separator is not None and line.rstrip("\r\n") == doc_separator:
                     ids.append(tokenizer.eos_token_id)
                 elif line:
                     ids += tokenizer(line, add_special_tokens=False)["input_ids"]
@@ -586,8 +594,19 @@ def tokenize_text(tokenizer, data_file, doc_separator: str | None = None) -> lis
     return ids
 
 
+def _record_text(line: str, field: str, path: Path, number: int) -> str:
+    try:
+        record = json.loads(line)
+    except ValueError as e:
+        raise ValueError(f"{path}:{number}: not a JSON object ({e})") from None
+    if not isinstance(record, dict) or not isinstance(record.get(field), str):
+        raise ValueError(f"{path}:{number}: no text field {field!r} (a JSON object with {field!r}: a string)")
+    return record[field]
+
+
 def finetune_batches(path, data_file, batch_size: int, seq_len: int, seed: int = 0,
-                     mask_fraction: float = 0.15, doc_separator: str | None = None) -> list[tuple]:
+                     mask_fraction: float = 0.15, doc_separator: str | None = None,
+                     text_field: str | None = None) -> list[tuple]:
     """One epoch of `(inputs, targets)` minibatches for relay.train_step from a local text file,
     tokenized by the tokenizer in the model folder `path`.
 
@@ -611,7 +630,7 @@ def finetune_batches(path, data_file, batch_size: int, seq_len: int, seed: int =
                          f"{folder / 'config.json'} has {limit} positions")
     if masked and tokenizer.mask_token_id is None:
         raise ValueError(f"the tokenizer in {folder} has no mask token; a masked LM needs one")
-    ids = tokenize_text(tokenizer, data_file, doc_separator)
+    ids = tokenize_text(tokenizer, data_file, doc_separator, text_field)
     if ids and max(ids) >= config.vocab_size:
         raise ValueError(f"the tokenizer in {folder} gives token id {max(ids)}, past the model's vocabulary: "
                          f"{folder / 'config.json'} has vocab_size {config.vocab_size}")

@@ -17,7 +17,7 @@ made) and the last validation loss.
 
 Files in `cfg.out` (rank 0 only; nothing when out is None):
   metrics.jsonl            one JSON object per step (step, loss, lr, tokens_per_s,
-                           elapsed; val_loss at eval points)
+                           elapsed; val_loss and val_perplexity at eval points)
   loss.png                 train and validation loss curves
   checkpoint.safetensors   relay state, config and every RNG state (l2l_hw.checkpoint)
   tensorboard/             event files, with cfg.tensorboard (torch.utils.tensorboard)
@@ -93,6 +93,9 @@ class DataOptions:
     doc_separator: str | None = option(None, "a line that separates documents in --data: each is ended by the "
                                        "end-of-text token (default: the text as one stream, as run_clm reads it)",
                                        kind="text", metavar="LINE", commands=("finetune",))
+    text_field: str | None = option(None, "--data is JSON Lines: each object's text in this field is a document "
+                                    "(default for a .jsonl file: text)", kind="text", metavar="NAME",
+                                    commands=("finetune",))
     context: int = option(GPTConfig.block_size, "tokens per sequence (bytes for l2l train's GPT)", kind="int", low=1)
     batch_size: int = option(32, "sequences per minibatch", kind="int", low=1)
     seed: int = option(1337, "seeds the weights, dropout and batches", kind="int", low=0, high=2**63, high_open=True)
@@ -521,6 +524,13 @@ class _Loop:
             raise ValueError(f"it has entries this run does not restore: {', '.join(extra[:3])}")
         return {name[len("data."):]: checkpoint[name].read() for name in expected if name.startswith("data.")}
 
+    def validate(self, row: dict) -> float | None:
+        """Validate now; the loss and its perplexity go into the step's metrics row."""
+        row["val_loss"] = self.evaluate()
+        if row["val_loss"] is not None:
+            row["val_perplexity"] = perplexity(row["val_loss"])
+        return row["val_loss"]
+
     def evaluate(self) -> float | None:
         if self.val_data is None:
             return None
@@ -584,7 +594,7 @@ class _Loop:
                 batch = next(batches, None)
                 if batch is None:  # a finite iterable ran out: validate and checkpoint where it ended
                     if self.history and "val_loss" not in self.history[-1]:
-                        val_loss = self.history[-1]["val_loss"] = self.evaluate()
+                        val_loss = self.validate(self.history[-1])
                         if self.files:  # the last row again, with its val_loss
                             self.write_rows(metrics, self.history, rewrite=True)
                         self.save()
@@ -604,7 +614,7 @@ class _Loop:
                     continue
                 evaluate = relay.step % cfg.eval_interval == 0 or relay.step == stop
                 if evaluate:
-                    val_loss = row["val_loss"] = self.evaluate()
+                    val_loss = self.validate(row)
                 if self.files:
                     self.write_rows(metrics, [row])
                 if evaluate:  # after the row: a checkpoint never runs ahead of its metrics
@@ -649,7 +659,8 @@ class _Loop:
         if not self.ranks.lead:
             return
         cfg = self.cfg
-        val = f"  final val loss {result.val_loss:.4f}" if result.val_loss is not None else ""
+        val = (f"  final val loss {result.val_loss:.4f} (perplexity {perplexity(result.val_loss):.4g})"
+               if result.val_loss is not None else "")
         print(f"step {result.relay.step}/{cfg.steps}{val}  ({result.elapsed:.1f} s training)")
         if self.files:
             print(f"wrote {self.out / METRICS}, {self.out / PLOT}, {self.out / CHECKPOINT}")
@@ -697,6 +708,11 @@ class StopSignals:
         if flag.item() and self.received is None:
             self.received = int(flag.item())
         return bool(flag.item())
+
+
+def perplexity(loss: float) -> float:
+    """exp(mean token loss), inf where that overflows a float."""
+    return math.exp(loss) if loss < 700 else math.inf
 
 
 def rng_tensors() -> dict[str, torch.Tensor]:

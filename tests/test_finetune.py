@@ -123,3 +123,26 @@ def test_the_seed_fixes_every_draw_dropout_included_and_the_folder_s_files_carry
     for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
         assert (runs[0] / "model" / name).read_bytes() == (folder / name).read_bytes(), name
     assert json.loads((runs[0] / "model" / "generation_config.json").read_text())["max_new_tokens"] == 17
+
+
+def test_json_lines_are_documents_each_ended_by_the_end_of_text_token_and_a_bad_line_is_named(gpt2_folder, tmp_path):
+    tokenizer = hf.load_tokenizer(gpt2_folder())
+    data = tmp_path / "docs.jsonl"
+    data.write_text(json.dumps({"text": "The cat sat.\nOn the mat."}) + "\n\n" + json.dumps({"text": "A bird."}) + "\n")
+    assert tokenizer.decode(hf.tokenize_text(tokenizer, data)) == "The cat sat.\nOn the mat.<|endoftext|>A bird.<|endoftext|>"
+    data.write_text(json.dumps({"body": "x"}) + "\n")
+    with pytest.raises(ValueError, match=f"{data}:1: no text field 'text'"):
+        hf.tokenize_text(tokenizer, data)
+    data.write_text('{"text": "x"}\n{"text": \n')
+    with pytest.raises(ValueError, match=f"{data}:2: not a JSON object"):
+        hf.tokenize_text(tokenizer, data)
+
+
+def test_epochs_set_the_run_s_length_from_the_data(gpt2_folder, tmp_path, capsys):
+    folder = gpt2_folder()
+    assert main(finetune_argv(folder, tmp_path, "run", "--epochs", "2")) == 0
+    passes = len(hf.finetune_batches(folder, tmp_path / "text.txt", batch_size=4, seq_len=16, seed=7))
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == list(range(1, 2 * passes + 1))
+    capsys.readouterr()
+    assert main(finetune_argv(folder, tmp_path, "other", "--epochs", "2", "--steps", "3")) == 2
+    assert "--epochs and --steps" in capsys.readouterr().err

@@ -17,6 +17,8 @@ class ScheduleOptions:
     """How long the run is and how its learning rate moves."""
 
     steps: int = option(200, "total optimizer steps; with --resume a new target", kind="int", low=1)
+    epochs: int | None = option(None, "passes over the data instead of --steps (steps: this times the minibatches "
+                                "of a pass)", kind="int", low=1, commands=("finetune",))
     schedule: str = option("cosine", "lr schedule: constant; cosine down to --min-lr; or linear down to --min-lr "
                            "(transformers' default)", kind="choice", choices=SCHEDULES,
                            command_defaults={"finetune": "linear"})
