@@ -663,7 +663,8 @@ class _Loop:
                if result.val_loss is not None else "")
         print(f"step {result.relay.step}/{cfg.steps}{val}  ({result.elapsed:.1f} s training)")
         if self.files:
-            print(f"wrote {self.out / METRICS}, {self.out / PLOT}, {self.out / CHECKPOINT}")
+            written = [self.out / name for name in (METRICS, PLOT, CHECKPOINT) if (self.out / name).exists()]
+            print(f"wrote {', '.join(map(str, written))}")
         if sample and not all(torch.isfinite(p).all() for p in model.parameters()):
             print("no sample: the weights are not finite")
         elif sample:
@@ -761,7 +762,11 @@ def _tensorboard(out: Path, step: int):
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
+    """The loss curves as a PNG; nothing without matplotlib (the `plot` extra; the metrics hold it all)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
 
