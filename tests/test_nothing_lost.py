@@ -130,20 +130,24 @@ def fifo_folder(tmp_path):
 
 
 def test_data_folder_with_a_fifo_is_read_without_blocking_and_the_fifo_is_named(tmp_path, fifo_folder):
+    before = snapshot(fifo_folder)
     done = run_with_timeout(["train", *SMALL, "--steps", "1", "--out", str(tmp_path / "run"),
                              "--data", str(fifo_folder)])
     assert done.returncode == 0, done.stderr
+    assert snapshot(fifo_folder) == before
     assert "skipped 1 path(s) that are not regular files (pipe)" in done.stdout
 
 
 def test_data_that_is_a_fifo_is_one_line_for_train_and_finetune(tmp_path, fifo_folder, hf_folder):
-    pipe = fifo_folder / "pipe"
+    pipe, model = fifo_folder / "pipe", hf_folder("gpt2")
+    before = snapshot(tmp_path)
     done = run_with_timeout(["train", *SMALL, "--steps", "1", "--out", str(tmp_path / "a"), "--data", str(pipe)])
     assert done.returncode == 2
     one_line(done.stderr, "train", f"--data {pipe}", "FIFO")
-    done = run_with_timeout(finetune(hf_folder("gpt2"), pipe, tmp_path / "b"))
+    done = run_with_timeout(finetune(model, pipe, tmp_path / "b"))
     assert done.returncode == 2
     one_line(done.stderr, "finetune", str(pipe), "FIFO", "not a regular file")
+    assert {k: v for k, v in snapshot(tmp_path).items() if "/a/" not in k and "/b/" not in k} == before
 
 
 # ---------------------------------------------------------------------------- non-finite runs
@@ -384,6 +388,15 @@ def test_a_model_folder_bad_inside_is_one_line_naming_the_file(tmp_path, capsys,
     out = tmp_path / "run"
     refused(capsys, finetune(folder, tmp_path / "data.txt", out), words, folder)
     assert not (out / "model").exists()
+
+
+def test_a_llama_config_with_a_negative_layer_count_is_named_as_such_not_as_unsupported(tmp_path, capsys, hf_folder):
+    folder = hf_folder("llama-untied")
+    corrupt(folder, "config.json", json.dumps({**json.loads((folder / "config.json").read_text()),
+                                                "num_hidden_layers": -1}).encode())
+    line = refused(capsys, finetune(folder, tmp_path / "data.txt", tmp_path / "run"),
+                   ["config.json", "num_hidden_layers is -1", ">= 1"], folder)
+    assert "not supported" not in line
 
 
 def test_finetune_context_past_the_position_table_is_one_line(tmp_path, capsys, hf_folder):
