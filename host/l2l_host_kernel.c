@@ -9,25 +9,33 @@
  * (in place); partial overlap is refused by the Python binding
  * (l2l_hw/eps/host_kernel.py), which is the only caller.
  *
- * Bit-identity with the golden rule on every ISA path rests on:
- *   - each statement below is one IEEE binary32 operation: the build passes
- *     -ffp-contract=off (GCC contracts even intrinsic mul+add into FMA without it) and
+ * One algorithm, three instruction sets. This file is read once as itself (the ABI, the
+ * per-block 8-bit decisions, the thread pool, the entry points) and then includes itself
+ * once per ISA, with VEC_ISA set: scalar (one lane), AVX2 + F16C (8 lanes) and AVX-512
+ * F/DQ/BW/VL (16 lanes). Each of those reads compiles a small vector layer (the vector
+ * types, loads and stores of every element format, lane masks) and, over it, the
+ * algorithm: the update rule, the state formats, the non-finite flag and the loops,
+ * written once (the shape of DeepSpeed's csrc/includes/simd.h, with the arithmetic as C
+ * operators on GCC vector types). The ISA is chosen at run time; each instance is compiled
+ * under its own `#pragma GCC target`, so nothing here needs -march=native. A vector
+ * instance sees only whole vectors (whole 8-bit blocks); the ragged end of a tensor runs on
+ * the one-lane instance.
+ *
+ * Bit-identity with the golden rule on every ISA rests on:
+ *   - each operator on vf is one IEEE binary32 operation on every lane: the build passes
+ *     -ffp-contract=off (GCC contracts even vector mul+add into FMA without it) and
  *     -fno-fast-math; the tests compare every path bit for bit with the golden rule;
  *   - sqrt and div are the IEEE instructions (sqrtps/divps), never rsqrt/rcp; the one
- *     exception is the AVX-512 path's division by bias_correction2_sqrt, which the same
- *     divisor in every element makes an FMA quotient where a check proves it exact (div_bc2);
+ *     exception is the AVX-512 division by bias_correction2_sqrt, which the same divisor in
+ *     every element makes an FMA quotient where a check proves it exact (div_bc2);
  *   - MXCSR: every thread that runs tiles (the caller included) saves its MXCSR, sets
  *     0x1F80 (round to nearest even, FTZ and DAZ off, exceptions masked) and restores it
  *     afterwards, so a caller that enabled flush-to-zero (torch.set_flush_denormal(True)
  *     sets FTZ|DAZ on its thread) still gets subnormals kept;
  *   - fp16 conversions: F16C/AVX-512 vcvtps2ph with imm8 = round-to-nearest-even, and
- *     exact integer code on the scalar path; bf16 by integer round-to-nearest-even, or on
- *     an AVX512_BF16 CPU by vcvtneps2bf16 (the same rounding) for vectors without a
+ *     exact integer code on one lane; bf16 by integer round-to-nearest-even, or on an
+ *     AVX512_BF16 CPU by vcvtneps2bf16 (the same rounding) for vectors without a
  *     subnormal (which it would read as zero).
- *
- * ISA: scalar, AVX2 (+F16C) and AVX-512 (F, DQ, BW, VL), each compiled with a
- * per-function target attribute and chosen at run time (__builtin_cpu_supports);
- * nothing here needs -march=native.
  *
  * Threads: a small pthread pool of its own, NOT OpenMP. PyTorch runs its intra-op work
  * on an OpenMP team; a second OpenMP runtime (or nested use of torch's) in this library
@@ -37,6 +45,7 @@
  * others (see run_tiles). One call uses the pool at a time; a concurrent second caller
  * runs its tiles on its own thread rather than waiting.
  */
+#ifndef VEC_ISA /* ==================================================== the file as itself */
 #include <immintrin.h>
 #include <pthread.h>
 #include <signal.h>
@@ -47,18 +56,20 @@
 
 enum { L2L_ADAMW = 0, L2L_ADAM = 1, L2L_SGD = 2 };
 enum { L2L_DT_NONE = -1, L2L_DT_F32 = 0, L2L_DT_BF16 = 1, L2L_DT_F16 = 2 };
-/* The AVX-512 path's bf16 working copy by the CPU's own conversion (AVX512_BF16), which
- * rounds to nearest even as bf16_round16 does but reads subnormals as zero: vectors with
- * a subnormal are converted by bf16_round16. Chosen at run time; never passed in. */
+/* The AVX-512 bf16 working copy by the CPU's own conversion (AVX512_BF16), which rounds
+ * to nearest even as round_bf16 does but reads subnormals as zero: vectors with a
+ * subnormal are converted again by round_bf16. Chosen at run time; never passed in. */
 enum { L2L_DT_BF16_NATIVE = 3 };
-enum { L2L_ISA_SCALAR = 0, L2L_ISA_AVX2 = 1, L2L_ISA_AVX512 = 2 };
+#define L2L_ISA_SCALAR 0 /* macros, not an enum: they select an instance's vector layer (#if) */
+#define L2L_ISA_AVX2 1
+#define L2L_ISA_AVX512 2
 enum { L2L_STATE_F32 = 0, L2L_STATE_BF16 = 1, L2L_STATE_8BIT = 2 };
 enum { L2L_OK = 0, L2L_E_ARG = -1, L2L_E_ISA = -2, L2L_E_THREAD = -3 };
 
 /* Elements per tile, the unit of work a thread takes off a share's counter. 16 Ki
  * elements = 64 KiB per fp32 stream: big enough that taking a tile costs nothing, small
  * enough that two threads stay balanced on tensors of a few hundred thousand elements.
- * A multiple of 16 (only the last tile has a scalar tail) and of the 8-bit block. */
+ * A multiple of 16 (only the last tile has a ragged end) and of the 8-bit block. */
 #define L2L_TILE 16384
 #define L2L_MAX_THREADS 256
 #define MXCSR_IEEE 0x1F80u /* all exceptions masked, round to nearest, FTZ = DAZ = 0 */
@@ -77,9 +88,10 @@ typedef struct { l2l_codebook m, v; } l2l_codebooks;
 
 /* A code book with the constants of its encode and decode derived once. */
 typedef struct {
-    uint32_t man_bits, drop, rebase, smallest_normal, max_magnitude, mag_mask, sign_mask;
-    float sub_scale, sub_unit; /* 2^subnormal_shift and its inverse */
-    float unbias;              /* 2^(127 - bias): (magnitude code << drop) as float32 bits, times this, is its value */
+    uint32_t drop;            /* 23 - man_bits: float32 mantissa bits a code does not keep */
+    uint32_t smallest_normal; /* float32 bits of the code's smallest normal value */
+    uint32_t max_magnitude, mag_mask, sign_mask;
+    float unbias;             /* 2^(127 - bias): (magnitude code << drop) as float32 bits, times this, is its value */
     uint32_t bias;
 } l2l_code;
 
@@ -105,102 +117,16 @@ static inline float u2f(uint32_t u) { float x; memcpy(&x, &u, 4); return x; }
 
 #define INLINE static inline __attribute__((always_inline))
 /* g * 1 is g, bits and flag alike (a signalling NaN stays a NaN, canonical once written):
- * the vector loops skip the multiply without loss scaling. */
+ * the loops skip the multiply without loss scaling. */
 #define UNSCALE(s) ((s).inv_scale != 1.0f)
 
-/* ---------------------------------------------------------------- scalar path */
-
-static inline float canon_nan(float x) { return x != x ? u2f(0x7FC00000u) : x; }
-
-static inline float f16_to_f32(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
-    if (e == 0x1F) return u2f(sign | 0x7F800000u | (m << 13));
-    if (e == 0) return u2f(sign | f2u((float)m * 5.9604644775390625e-8f)); /* m * 2^-24, exact */
-    return u2f(sign | ((e + 112) << 23) | (m << 13));
-}
-
-/* Round to nearest even; NaN -> 0x7E00 (x is already canonical). */
-static inline uint16_t f32_to_f16(float x) {
-    uint32_t u = f2u(x), sign = (u >> 16) & 0x8000u, a = u & 0x7FFFFFFFu;
-    if (a > 0x7F800000u) return 0x7E00;
-    if (a >= 0x477FF000u) return (uint16_t)(sign | 0x7C00u); /* >= 65520 rounds to Inf */
-    if (a >= 0x38800000u) {                                    /* normal half: >= 2^-14 */
-        uint32_t r = a - (112u << 23);
-        r += 0xFFFu + ((r >> 13) & 1u);
-        return (uint16_t)(sign | (r >> 13));
-    }
-    if (a <= 0x33000000u) return (uint16_t)sign; /* <= 2^-25: half of the least subnormal, ties to 0 */
-    uint32_t mant = (a & 0x7FFFFFu) | 0x800000u, shift = 126u - (a >> 23); /* 14..24 */
-    uint32_t q = mant >> shift, rem = mant & ((1u << shift) - 1u), half = 1u << (shift - 1u);
-    q += rem > half || (rem == half && (q & 1u));
-    return (uint16_t)(sign | q);
-}
-
-static inline uint16_t f32_to_bf16(float x) { /* x canonical: no NaN payload to keep */
-    uint32_t u = f2u(x);
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-static inline float load_grad(const l2l_job *j, int64_t i) {
-    switch (j->g_dtype) {
-    case L2L_DT_BF16: return u2f((uint32_t)((const uint16_t *)j->g)[i] << 16);
-    case L2L_DT_F16: return f16_to_f32(((const uint16_t *)j->g)[i]);
-    default: return ((const float *)j->g)[i];
-    }
-}
-
-static inline void store_working(const l2l_job *j, int64_t i, float p) {
-    if (j->w_dtype == L2L_DT_BF16 || j->w_dtype == L2L_DT_BF16_NATIVE) ((uint16_t *)j->w_dst)[i] = f32_to_bf16(p);
-    else if (j->w_dtype == L2L_DT_F16) ((uint16_t *)j->w_dst)[i] = f32_to_f16(p);
-}
-
-/* golden.apply_rule on one element, statement by statement; g is already unscaled.
- * Returns the new p; *m and *v are updated where the optimizer has them. */
-static inline float rule1(const l2l_scalars *s, float g, float p, float *m, float *v) {
-    if (s->optimizer == L2L_SGD) {
-        if (s->weight_decay != 0) g = g + p * s->weight_decay;
-        if (s->momentum != 0) {
-            *m = *m * s->momentum + g * s->dampening_complement;
-            g = s->nesterov ? g + *m * s->momentum : *m;
-        }
-        return p - g * s->lr;
-    }
-    if (s->optimizer == L2L_ADAM && s->weight_decay != 0) g = g + p * s->weight_decay;
-    if (s->optimizer == L2L_ADAMW && s->weight_decay != 0) p = p * s->decay;
-    *m = *m + (g - *m) * s->one_minus_beta1;
-    *v = *v * s->beta2 + (g * s->one_minus_beta2) * g;
-    float denom = __builtin_sqrtf(*v) / s->bias_correction2_sqrt + s->eps;
-    return p - (*m * s->step_size) / denom;
-}
-
-static inline int is_nonfinite(float x) { return (f2u(x) & 0x7F800000u) == 0x7F800000u; }
-
-/* One element with fp32 state. Returns 1 when the unscaled gradient is not finite. */
-static inline int step_one(const l2l_job *j, int64_t i) {
-    float g = load_grad(j, i) * j->s.inv_scale, m = 0, v = 0;
-    if (j->uses_m) m = ((const float *)j->m_src)[i];
-    if (j->uses_v) v = ((const float *)j->v_src)[i];
-    float p = canon_nan(rule1(&j->s, g, j->p_src[i], &m, &v));
-    if (j->uses_m) ((float *)j->m_dst)[i] = canon_nan(m);
-    if (j->uses_v) ((float *)j->v_dst)[i] = canon_nan(v);
-    j->p_dst[i] = p;
-    store_working(j, i, p);
-    return is_nonfinite(g);
-}
-
-static int step_range_scalar(const void *ctx, int64_t begin, int64_t end) {
-    int bad = 0;
-    for (int64_t i = begin; i < end; i++) bad |= step_one((const l2l_job *)ctx, i);
-    return bad;
-}
-
-/* ---------------------------------------------------------------- compressed state, scalar
+/* ---------------------------------------------------------------- block-wise 8-bit state
  * m and v kept as bf16 or as block-wise 8-bit codes (golden.py, "state formats"). Per block
- * of L2L_BLOCK elements, in one pass: decode m and v (exact; 8-bit: then one multiply by the
+ * of L2L_BLOCK elements, in one pass: decode m and v (exact; 8-bit: then one rounding by the
  * block's power-of-two scale), apply the rule, write p and the working copy; bf16 state is
  * encoded on the spot, 8-bit state goes to fp32 buffers on the stack (L1) and is encoded
- * once the block's largest magnitude is known: integer rounding of the bits after one
- * exact multiply by 2^-k. */
+ * once the block's largest magnitude is known. What is decided once per block lives here;
+ * the per-element work is in the algorithm below. */
 
 #define L2L_BLOCK 256 /* golden.QUANT_BLOCK; L2L_TILE is a multiple, so tiles hold whole blocks */
 #define SCALE_EXP_LIMIT 126
@@ -211,10 +137,9 @@ static int codebook_valid(l2l_codebook b, int is_signed) {
 }
 
 static l2l_code make_code(l2l_codebook b) {
-    uint32_t bias = (1u << b.exp_bits) - 1, man_bits = (uint32_t)b.man_bits, shift = bias - 1 + man_bits;
-    return (l2l_code){man_bits, 23 - man_bits, (127 - bias) << 23, (128 - bias) << 23,
-                      (1u << (b.exp_bits + man_bits)) - 1, b.is_signed ? 0x7Fu : 0xFFu, b.is_signed ? 0x80u : 0,
-                      u2f((127 + shift) << 23), u2f((127 - shift) << 23), u2f((254 - bias) << 23), bias};
+    uint32_t bias = (1u << b.exp_bits) - 1, man_bits = (uint32_t)b.man_bits;
+    return (l2l_code){23 - man_bits, (128 - bias) << 23, (1u << (b.exp_bits + man_bits)) - 1,
+                      b.is_signed ? 0x7Fu : 0xFFu, b.is_signed ? 0x80u : 0, u2f((254 - bias) << 23), bias};
 }
 
 /* golden.block_exponent: k of the scale 2^k from the block's largest |x| bits. */
@@ -224,31 +149,6 @@ static inline int32_t block_exponent(uint32_t absmax, const l2l_code *c) {
 }
 
 static inline float exp2_bits(int32_t k) { return u2f((uint32_t)(k + 127) << 23); }
-
-static inline uint8_t encode_one(float y, const l2l_code *c) {
-    uint32_t bits = f2u(y), mag = bits & 0x7FFFFFFFu, q;
-    if (mag < c->smallest_normal) {
-        q = (uint32_t)_mm_cvtss_si32(_mm_set_ss(u2f(mag) * c->sub_scale)); /* exact product; RNE by our MXCSR */
-    } else {
-        uint32_t r = mag - c->rebase;
-        q = (r + (1u << (c->drop - 1)) - 1 + ((r >> c->drop) & 1u)) >> c->drop;
-    }
-    return (uint8_t)((q < c->max_magnitude ? q : c->max_magnitude) | ((bits >> 24) & c->sign_mask));
-}
-
-static inline float decode_one(uint8_t code, const l2l_code *c) {
-    uint32_t mag = code & c->mag_mask;
-    float x = (mag >> c->man_bits) == 0 ? (float)mag * c->sub_unit : u2f((mag << c->drop) + c->rebase);
-    return u2f(f2u(x) | ((uint32_t)(code & c->sign_mask) << 24));
-}
-
-static inline uint32_t magnitude_max(const float *x, int64_t begin, int64_t end, uint32_t absmax) {
-    for (int64_t i = begin; i < end; i++) {
-        uint32_t mag = f2u(x[i]) & 0x7FFFFFFFu;
-        absmax = mag > absmax ? mag : absmax;
-    }
-    return absmax;
-}
 
 /* The block-wide part of encoding: scale 2^k, or for a block holding Inf/NaN scale NaN and
  * codes 0. Returns the inverse scale 2^-k, or 0 when the block is written already. */
@@ -263,615 +163,19 @@ static inline float block_scale(uint32_t absmax, uint8_t *codes, float *scale, i
     return exp2_bits(-k);
 }
 
-/* Element b of a block starting at b0 (compressed state): decode, rule, write p, the
- * working copy and (bf16) the state; 8-bit state goes to mbuf/vbuf[b]. */
-static inline int state_one(const l2l_job *j, int64_t b0, int64_t b, float m_scale, float v_scale, float *mbuf,
-                            float *vbuf) {
-    int64_t i = b0 + b;
-    float g = load_grad(j, i) * j->s.inv_scale, m = 0, v = 0;
-    int bf16 = j->format == L2L_STATE_BF16;
-    if (j->uses_m) m = bf16 ? u2f((uint32_t)((const uint16_t *)j->m_src)[i] << 16)
-                            : decode_one(((const uint8_t *)j->m_src)[i], &j->m_code) * m_scale;
-    if (j->uses_v) v = bf16 ? u2f((uint32_t)((const uint16_t *)j->v_src)[i] << 16)
-                            : decode_one(((const uint8_t *)j->v_src)[i], &j->v_code) * v_scale;
-    float p = canon_nan(rule1(&j->s, g, j->p_src[i], &m, &v));
-    j->p_dst[i] = p;
-    store_working(j, i, p);
-    m = canon_nan(m);
-    v = canon_nan(v);
-    if (bf16) {
-        if (j->uses_m) ((uint16_t *)j->m_dst)[i] = f32_to_bf16(m);
-        if (j->uses_v) ((uint16_t *)j->v_dst)[i] = f32_to_bf16(v);
-    } else {
-        mbuf[b] = m;
-        vbuf[b] = v;
-    }
-    return is_nonfinite(g);
-}
-
-/* Encode buf[done..len) after the vector part [0, done) (already in absmax and codes). */
-typedef float (*encode_fn)(const float *buf, int64_t len, uint32_t absmax, uint8_t *codes, float *scale,
-                           const l2l_code *c);
-
-static float encode_block_scalar(const float *buf, int64_t len, uint32_t absmax, uint8_t *codes, float *scale,
-                                 const l2l_code *c) {
-    float inv = block_scale(magnitude_max(buf, 0, len, absmax), codes, scale, len, c);
-    if (inv != 0)
-        for (int64_t i = 0; i < len; i++) codes[i] = encode_one(buf[i] * inv, c);
-    return inv;
-}
-
-static int state_range_scalar(const void *ctx, int64_t begin, int64_t end) {
-    const l2l_job *j = ctx;
-    float mbuf[L2L_BLOCK], vbuf[L2L_BLOCK];
-    int bad = 0;
-    for (int64_t b0 = begin; b0 < end; b0 += L2L_BLOCK) {
-        int64_t len = end - b0 < L2L_BLOCK ? end - b0 : L2L_BLOCK, blk = b0 / L2L_BLOCK;
-        int q8 = j->format == L2L_STATE_8BIT;
-        float ms = q8 && j->uses_m ? j->m_scale_src[blk] : 0, vs = q8 && j->uses_v ? j->v_scale_src[blk] : 0;
-        for (int64_t b = 0; b < len; b++) bad |= state_one(j, b0, b, ms, vs, mbuf, vbuf);
-        if (q8 && j->uses_m) encode_block_scalar(mbuf, len, 0, (uint8_t *)j->m_dst + b0, j->m_scale_dst + blk, &j->m_code);
-        if (q8 && j->uses_v) encode_block_scalar(vbuf, len, 0, (uint8_t *)j->v_dst + b0, j->v_scale_dst + blk, &j->v_code);
-    }
-    return bad;
-}
-
-/* ---------------------------------------------------------------- AVX2 + F16C path */
-
-#define AVX2 __attribute__((target("avx2,f16c")))
-
-typedef struct {
-    __m256 inv_scale, lr, wd, decay, b1c, b2, b2c, step_size, bc2, eps, mom, damp_c;
-} rule8_k;
-
-AVX2 INLINE rule8_k rule8_k_of(const l2l_scalars *s) {
-    return (rule8_k){_mm256_set1_ps(s->inv_scale), _mm256_set1_ps(s->lr), _mm256_set1_ps(s->weight_decay),
-                     _mm256_set1_ps(s->decay), _mm256_set1_ps(s->one_minus_beta1), _mm256_set1_ps(s->beta2),
-                     _mm256_set1_ps(s->one_minus_beta2), _mm256_set1_ps(s->step_size),
-                     _mm256_set1_ps(s->bias_correction2_sqrt), _mm256_set1_ps(s->eps), _mm256_set1_ps(s->momentum),
-                     _mm256_set1_ps(s->dampening_complement)};
-}
-
-AVX2 INLINE __m256 canon_nan8(__m256 x) {
-    return _mm256_blendv_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-}
-
-AVX2 INLINE __m256i nonfinite8(__m256 g) {
-    const __m256i exp_mask = _mm256_set1_epi32(0x7F800000);
-    return _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(g), exp_mask), exp_mask);
-}
-
-AVX2 INLINE __m256 load_g8(const void *g, int64_t i, int g_dtype) {
-    if (g_dtype == L2L_DT_BF16)
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)g + i))), 16));
-    if (g_dtype == L2L_DT_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)g + i)));
-    return _mm256_loadu_ps((const float *)g + i);
-}
-
-AVX2 INLINE __m128i bf16_round8(__m256 x) { /* x canonical */
-    __m256i u = _mm256_castps_si256(x);
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)),
-                                                   _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))), 16);
-    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-}
-
-AVX2 INLINE void store_w8(void *w, int64_t i, __m256 p, int w_dtype) {
-    if (w_dtype == L2L_DT_BF16) _mm_storeu_si128((__m128i *)((uint16_t *)w + i), bf16_round8(p));
-    else if (w_dtype == L2L_DT_F16) _mm_storeu_si128((__m128i *)((uint16_t *)w + i), _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT));
-}
-
-AVX2 INLINE __m256 bf16_load8(const void *h, int64_t i) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)h + i))), 16));
-}
-
-/* golden.apply_rule on 8 lanes, as rule1. */
-AVX2 INLINE __m256 rule8(const l2l_scalars *s, const rule8_k *k, __m256 g, __m256 p, __m256 *m, __m256 *v) {
-    if (s->optimizer == L2L_SGD) {
-        if (s->weight_decay != 0) g = _mm256_add_ps(g, _mm256_mul_ps(p, k->wd));
-        if (s->momentum != 0) {
-            *m = _mm256_add_ps(_mm256_mul_ps(*m, k->mom), _mm256_mul_ps(g, k->damp_c));
-            g = s->nesterov ? _mm256_add_ps(g, _mm256_mul_ps(*m, k->mom)) : *m;
-        }
-        return _mm256_sub_ps(p, _mm256_mul_ps(g, k->lr));
-    }
-    if (s->optimizer == L2L_ADAM && s->weight_decay != 0) g = _mm256_add_ps(g, _mm256_mul_ps(p, k->wd));
-    if (s->optimizer == L2L_ADAMW && s->weight_decay != 0) p = _mm256_mul_ps(p, k->decay);
-    *m = _mm256_add_ps(*m, _mm256_mul_ps(_mm256_sub_ps(g, *m), k->b1c));
-    *v = _mm256_add_ps(_mm256_mul_ps(*v, k->b2), _mm256_mul_ps(_mm256_mul_ps(g, k->b2c), g));
-    __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(*v), k->bc2), k->eps);
-    return _mm256_sub_ps(p, _mm256_div_ps(_mm256_mul_ps(*m, k->step_size), denom));
-}
-
-AVX2 INLINE int step_loop_avx2(const l2l_job *j, int64_t begin, int64_t end, int g_dtype, int w_dtype) {
-    const l2l_scalars s = j->s;
-    const rule8_k k = rule8_k_of(&s);
-    const void *g = j->g;
-    const float *p_src = j->p_src, *m_src = j->m_src, *v_src = j->v_src;
-    float *p_dst = j->p_dst, *m_dst = j->m_dst, *v_dst = j->v_dst;
-    void *w_dst = j->w_dst;
-    const int uses_m = j->uses_m, uses_v = j->uses_v, unscale = UNSCALE(s);
-    __m256i bad = _mm256_setzero_si256();
-    int64_t i = begin;
-    for (; i + 8 <= end; i += 8) {
-        __m256 gv = load_g8(g, i, g_dtype);
-        if (unscale) gv = _mm256_mul_ps(gv, k.inv_scale);
-        bad = _mm256_or_si256(bad, nonfinite8(gv));
-        __m256 m = uses_m ? _mm256_loadu_ps(m_src + i) : _mm256_setzero_ps();
-        __m256 v = uses_v ? _mm256_loadu_ps(v_src + i) : _mm256_setzero_ps();
-        __m256 p = canon_nan8(rule8(&s, &k, gv, _mm256_loadu_ps(p_src + i), &m, &v));
-        if (uses_m) _mm256_storeu_ps(m_dst + i, canon_nan8(m));
-        if (uses_v) _mm256_storeu_ps(v_dst + i, canon_nan8(v));
-        _mm256_storeu_ps(p_dst + i, p);
-        store_w8(w_dst, i, p, w_dtype);
-    }
-    return (!_mm256_testz_si256(bad, bad)) | step_range_scalar(j, i, end);
-}
-
-/* One 8-bit code book's constants on 8 lanes. */
-typedef struct {
-    __m256i mag_mask, sign_mask, smallest_normal, round_base, offset, max_mag;
-    __m256 unbias;
-    __m128i drop;
-} code8_k;
-
-AVX2 INLINE code8_k code8_k_of(const l2l_code *c) {
-    return (code8_k){_mm256_set1_epi32((int)c->mag_mask), _mm256_set1_epi32((int)c->sign_mask),
-                     _mm256_set1_epi32((int)c->smallest_normal), _mm256_set1_epi32((int)(c->drop << 23)),
-                     _mm256_set1_epi32((int)(c->smallest_normal >> c->drop)), _mm256_set1_epi32((int)c->max_magnitude),
-                     _mm256_set1_ps(c->unbias), _mm_cvtsi32_si128((int)c->drop)};
-}
-
-/* codes -> values: the magnitude code shifted into place is a float32 whose exponent field
- * is the code's e (a subnormal float32 for e = 0); times 2^(127 - bias) it is the code's
- * value exactly; then the sign, then times the scale (golden's one rounding). */
-AVX2 INLINE __m256 decode8(const code8_k *c, const uint8_t *codes, __m256 scale) {
-    __m256i code = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)codes));
-    __m256i mag = _mm256_and_si256(code, c->mag_mask);
-    __m256 x = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_sll_epi32(mag, c->drop)), c->unbias);
-    x = _mm256_or_ps(x, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(code, c->sign_mask), 24)));
-    return _mm256_mul_ps(x, scale);
-}
-
-/* As encode16: one float add rounds |y| onto the code's grid, subnormal codes included. */
-AVX2 INLINE void encode8(const code8_k *c, __m256 x, __m256 inv, uint8_t *codes) {
-    __m256i bits = _mm256_castps_si256(_mm256_mul_ps(x, inv));
-    __m256i mag = _mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF));
-    __m256i exp = _mm256_max_epu32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7F800000)), c->smallest_normal);
-    __m256i base = _mm256_add_epi32(exp, c->round_base);
-    __m256i steps = _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(mag),
-                                                                       _mm256_castsi256_ps(base))), base);
-    __m256i q = _mm256_add_epi32(steps, _mm256_sub_epi32(_mm256_srl_epi32(exp, c->drop), c->offset));
-    q = _mm256_min_epu32(q, c->max_mag);
-    q = _mm256_or_si256(q, _mm256_and_si256(_mm256_srli_epi32(bits, 24), c->sign_mask));
-    __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
-    _mm_storel_epi64((__m128i *)codes, _mm_packus_epi16(w, w));
-}
-
-AVX2 INLINE uint32_t max8(__m256i x) {
-    uint32_t lanes[8], m = 0;
-    _mm256_storeu_si256((__m256i *)lanes, x);
-    for (int k = 0; k < 8; k++) m = lanes[k] > m ? lanes[k] : m;
-    return m;
-}
-
-AVX2 static float encode_block_avx2(const float *buf, int64_t len, uint32_t absmax, uint8_t *codes, float *scale,
-                                    const l2l_code *c) {
-    int64_t vec = len & ~(int64_t)7;
-    float inv = block_scale(magnitude_max(buf, vec, len, absmax), codes, scale, len, c);
-    if (inv == 0) return 0;
-    const code8_k k = code8_k_of(c);
-    const __m256 inv8 = _mm256_set1_ps(inv);
-    for (int64_t i = 0; i < vec; i += 8) encode8(&k, _mm256_load_ps(buf + i), inv8, codes + i);
-    for (int64_t i = vec; i < len; i++) codes[i] = encode_one(buf[i] * inv, c);
-    return inv;
-}
-
-AVX2 INLINE int state_loop_avx2(const l2l_job *j, int64_t begin, int64_t end, int g_dtype, int w_dtype, int format) {
-    const l2l_scalars s = j->s;
-    const rule8_k k = rule8_k_of(&s);
-    const code8_k mk = code8_k_of(&j->m_code), vk = code8_k_of(&j->v_code);
-    const __m256i mag_mask = _mm256_set1_epi32(0x7FFFFFFF);
-    const int uses_m = j->uses_m, uses_v = j->uses_v, unscale = UNSCALE(s);
-    float mbuf[L2L_BLOCK] __attribute__((aligned(32))), vbuf[L2L_BLOCK] __attribute__((aligned(32)));
-    int bad = 0;
-    for (int64_t b0 = begin; b0 < end; b0 += L2L_BLOCK) {
-        int64_t len = end - b0 < L2L_BLOCK ? end - b0 : L2L_BLOCK, blk = b0 / L2L_BLOCK, b = 0;
-        const int q8 = format == L2L_STATE_8BIT;
-        float ms = q8 && uses_m ? j->m_scale_src[blk] : 0, vs = q8 && uses_v ? j->v_scale_src[blk] : 0;
-        const __m256 ms8 = _mm256_set1_ps(ms), vs8 = _mm256_set1_ps(vs);
-        __m256i bad8 = _mm256_setzero_si256(), mmax = _mm256_setzero_si256(), vmax = _mm256_setzero_si256();
-        for (; b + 8 <= len; b += 8) {
-            int64_t i = b0 + b;
-            __m256 gv = load_g8(j->g, i, g_dtype);
-            if (unscale) gv = _mm256_mul_ps(gv, k.inv_scale);
-            bad8 = _mm256_or_si256(bad8, nonfinite8(gv));
-            __m256 m = _mm256_setzero_ps(), v = _mm256_setzero_ps();
-            if (uses_m) m = q8 ? decode8(&mk, (const uint8_t *)j->m_src + i, ms8) : bf16_load8(j->m_src, i);
-            if (uses_v) v = q8 ? decode8(&vk, (const uint8_t *)j->v_src + i, vs8) : bf16_load8(j->v_src, i);
-            __m256 p = canon_nan8(rule8(&s, &k, gv, _mm256_loadu_ps(j->p_src + i), &m, &v));
-            _mm256_storeu_ps(j->p_dst + i, p);
-            store_w8(j->w_dst, i, p, w_dtype);
-            m = canon_nan8(m);
-            v = canon_nan8(v);
-            if (q8) {
-                _mm256_store_ps(mbuf + b, m);
-                _mm256_store_ps(vbuf + b, v);
-                mmax = _mm256_max_epu32(mmax, _mm256_and_si256(_mm256_castps_si256(m), mag_mask));
-                vmax = _mm256_max_epu32(vmax, _mm256_and_si256(_mm256_castps_si256(v), mag_mask));
-            } else {
-                if (uses_m) _mm_storeu_si128((__m128i *)((uint16_t *)j->m_dst + i), bf16_round8(m));
-                if (uses_v) _mm_storeu_si128((__m128i *)((uint16_t *)j->v_dst + i), bf16_round8(v));
-            }
-        }
-        bad |= !_mm256_testz_si256(bad8, bad8);
-        for (; b < len; b++) bad |= state_one(j, b0, b, ms, vs, mbuf, vbuf);
-        if (q8 && uses_m) encode_block_avx2(mbuf, len, max8(mmax), (uint8_t *)j->m_dst + b0, j->m_scale_dst + blk, &j->m_code);
-        if (q8 && uses_v) encode_block_avx2(vbuf, len, max8(vmax), (uint8_t *)j->v_dst + b0, j->v_scale_dst + blk, &j->v_code);
-    }
-    return bad;
-}
-
-/* ---------------------------------------------------------------- AVX-512 path (F, DQ, BW, VL) */
-
-#define AVX512 __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl")))
-
-typedef struct {
-    __m512 inv_scale, lr, wd, decay, b1c, b2, b2c, step_size, bc2, eps, mom, damp_c, bc2_inv;
-    int bc2_by_fma;
-} rule16_k;
-
-AVX512 INLINE rule16_k rule16_k_of(const l2l_job *j) {
-    const l2l_scalars *s = &j->s;
-    return (rule16_k){_mm512_set1_ps(s->inv_scale), _mm512_set1_ps(s->lr), _mm512_set1_ps(s->weight_decay),
-                      _mm512_set1_ps(s->decay), _mm512_set1_ps(s->one_minus_beta1), _mm512_set1_ps(s->beta2),
-                      _mm512_set1_ps(s->one_minus_beta2), _mm512_set1_ps(s->step_size),
-                      _mm512_set1_ps(s->bias_correction2_sqrt), _mm512_set1_ps(s->eps), _mm512_set1_ps(s->momentum),
-                      _mm512_set1_ps(s->dampening_complement), _mm512_set1_ps(1.0f / s->bias_correction2_sqrt),
-                      j->bc2_by_fma}; /* under the IEEE MXCSR, as in fma_quotient_misses */
-}
-
-AVX512 INLINE __m512 canon_nan16(__m512 x) {
-    return _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000)));
-}
-
-AVX512 INLINE __mmask16 nonfinite16(__m512 g) {
-    const __m512i exp_mask = _mm512_set1_epi32(0x7F800000);
-    return _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(g), exp_mask), exp_mask);
-}
-
-AVX512 INLINE __m512 load_g16(const void *g, int64_t i, int g_dtype) {
-    if (g_dtype == L2L_DT_BF16)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)g + i))), 16));
-    if (g_dtype == L2L_DT_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)g + i)));
-    return _mm512_loadu_ps((const float *)g + i);
-}
-
-AVX512 INLINE __m256i bf16_round16(__m512 x) { /* x canonical */
-    __m512i u = _mm512_castps_si512(x);
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
-                                                   _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
-    return _mm512_cvtepi32_epi16(r);
-}
-
-/* The working copy of 16 weights. The native bf16 conversion reads a subnormal as zero: it
- * returns the lanes that hold one, whose vectors the loop rewrites (rewrite16). */
-AVX512 INLINE __mmask16 store_w16(void *w, int64_t i, __m512 p, int w_dtype) {
-    if (w_dtype == L2L_DT_BF16_NATIVE) {
-        __m256i h;
-        __asm__("vcvtneps2bf16 %1, %0" : "=v"(h) : "v"(p)); /* no target attribute needed for the pool's callers */
-        _mm256_storeu_si256((__m256i *)((uint16_t *)w + i), h);
-        return _mm512_fpclass_ps_mask(p, 0x20 /* subnormal */);
-    }
-    if (w_dtype == L2L_DT_BF16) _mm256_storeu_si256((__m256i *)((uint16_t *)w + i), bf16_round16(p));
-    else if (w_dtype == L2L_DT_F16) _mm256_storeu_si256((__m256i *)((uint16_t *)w + i), _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT));
-    return 0;
-}
-
-/* The loops below write NaN as the arithmetic made it and the working copy by the native
- * conversion, and only note where a vector held a NaN or a subnormal weight; this pass then
- * rewrites the whole vectors of [begin, end): NaN made canonical in p (and in fp32 m and v,
- * which are NULL otherwise) and the working copy from p by integer rounding. Both cases are
- * rare; testing and fixing each vector in the loop cost more. */
-AVX512 INLINE void rewrite16(float *p, float *m, float *v, void *w, int w_dtype, int64_t begin, int64_t end) {
-    const int exact = w_dtype == L2L_DT_BF16_NATIVE ? L2L_DT_BF16 : w_dtype;
-    for (int64_t i = begin; i + 16 <= end; i += 16) {
-        __m512 x = canon_nan16(_mm512_loadu_ps(p + i));
-        _mm512_storeu_ps(p + i, x);
-        store_w16(w, i, x, exact);
-        if (m) _mm512_storeu_ps(m + i, canon_nan16(_mm512_loadu_ps(m + i)));
-        if (v) _mm512_storeu_ps(v + i, canon_nan16(_mm512_loadu_ps(v + i)));
-    }
-}
-
-AVX512 INLINE __m512 bf16_load16(const void *h, int64_t i) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)h + i))), 16));
-}
-
-/* a / bias_correction2_sqrt, rounded once, for a = sqrt(v). The divisor is the same in
- * every element of a call, so where the call proved it (bc2_by_fma) the quotient is
- * Markstein's: q = a y with y = 1/bc2 rounded, r = a - q bc2 (one FMA), q + r y (one FMA);
- * see bc2_by_fma. Lanes where a is +-0, +-Inf or NaN keep q = a y, which is
- * a / bc2 there (the correction would turn Inf into NaN). */
-AVX512 INLINE __m512 div_bc2(const rule16_k *k, __m512 a) {
-    if (!k->bc2_by_fma) return _mm512_div_ps(a, k->bc2);
-    __m512 q = _mm512_mul_ps(a, k->bc2_inv);
-    __m512 r = _mm512_fnmadd_ps(q, k->bc2, a);
-    __mmask16 special = _mm512_fpclass_ps_mask(a, 0x9F); /* QNaN, +-0, +-Inf, SNaN */
-    return _mm512_mask3_fmadd_ps(r, k->bc2_inv, q, _knot_mask16(special));
-}
-
-/* The check that lets a call take div_bc2's FMA quotient for the divisor *ctx: over the
- * significands [begin, end) of a in [1, 2), returns 1 at the first a where it differs from
- * the division. Markstein's theorem (y within half an ulp of 1/b, q within one ulp of a/b)
- * says it never does; the check does not rely on it. */
-AVX512 static int fma_quotient_misses(const void *ctx, int64_t begin, int64_t end) {
-    const float b = *(const float *)ctx;
-    const rule16_k k = {.bc2 = _mm512_set1_ps(b), .bc2_inv = _mm512_set1_ps(1.0f / b), .bc2_by_fma = 1};
-    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    for (int64_t f = begin; f < end; f += 16) { /* begin and end are multiples of 16 */
-        __m512 a = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_set1_epi32((int)(0x3F800000 + f)), lane));
-        if (_mm512_cmp_ps_mask(div_bc2(&k, a), _mm512_div_ps(a, k.bc2), _CMP_NEQ_UQ)) return 1;
-    }
-    return 0;
-}
-
-/* golden.apply_rule on 16 lanes, as rule1. */
-AVX512 INLINE __m512 rule16(const l2l_scalars *s, const rule16_k *k, __m512 g, __m512 p, __m512 *m, __m512 *v) {
-    if (s->optimizer == L2L_SGD) {
-        if (s->weight_decay != 0) g = _mm512_add_ps(g, _mm512_mul_ps(p, k->wd));
-        if (s->momentum != 0) {
-            *m = _mm512_add_ps(_mm512_mul_ps(*m, k->mom), _mm512_mul_ps(g, k->damp_c));
-            g = s->nesterov ? _mm512_add_ps(g, _mm512_mul_ps(*m, k->mom)) : *m;
-        }
-        return _mm512_sub_ps(p, _mm512_mul_ps(g, k->lr));
-    }
-    if (s->optimizer == L2L_ADAM && s->weight_decay != 0) g = _mm512_add_ps(g, _mm512_mul_ps(p, k->wd));
-    if (s->optimizer == L2L_ADAMW && s->weight_decay != 0) p = _mm512_mul_ps(p, k->decay);
-    *m = _mm512_add_ps(*m, _mm512_mul_ps(_mm512_sub_ps(g, *m), k->b1c));
-    *v = _mm512_add_ps(_mm512_mul_ps(*v, k->b2), _mm512_mul_ps(_mm512_mul_ps(g, k->b2c), g));
-    __m512 denom = _mm512_add_ps(div_bc2(k, _mm512_sqrt_ps(*v)), k->eps);
-    return _mm512_sub_ps(p, _mm512_div_ps(_mm512_mul_ps(*m, k->step_size), denom));
-}
-
-AVX512 INLINE int step_loop_avx512(const l2l_job *j, int64_t begin, int64_t end, int g_dtype, int w_dtype) {
-    const l2l_scalars s = j->s;
-    const rule16_k k = rule16_k_of(j);
-    const void *g = j->g;
-    const float *p_src = j->p_src, *m_src = j->m_src, *v_src = j->v_src;
-    float *p_dst = j->p_dst, *m_dst = j->m_dst, *v_dst = j->v_dst;
-    void *w_dst = j->w_dst;
-    const int uses_m = j->uses_m, uses_v = j->uses_v, unscale = UNSCALE(s);
-    __mmask16 bad = 0, redo = 0;
-    int64_t i = begin;
-    for (; i + 16 <= end; i += 16) {
-        __m512 gv = load_g16(g, i, g_dtype);
-        if (unscale) gv = _mm512_mul_ps(gv, k.inv_scale);
-        bad |= nonfinite16(gv);
-        __m512 m = uses_m ? _mm512_loadu_ps(m_src + i) : _mm512_setzero_ps();
-        __m512 v = uses_v ? _mm512_loadu_ps(v_src + i) : _mm512_setzero_ps();
-        __m512 p = rule16(&s, &k, gv, _mm512_loadu_ps(p_src + i), &m, &v);
-        redo |= _mm512_cmp_ps_mask(p, p, _CMP_UNORD_Q); /* a NaN in m or v makes p NaN too (rule16) */
-        if (uses_m) _mm512_storeu_ps(m_dst + i, m);
-        if (uses_v) _mm512_storeu_ps(v_dst + i, v);
-        _mm512_storeu_ps(p_dst + i, p);
-        redo |= store_w16(w_dst, i, p, w_dtype);
-    }
-    if (redo) rewrite16(p_dst, uses_m ? m_dst : NULL, uses_v ? v_dst : NULL, w_dst, w_dtype, begin, i);
-    return (bad != 0) | step_range_scalar(j, i, end);
-}
-
-typedef struct {
-    __m512i code_mask, exp_min, round_base, offset, max_mag;
-    __m128i drop;
-} code16_k;
-
-AVX512 INLINE code16_k code16_k_of(const l2l_code *c) {
-    return (code16_k){_mm512_set1_epi32((int)(c->sign_mask ? 0x80000000u | (c->mag_mask << c->drop) : 0xFFFFFFFFu)),
-                      _mm512_set1_epi32((int)c->smallest_normal), _mm512_set1_epi32((int)(c->drop << 23)),
-                      _mm512_set1_epi32((int)(c->smallest_normal >> c->drop)), _mm512_set1_epi32((int)c->max_magnitude),
-                      _mm_cvtsi32_si128((int)c->drop)};
-}
-
-/* One block's decode factors: the code's value (exact) times the scale (one rounding) is
- * one multiply by 2^(127 - bias + k) when the scale is a power of two 2^k with k <= bias
- * (the factor is then a normal float: the same rounding), or by NaN for a NaN scale;
- * otherwise two multiplies, by 2^(127 - bias) and by the scale. */
-typedef struct { __m512 first, second; int two; } block16_k;
-
-AVX512 INLINE block16_k block16_k_of(const l2l_code *c, float scale) {
-    uint32_t bits = f2u(scale), e = bits >> 23;
-    if (scale != scale) return (block16_k){_mm512_set1_ps(scale), _mm512_set1_ps(scale), 0};
-    if ((bits & 0x007FFFFFu) == 0 && e >= 1 && e <= 127 + c->bias)
-        return (block16_k){_mm512_set1_ps(u2f((e + 127 - c->bias) << 23)), _mm512_set1_ps(scale), 0};
-    return (block16_k){_mm512_set1_ps(c->unbias), _mm512_set1_ps(scale), 1};
-}
-
-/* codes -> values. The code shifted into place is a float32 whose exponent field is the
- * code's e (a subnormal float32 for e = 0); a signed code is loaded sign-extended, so the
- * shift puts copies of its sign above the magnitude, and the mask keeps the one in bit 31. */
-AVX512 INLINE __m512 decode16(const code16_k *c, const block16_k *b, const uint8_t *codes, int is_signed) {
-    __m128i raw = _mm_loadu_si128((const __m128i *)codes);
-    __m512i code = is_signed ? _mm512_cvtepi8_epi32(raw) : _mm512_cvtepu8_epi32(raw);
-    __m512i bits = _mm512_sll_epi32(code, c->drop);
-    if (is_signed) bits = _mm512_and_si512(bits, c->code_mask);
-    __m512 x = _mm512_mul_ps(_mm512_castsi512_ps(bits), b->first);
-    return b->two ? _mm512_mul_ps(x, b->second) : x;
-}
-
-/* values scaled into the code's range (y = x * 2^-k) -> codes, as golden.encode_codes: the
- * float add |y| + M, M = 2^(E + drop) with E the exponent of |y| but at least the code's
- * smallest normal exponent, rounds |y| to the code's grid there (round to nearest even),
- * and bits(|y| + M) - bits(M) counts grid steps: 2^man_bits + f for a normal code, f for
- * a subnormal one; the exponent of M gives the rest of the code. */
-AVX512 INLINE void encode16(const code16_k *c, __m512 x, __m512 inv, uint8_t *codes, int is_signed, int saturate,
-                            int positive) {
-    __m512i bits = _mm512_castps_si512(_mm512_mul_ps(x, inv));
-    __m512i mag = positive ? bits : _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF));
-    __m512i exp = _mm512_max_epu32(_mm512_and_si512(bits, _mm512_set1_epi32(0x7F800000)), c->exp_min);
-    __m512i base = _mm512_add_epi32(exp, c->round_base);
-    __m512i steps = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(mag),
-                                                                       _mm512_castsi512_ps(base))), base);
-    __m512i q = _mm512_add_epi32(steps, _mm512_sub_epi32(_mm512_srl_epi32(exp, c->drop), c->offset));
-    if (saturate) q = _mm512_min_epu32(q, c->max_mag);
-    if (is_signed) q = _mm512_ternarylogic_epi32(q, _mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80), 0xF8);
-    _mm_storeu_si128((__m128i *)codes, _mm512_cvtepi32_epi8(q));
-}
-
-/* Largest |x| bits so far (integer order of |x| bits is the order of |x|; NaN above Inf).
- * `positive`: every x is +0, positive or NaN, whose bits are then |x| or (NaN) at least
- * 0x7F800000 either way, so the block is found non-finite all the same. */
-AVX512 INLINE __m512i absmax16(__m512i acc, __m512 x, int positive) {
-    __m512i bits = _mm512_castps_si512(x);
-    return _mm512_max_epu32(acc, positive ? bits : _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)));
-}
-
 /* v of a block whose stored scale has its sign bit clear is +0, positive or NaN: its codes
  * are unsigned, the decode multiplies them by that scale, and the rule adds g * g terms.
  * (Our encoder writes only such scales; a checkpoint could hold others.) */
 static inline int v_positive(float v_scale) { return (f2u(v_scale) >> 31) == 0; }
 
-/* A block whose scale exponent k was not clamped to SCALE_EXP_LIMIT cannot round past the
- * largest code (golden.block_exponent rounds the block maximum first): no saturation. */
-AVX512 INLINE float encode_block_avx512(const float *buf, int64_t len, uint32_t absmax, uint8_t *codes, float *scale,
-                                        const l2l_code *c, const code16_k *k, int is_signed, int positive) {
-    int64_t vec = len & ~(int64_t)15;
-    float inv = block_scale(magnitude_max(buf, vec, len, absmax), codes, scale, len, c);
-    if (inv == 0) return 0;
-    const int saturate = f2u(inv) == (uint32_t)(127 - SCALE_EXP_LIMIT) << 23;
-    const __m512 inv16 = _mm512_set1_ps(inv);
-    for (int64_t i = 0; i < vec; i += 16) /* the loop is unswitched on the two flags (-O3) */
-        encode16(k, _mm512_load_ps(buf + i), inv16, codes + i, is_signed, saturate, positive);
-    for (int64_t i = vec; i < len; i++) codes[i] = encode_one(buf[i] * inv, c);
-    return inv;
-}
-
-AVX512 INLINE int nonfinite_block16(const void *g, int64_t b0, int64_t len, int g_dtype, __m512 inv_scale, int unscale) {
-    __mmask16 bad = 0;
-    int64_t b = 0;
-    for (; b + 16 <= len; b += 16) {
-        __m512 gv = load_g16(g, b0 + b, g_dtype);
-        bad |= nonfinite16(unscale ? _mm512_mul_ps(gv, inv_scale) : gv);
-    }
-    return bad != 0;
-}
-
-AVX512 INLINE int state_loop_avx512(const l2l_job *j, int64_t begin, int64_t end, int g_dtype, int w_dtype, int format) {
-    const l2l_scalars s = j->s;
-    const rule16_k k = rule16_k_of(j);
-    const code16_k mk = code16_k_of(&j->m_code), vk = code16_k_of(&j->v_code);
-    const int uses_m = j->uses_m, uses_v = j->uses_v, unscale = UNSCALE(s);
-    const int q8 = format == L2L_STATE_8BIT;
-    /* 8-bit state (always with m: l2l_host_step sends a step without state to the fp32
-     * loops): a gradient that is not finite makes m or v of its element not finite (v for
-     * Adam, m for SGD with momentum), so only a block whose state max is not finite has its
-     * gradients checked. */
-    const int check_each = !q8;
-    /* the job's pointers in locals: a store through one of them could otherwise be taken to
-     * change the job, and every field be loaded again after it */
-    const void *g = j->g, *m_src = j->m_src, *v_src = j->v_src;
-    const float *p_src = j->p_src;
-    float *p_dst = j->p_dst;
-    void *w_dst = j->w_dst, *m_dst = j->m_dst, *v_dst = j->v_dst;
-    float mbuf[L2L_BLOCK] __attribute__((aligned(64))), vbuf[L2L_BLOCK] __attribute__((aligned(64)));
-    int bad = 0;
-    for (int64_t b0 = begin; b0 < end; b0 += L2L_BLOCK) {
-        int64_t len = end - b0 < L2L_BLOCK ? end - b0 : L2L_BLOCK, blk = b0 / L2L_BLOCK, b = 0;
-        float ms = q8 && uses_m ? j->m_scale_src[blk] : 0, vs = q8 && uses_v ? j->v_scale_src[blk] : 0;
-        const block16_k mb = block16_k_of(&j->m_code, ms), vb = block16_k_of(&j->v_code, vs);
-        const int v_pos = v_positive(vs);
-        __m512i mmax = _mm512_setzero_si512(), vmax = _mm512_setzero_si512();
-        __mmask16 bad16 = 0, redo = 0;
-        for (; b + 16 <= len; b += 16) {
-            int64_t i = b0 + b;
-            __m512 gv = load_g16(g, i, g_dtype);
-            if (unscale) gv = _mm512_mul_ps(gv, k.inv_scale);
-            if (check_each) bad16 |= nonfinite16(gv);
-            __m512 m = _mm512_setzero_ps(), v = _mm512_setzero_ps();
-            if (uses_m) m = q8 ? decode16(&mk, &mb, (const uint8_t *)m_src + i, 1) : bf16_load16(m_src, i);
-            if (uses_v) v = q8 ? decode16(&vk, &vb, (const uint8_t *)v_src + i, 0) : bf16_load16(v_src, i);
-            __m512 p = rule16(&s, &k, gv, _mm512_loadu_ps(p_src + i), &m, &v);
-            _mm512_storeu_ps(p_dst + i, p);
-            redo |= _mm512_cmp_ps_mask(p, p, _CMP_UNORD_Q) | store_w16(w_dst, i, p, w_dtype);
-            if (q8) { /* a NaN needs no canonical form here: it makes its block NaN */
-                _mm512_store_ps(mbuf + b, m);
-                _mm512_store_ps(vbuf + b, v);
-                mmax = absmax16(mmax, m, 0);
-                vmax = absmax16(vmax, v, v_pos);
-            } else {
-                if (uses_m) _mm256_storeu_si256((__m256i *)((uint16_t *)m_dst + i), bf16_round16(canon_nan16(m)));
-                if (uses_v) _mm256_storeu_si256((__m256i *)((uint16_t *)v_dst + i), bf16_round16(canon_nan16(v)));
-            }
-        }
-        int64_t vec = b;
-        if (redo) rewrite16(p_dst, NULL, NULL, w_dst, w_dtype, b0, b0 + vec);
-        for (; b < len; b++) bad |= state_one(j, b0, b, ms, vs, mbuf, vbuf);
-        bad |= bad16 != 0;
-        if (q8) {
-            uint32_t m_abs = (uint32_t)_mm512_reduce_max_epu32(mmax), v_abs = (uint32_t)_mm512_reduce_max_epu32(vmax);
-            if (!check_each && (m_abs >= 0x7F800000u || v_abs >= 0x7F800000u))
-                bad |= nonfinite_block16(g, b0, vec, g_dtype, k.inv_scale, unscale);
-            if (uses_m) encode_block_avx512(mbuf, len, m_abs, (uint8_t *)m_dst + b0, j->m_scale_dst + blk, &j->m_code, &mk, 1, 0);
-            if (uses_v) encode_block_avx512(vbuf, len, v_abs, (uint8_t *)v_dst + b0, j->v_scale_dst + blk, &j->v_code, &vk, 0, v_pos);
-        }
-    }
-    return bad;
-}
-
-/* ---------------------------------------------------------------- dispatch
- * Each loop above is inlined once per (gradient dtype, working dtype[, state format]), so
- * the loop body has no run-time dtype tests. */
-
-#define DTYPE_CASES(LOOP, ...)                                                          \
-    switch (j->g_dtype * 3 + (j->w_dtype == L2L_DT_NONE ? 0 : j->w_dtype)) {              \
-    case 0: return LOOP(j, begin, end, L2L_DT_F32, L2L_DT_NONE, ##__VA_ARGS__);         \
-    case 1: return LOOP(j, begin, end, L2L_DT_F32, L2L_DT_BF16, ##__VA_ARGS__);         \
-    case 2: return LOOP(j, begin, end, L2L_DT_F32, L2L_DT_F16, ##__VA_ARGS__);          \
-    case 3: return LOOP(j, begin, end, L2L_DT_BF16, L2L_DT_NONE, ##__VA_ARGS__);        \
-    case 4: return LOOP(j, begin, end, L2L_DT_BF16, L2L_DT_BF16, ##__VA_ARGS__);        \
-    case 5: return LOOP(j, begin, end, L2L_DT_BF16, L2L_DT_F16, ##__VA_ARGS__);         \
-    case 6: return LOOP(j, begin, end, L2L_DT_F16, L2L_DT_NONE, ##__VA_ARGS__);         \
-    case 7: return LOOP(j, begin, end, L2L_DT_F16, L2L_DT_BF16, ##__VA_ARGS__);         \
-    default: return LOOP(j, begin, end, L2L_DT_F16, L2L_DT_F16, ##__VA_ARGS__);         \
-    }
-
-AVX2 static int step_range_avx2(const void *ctx, int64_t begin, int64_t end) {
-    const l2l_job *j = ctx;
-    DTYPE_CASES(step_loop_avx2)
-}
-
-AVX2 static int state_range_avx2(const void *ctx, int64_t begin, int64_t end) {
-    const l2l_job *j = ctx;
-    if (j->format == L2L_STATE_BF16) { DTYPE_CASES(state_loop_avx2, L2L_STATE_BF16) }
-    DTYPE_CASES(state_loop_avx2, L2L_STATE_8BIT)
-}
-
-/* The AVX-512 loops also take the native bf16 working copy. */
-#define DTYPE_CASES_512(LOOP, ...)                                                      \
-    if (j->w_dtype == L2L_DT_BF16_NATIVE) switch (j->g_dtype) {                         \
-        case L2L_DT_F32: return LOOP(j, begin, end, L2L_DT_F32, L2L_DT_BF16_NATIVE, ##__VA_ARGS__); \
-        case L2L_DT_BF16: return LOOP(j, begin, end, L2L_DT_BF16, L2L_DT_BF16_NATIVE, ##__VA_ARGS__); \
-        default: return LOOP(j, begin, end, L2L_DT_F16, L2L_DT_BF16_NATIVE, ##__VA_ARGS__); \
-    }                                                                                   \
-    DTYPE_CASES(LOOP, ##__VA_ARGS__)
-
-AVX512 static int step_range_avx512(const void *ctx, int64_t begin, int64_t end) {
-    const l2l_job *j = ctx;
-    DTYPE_CASES_512(step_loop_avx512)
-}
-
-AVX512 static int state_range_avx512(const void *ctx, int64_t begin, int64_t end) {
-    const l2l_job *j = ctx;
-    if (j->format == L2L_STATE_BF16) { DTYPE_CASES_512(state_loop_avx512, L2L_STATE_BF16) }
-    DTYPE_CASES_512(state_loop_avx512, L2L_STATE_8BIT)
-}
-
 /* ---------------------------------------------------------------- memory stream
  * The bandwidth reference of `l2l bench eps`: the byte mix of a step (streams read,
  * streams updated in place, streams written, each with its bytes per element), moved with
- * no arithmetic (updated vectors get one integer add, written ones a constant), all streams in lock step as the
- * step moves them. Stores are plain or non-temporal (streaming, no read for ownership);
- * the bench takes the faster at the best thread count, so the figure bounds what any
- * implementation of the same bytes reaches. */
+ * no arithmetic (updated vectors get one integer add, written ones a constant), all streams
+ * in lock step as the step moves them. Stores are plain or non-temporal (streaming, no read
+ * for ownership); the bench takes the faster at the best thread count, so the figure bounds
+ * what any implementation of the same bytes reaches. Each ISA moves whole groups of LINE
+ * elements (stream_range); the rest goes byte by byte. */
 
 #define L2L_STREAMS 8
 #define LINE 64
@@ -884,14 +188,12 @@ typedef struct {
 
 static volatile uint64_t stream_sink; /* keeps the loads of read-only streams alive */
 
-/* Bytes [lo, hi) of every stream, scalar, 8 bytes at a time where whole. */
-static int stream_bytes_scalar(const l2l_stream *t, int64_t begin, int64_t end) {
+/* Elements [begin, end) of every stream, a byte at a time. */
+static int stream_bytes(const l2l_stream *t, int64_t begin, int64_t end) {
     uint64_t acc = 0;
-    int k = 0;
-    for (; k < t->reads + t->updates + t->writes; k++) {
-        int64_t lo = begin * t->size[k], hi = end * t->size[k];
+    for (int k = 0; k < t->reads + t->updates + t->writes; k++) {
         uint8_t *b = t->ptr[k];
-        for (int64_t x = lo; x < hi; x++) {
+        for (int64_t x = begin * t->size[k]; x < end * t->size[k]; x++) {
             if (k < t->reads) acc += b[x];
             else if (k < t->reads + t->updates) b[x] += 1;
             else b[x] = 1;
@@ -901,60 +203,126 @@ static int stream_bytes_scalar(const l2l_stream *t, int64_t begin, int64_t end) 
     return 0;
 }
 
-static int stream_range_scalar(const void *ctx, int64_t begin, int64_t end) {
-    return stream_bytes_scalar(ctx, begin, end);
-}
+/* ---------------------------------------------------------------- the instances
+ * Every name the vector layer and the algorithm define stands for that name with the
+ * instance's suffix (rule -> rule_avx2), so that the three instances live side by side.
+ * The first part of the list is the vector layer's interface: what each ISA provides. */
 
-/* Whole groups of LINE elements with vectors: each stream moves size[k] lines per group. */
-AVX2 static int stream_range_avx2(const void *ctx, int64_t begin, int64_t end) {
-    const l2l_stream *t = ctx;
-    const int r = t->reads, u = r + t->updates, w = u + t->writes, nt = t->nontemporal;
-    const __m256i one = _mm256_set1_epi8(1);
-    __m256i acc = _mm256_setzero_si256();
-    int64_t i = begin;
-    for (; i + LINE <= end; i += LINE) {
-        for (int k = 0; k < w; k++) {
-            char *b = (char *)t->ptr[k] + i * t->size[k];
-            for (int l = 0; l < t->size[k] * LINE; l += 32) {
-                __m256i *a = (__m256i *)(b + l);
-                if (k < r) acc = _mm256_add_epi32(acc, _mm256_loadu_si256(a));
-                else {
-                    __m256i x = k < u ? _mm256_add_epi8(_mm256_loadu_si256(a), one) : one;
-                    if (nt) _mm256_stream_si256(a, x);
-                    else _mm256_storeu_si256(a, x);
-                }
-            }
-        }
-    }
-    if (nt) _mm_sfence();
-    stream_sink = (uint64_t)_mm256_extract_epi64(acc, 0);
-    return stream_bytes_scalar(t, i, end);
-}
+#define VEC(name) VEC_PASTE(name, VEC_SUFFIX)
+#define VEC_PASTE(name, suffix) VEC_PASTE_(name, suffix)
+#define VEC_PASTE_(name, suffix) name##_##suffix
 
-AVX512 static int stream_range_avx512(const void *ctx, int64_t begin, int64_t end) {
-    const l2l_stream *t = ctx;
-    const int r = t->reads, u = r + t->updates, w = u + t->writes, nt = t->nontemporal;
-    const __m512i one = _mm512_set1_epi8(1);
-    __m512i acc = _mm512_setzero_si512();
-    int64_t i = begin;
-    for (; i + LINE <= end; i += LINE) {
-        for (int k = 0; k < w; k++) {
-            char *b = (char *)t->ptr[k] + i * t->size[k];
-            for (int l = 0; l < t->size[k] * LINE; l += 64) {
-                void *a = b + l;
-                if (k < r) acc = _mm512_add_epi32(acc, _mm512_loadu_si512(a));
-                else {
-                    __m512i x = k < u ? _mm512_add_epi32(_mm512_loadu_si512(a), one) : one;
-                    if (nt) _mm512_stream_si512(a, x);
-                    else _mm512_storeu_si512(a, x);
-                }
-            }
-        }
+/* LANES lanes of float32 (vf) and of uint32 (vi): +, -, *, / and the bit operators act on
+ * every lane (GCC vector types; the one-lane layer's are float and uint32_t). */
+#define vf VEC(vf)
+#define vi VEC(vi)
+#define vmask VEC(vmask)           /* a lane mask: combined with |, tested by any() */
+#define vset VEC(vset)             /* float32 to every lane */
+#define iset VEC(iset)             /* uint32 to every lane */
+#define vsqrt VEC(vsqrt)           /* IEEE square root */
+#define imax VEC(imax)             /* unsigned max, min */
+#define imin VEC(imin)
+#define vnan VEC(vnan)             /* the lanes that hold a NaN */
+#define ieq VEC(ieq)               /* the lanes where a == b */
+#define vwhere VEC(vwhere)         /* per lane: mask ? yes : no */
+#define any VEC(any)               /* whether the mask has a lane set */
+#define load_u16 VEC(load_u16)     /* 16-bit values, zero-extended */
+#define store_u16 VEC(store_u16)   /* the low 16 bits of each lane (values below 2^16) */
+#define load_f16 VEC(load_f16)     /* fp16 to float32, exact */
+#define store_f16 VEC(store_f16)   /* float32 to fp16, round to nearest even */
+#define load_u8 VEC(load_u8)       /* 8-bit codes, zero- or sign-extended */
+#define load_s8 VEC(load_s8)
+#define store_u8 VEC(store_u8)     /* the low 8 bits of each lane (values below 2^8) */
+#define hmax VEC(hmax)             /* the largest lane, unsigned */
+#define store_nt VEC(store_nt)     /* a non-temporal store of one vi */
+#define vload VEC(vload)           /* unaligned loads and stores of whole vectors */
+#define vstore VEC(vstore)
+#define iload VEC(iload)
+#define istore VEC(istore)
+#define as_int VEC(as_int)         /* the bits of a vf, and back */
+#define as_float VEC(as_float)
+#define vraw VEC(vraw)             /* x86: the intrinsics' own types */
+#define vhalf VEC(vhalf)
+#define load_half VEC(load_half)
+#define load_quarter VEC(load_quarter)
+#define fma_quotient VEC(fma_quotient)           /* AVX-512 only (VEC_FMA_QUOTIENT) */
+#define fma_quotient_misses VEC(fma_quotient_misses)
+#define store_bf16_native VEC(store_bf16_native) /* AVX-512 with AVX512_BF16 only (VEC_NATIVE_BF16) */
+/* the algorithm */
+#define rule_k VEC(rule_k)
+#define rule_k_of VEC(rule_k_of)
+#define canon_nan VEC(canon_nan)
+#define nonfinite VEC(nonfinite)
+#define load_bf16 VEC(load_bf16)
+#define round_bf16 VEC(round_bf16)
+#define load_grad VEC(load_grad)
+#define store_working VEC(store_working)
+#define rewrite VEC(rewrite)
+#define div_bc2 VEC(div_bc2)
+#define rule VEC(rule)
+#define step_loop VEC(step_loop)
+#define code_k VEC(code_k)
+#define code_k_of VEC(code_k_of)
+#define block_k VEC(block_k)
+#define block_k_of VEC(block_k_of)
+#define decode VEC(decode)
+#define encode VEC(encode)
+#define absmax VEC(absmax)
+#define encode_block VEC(encode_block)
+#define nonfinite_block VEC(nonfinite_block)
+#define state_loop VEC(state_loop)
+#define working_dtype VEC(working_dtype)
+#define step_dtypes VEC(step_dtypes)
+#define state_dtypes VEC(state_dtypes)
+#define step_range VEC(step_range)
+#define state_range VEC(state_range)
+#define stream_range VEC(stream_range)
+
+/* Each loop is inlined once per (gradient dtype, working dtype[, state format]), so the
+ * loop body has no run-time dtype tests. The native bf16 working copy only where the
+ * instance has it. */
+#define DTYPE_CASES(LOOP, w, ...)                                                                 \
+    if (VEC_NATIVE_BF16 && (w) == L2L_DT_BF16_NATIVE) switch (j->g_dtype) {                        \
+        case L2L_DT_F32: return LOOP(j, begin, end, L2L_DT_F32, L2L_DT_BF16_NATIVE, ##__VA_ARGS__);  \
+        case L2L_DT_BF16: return LOOP(j, begin, end, L2L_DT_BF16, L2L_DT_BF16_NATIVE, ##__VA_ARGS__); \
+        default: return LOOP(j, begin, end, L2L_DT_F16, L2L_DT_BF16_NATIVE, ##__VA_ARGS__);          \
+    }                                                                                             \
+    switch (j->g_dtype * 3 + ((w) == L2L_DT_NONE ? 0 : (w))) {                                     \
+    case 0: return LOOP(j, begin, end, L2L_DT_F32, L2L_DT_NONE, ##__VA_ARGS__);                    \
+    case 1: return LOOP(j, begin, end, L2L_DT_F32, L2L_DT_BF16, ##__VA_ARGS__);                    \
+    case 2: return LOOP(j, begin, end, L2L_DT_F32, L2L_DT_F16, ##__VA_ARGS__);                     \
+    case 3: return LOOP(j, begin, end, L2L_DT_BF16, L2L_DT_NONE, ##__VA_ARGS__);                   \
+    case 4: return LOOP(j, begin, end, L2L_DT_BF16, L2L_DT_BF16, ##__VA_ARGS__);                   \
+    case 5: return LOOP(j, begin, end, L2L_DT_BF16, L2L_DT_F16, ##__VA_ARGS__);                    \
+    case 6: return LOOP(j, begin, end, L2L_DT_F16, L2L_DT_NONE, ##__VA_ARGS__);                    \
+    case 7: return LOOP(j, begin, end, L2L_DT_F16, L2L_DT_BF16, ##__VA_ARGS__);                    \
+    default: return LOOP(j, begin, end, L2L_DT_F16, L2L_DT_F16, ##__VA_ARGS__);                    \
     }
-    if (nt) _mm_sfence();
-    stream_sink = (uint64_t)_mm_cvtsi128_si64(_mm512_castsi512_si128(acc));
-    return stream_bytes_scalar(t, i, end);
-}
+
+/* The one-lane instance first: the others run the ragged ends of tensors on it. */
+#define VEC_ISA L2L_ISA_SCALAR
+#define VEC_SUFFIX scalar
+#include "l2l_host_kernel.c"
+#undef VEC_ISA
+#undef VEC_SUFFIX
+
+#pragma GCC push_options
+#pragma GCC target("avx2,f16c")
+#define VEC_ISA L2L_ISA_AVX2
+#define VEC_SUFFIX avx2
+#include "l2l_host_kernel.c"
+#undef VEC_ISA
+#undef VEC_SUFFIX
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512dq,avx512bw,avx512vl")
+#define VEC_ISA L2L_ISA_AVX512
+#define VEC_SUFFIX avx512
+#include "l2l_host_kernel.c"
+#undef VEC_ISA
+#undef VEC_SUFFIX
+#pragma GCC pop_options
 
 /* ---------------------------------------------------------------- thread pool */
 
@@ -1113,7 +481,7 @@ static int bc2_by_fma(float b, int64_t n, int threads) {
     uint64_t seen = __atomic_load_n(&last, __ATOMIC_RELAXED);
     if (seen >> 40 && (uint32_t)seen == f2u(b)) return (int)(seen >> 32) & 1;
     if (n < FMA_CHECK_MIN) return 0;
-    int exact = parallel_tiles(fma_quotient_misses, &b, (int64_t)1 << 23, threads) == 0;
+    int exact = parallel_tiles(fma_quotient_misses_avx512, &b, (int64_t)1 << 23, threads) == 0;
     __atomic_store_n(&last, (uint64_t)1 << 40 | (uint64_t)exact << 32 | f2u(b), __ATOMIC_RELAXED);
     return exact;
 }
@@ -1207,3 +575,508 @@ EXPORT int l2l_host_stream(int64_t n, const l2l_stream *streams, int isa, int th
     if (n == 0) return 0;
     return parallel_tiles(fn, streams, n, threads);
 }
+
+#else /* VEC_ISA ============================================ one instance: vector layer, algorithm */
+
+/* ---------------------------------------------------------------- vector layer: one lane */
+#if VEC_ISA == L2L_ISA_SCALAR
+#define LANES 1
+#define VEC_FMA_QUOTIENT 0
+#define VEC_NATIVE_BF16 0
+
+typedef float vf;
+typedef uint32_t vi;
+typedef int vmask;
+
+static inline vf vset(float x) { return x; }
+static inline vi iset(uint32_t x) { return x; }
+static inline vf vsqrt(vf x) { return __builtin_sqrtf(x); }
+static inline vi imax(vi a, vi b) { return a > b ? a : b; }
+static inline vi imin(vi a, vi b) { return a < b ? a : b; }
+static inline vmask vnan(vf x) { return x != x; }
+static inline vmask ieq(vi a, vi b) { return a == b; }
+static inline vf vwhere(vmask m, vf yes, vf no) { return m ? yes : no; }
+static inline int any(vmask m) { return m != 0; }
+static inline vi load_u16(const uint16_t *h) { return *h; }
+static inline void store_u16(uint16_t *h, vi x) { *h = (uint16_t)x; }
+static inline vi load_u8(const uint8_t *c) { return *c; }
+static inline vi load_s8(const uint8_t *c) { return (uint32_t)(int32_t)(int8_t)*c; }
+static inline void store_u8(uint8_t *c, vi x) { *c = (uint8_t)x; }
+static inline uint32_t hmax(vi x) { return x; }
+static inline void store_nt(void *a, vi x) { _mm_stream_si32(a, (int)x); }
+
+static inline vf load_f16(const uint16_t *h) {
+    uint32_t sign = (uint32_t)(*h & 0x8000u) << 16, e = (*h >> 10) & 0x1Fu, m = *h & 0x3FFu;
+    if (e == 0x1F) return u2f(sign | 0x7F800000u | (m << 13));
+    if (e == 0) return u2f(sign | f2u((float)m * 5.9604644775390625e-8f)); /* m * 2^-24, exact */
+    return u2f(sign | ((e + 112) << 23) | (m << 13));
+}
+
+/* Round to nearest even; any NaN -> 0x7E00. */
+static inline void store_f16(uint16_t *h, vf x) {
+    uint32_t u = f2u(x), sign = (u >> 16) & 0x8000u, a = u & 0x7FFFFFFFu;
+    if (a > 0x7F800000u) { *h = 0x7E00; return; }
+    if (a >= 0x477FF000u) { *h = (uint16_t)(sign | 0x7C00u); return; } /* >= 65520 rounds to Inf */
+    if (a >= 0x38800000u) {                                              /* normal half: >= 2^-14 */
+        uint32_t r = a - (112u << 23);
+        r += 0xFFFu + ((r >> 13) & 1u);
+        *h = (uint16_t)(sign | (r >> 13));
+        return;
+    }
+    if (a <= 0x33000000u) { *h = (uint16_t)sign; return; } /* <= 2^-25: half of the least subnormal, ties to 0 */
+    uint32_t mant = (a & 0x7FFFFFu) | 0x800000u, shift = 126u - (a >> 23); /* 14..24 */
+    uint32_t q = mant >> shift, rem = mant & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+    q += rem > half || (rem == half && (q & 1u));
+    *h = (uint16_t)(sign | q);
+}
+
+#else /* ---------------------------------------------------------------- vector layer: x86 */
+/* MM(op) is the intrinsic of the instance's width: _mm256_op (AVX2) or _mm512_op (AVX-512).
+ * vraw is the intrinsics' integer vector, vhalf the one of half its width (16-bit lanes). */
+#define MM(op) VEC_PASTE(VEC_MM, op)
+
+#if VEC_ISA == L2L_ISA_AVX2
+#define LANES 8
+#define VEC_MM _mm256
+#define VEC_FMA_QUOTIENT 0 /* the FMA quotient was slower than vdivps ymm on an AVX2 CPU measured */
+#define VEC_NATIVE_BF16 0
+typedef float vf __attribute__((vector_size(32)));
+typedef __m256i vraw;
+typedef __m128i vhalf;
+typedef uint32_t vi __attribute__((vector_size(32)));
+typedef int32_t vmask __attribute__((vector_size(32))); /* all ones in a lane that is set */
+
+static inline vmask vnan(vf x) { return (vmask)_mm256_cmp_ps(x, x, _CMP_UNORD_Q); }
+static inline vmask ieq(vi a, vi b) { return (vmask)_mm256_cmpeq_epi32((__m256i)a, (__m256i)b); }
+static inline vf vwhere(vmask m, vf yes, vf no) { return _mm256_blendv_ps(no, yes, (__m256)m); }
+static inline int any(vmask m) { return !_mm256_testz_si256((__m256i)m, (__m256i)m); }
+static inline __m128i load_quarter(const uint8_t *c) { return _mm_loadl_epi64((const __m128i *)c); }
+
+static inline void store_u16(uint16_t *h, vi lanes) {
+    __m256i x = (__m256i)lanes;
+    _mm_storeu_si128((__m128i *)h, _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1)));
+}
+
+static inline void store_u8(uint8_t *c, vi lanes) {
+    __m256i x = (__m256i)lanes;
+    __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+    _mm_storel_epi64((__m128i *)c, _mm_packus_epi16(w, w));
+}
+
+static inline uint32_t hmax(vi x) {
+    uint32_t m = 0;
+    for (int k = 0; k < 8; k++) m = x[k] > m ? x[k] : m;
+    return m;
+}
+
+static inline void store_nt(void *a, vi x) { _mm256_stream_si256(a, (__m256i)x); }
+
+#else /* AVX-512 */
+#define LANES 16
+#define VEC_MM _mm512
+#define VEC_FMA_QUOTIENT 1
+#define VEC_NATIVE_BF16 1
+typedef float vf __attribute__((vector_size(64)));
+typedef __m512i vraw;
+typedef __m256i vhalf;
+typedef uint32_t vi __attribute__((vector_size(64)));
+typedef __mmask16 vmask;
+
+static inline vmask vnan(vf x) { return _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q); }
+static inline vmask ieq(vi a, vi b) { return _mm512_cmpeq_epi32_mask((__m512i)a, (__m512i)b); }
+static inline vf vwhere(vmask m, vf yes, vf no) { return _mm512_mask_mov_ps(no, m, yes); }
+static inline int any(vmask m) { return m != 0; }
+static inline __m128i load_quarter(const uint8_t *c) { return _mm_loadu_si128((const __m128i *)c); }
+static inline void store_u16(uint16_t *h, vi x) { _mm256_storeu_si256((__m256i *)h, _mm512_cvtepi32_epi16((__m512i)x)); }
+static inline void store_u8(uint8_t *c, vi x) { _mm_storeu_si128((__m128i *)c, _mm512_cvtepi32_epi8((__m512i)x)); }
+static inline uint32_t hmax(vi x) { return (uint32_t)_mm512_reduce_max_epu32((__m512i)x); }
+static inline void store_nt(void *a, vi x) { _mm512_stream_si512(a, (__m512i)x); }
+
+/* The working copy by vcvtneps2bf16 (no target attribute needed for the pool's callers).
+ * Returns the lanes that hold a subnormal, which it read as zero. */
+static inline vmask store_bf16_native(uint16_t *h, vf x) {
+    __m256i r;
+    __asm__("vcvtneps2bf16 %1, %0" : "=v"(r) : "v"(x));
+    _mm256_storeu_si256((__m256i *)h, r);
+    return _mm512_fpclass_ps_mask(x, 0x20 /* subnormal */);
+}
+
+/* a / b rounded once, for y = 1/b rounded, where fma_quotient_misses found it so for b:
+ * Markstein's q = a y, r = a - q b (one FMA), q + r y (one FMA). Lanes where a is +-0,
+ * +-Inf or NaN keep q = a y, which is a / b there (the correction would turn Inf into NaN). */
+static inline vf fma_quotient(vf a, vf b, vf y) {
+    vf q = _mm512_mul_ps(a, y);
+    vf r = _mm512_fnmadd_ps(q, b, a);
+    __mmask16 special = _mm512_fpclass_ps_mask(a, 0x9F); /* QNaN, +-0, +-Inf, SNaN */
+    return _mm512_mask3_fmadd_ps(r, y, q, _knot_mask16(special));
+}
+
+/* The check that lets a call take fma_quotient for the divisor *ctx: over the
+ * significands [begin, end) of a in [1, 2), returns 1 at the first a where it differs from
+ * the division. Markstein's theorem (y within half an ulp of 1/b, q within one ulp of a/b)
+ * says it never does; the check does not rely on it. */
+static int fma_quotient_misses(const void *ctx, int64_t begin, int64_t end) {
+    const float b = *(const float *)ctx;
+    const vf bv = _mm512_set1_ps(b), y = _mm512_set1_ps(1.0f / b); /* under the IEEE MXCSR, as rule_k_of */
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t f = begin; f < end; f += 16) { /* begin and end are multiples of 16 */
+        vf a = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_set1_epi32((int)(0x3F800000 + f)), lane));
+        if (_mm512_cmp_ps_mask(fma_quotient(a, bv, y), _mm512_div_ps(a, bv), _CMP_NEQ_UQ)) return 1;
+    }
+    return 0;
+}
+#endif /* AVX-512 */
+
+static inline vf vset(float x) { return MM(set1_ps)(x); }
+static inline vi iset(uint32_t x) { return (vi)MM(set1_epi32)((int)x); }
+static inline vf vsqrt(vf x) { return MM(sqrt_ps)(x); }
+static inline vi imax(vi a, vi b) { return (vi)MM(max_epu32)((vraw)a, (vraw)b); }
+static inline vi imin(vi a, vi b) { return (vi)MM(min_epu32)((vraw)a, (vraw)b); }
+
+static inline vhalf load_half(const uint16_t *h) { vhalf x; memcpy(&x, h, sizeof x); return x; }
+static inline vi load_u16(const uint16_t *h) { return (vi)MM(cvtepu16_epi32)(load_half(h)); }
+static inline vf load_f16(const uint16_t *h) { return MM(cvtph_ps)(load_half(h)); }
+static inline void store_f16(uint16_t *h, vf x) {
+    vhalf r = MM(cvtps_ph)(x, _MM_FROUND_TO_NEAREST_INT);
+    memcpy(h, &r, sizeof r);
+}
+static inline vi load_u8(const uint8_t *c) { return (vi)MM(cvtepu8_epi32)(load_quarter(c)); }
+static inline vi load_s8(const uint8_t *c) { return (vi)MM(cvtepi8_epi32)(load_quarter(c)); }
+#endif /* x86 */
+
+/* ---------------------------------------------------------------- the algorithm
+ * Written once over the vector layer above. Each operator on vf is one IEEE binary32
+ * operation per lane, in the order written. */
+
+static inline vf vload(const float *x) { vf r; memcpy(&r, x, sizeof r); return r; }
+static inline void vstore(float *x, vf a) { memcpy(x, &a, sizeof a); }
+static inline vi iload(const void *x) { vi r; memcpy(&r, x, sizeof r); return r; }
+static inline void istore(void *x, vi a) { memcpy(x, &a, sizeof a); }
+static inline vi as_int(vf x) { vi r; memcpy(&r, &x, sizeof r); return r; }
+static inline vf as_float(vi x) { vf r; memcpy(&r, &x, sizeof r); return r; }
+
+/* The step's scalars on every lane. */
+typedef struct {
+    vf inv_scale, lr, wd, decay, b1c, b2, b2c, step_size, bc2, eps, mom, damp_c, bc2_inv;
+    int bc2_by_fma;
+} rule_k;
+
+INLINE rule_k rule_k_of(const l2l_job *j) {
+    const l2l_scalars *s = &j->s;
+    return (rule_k){vset(s->inv_scale), vset(s->lr), vset(s->weight_decay), vset(s->decay),
+                    vset(s->one_minus_beta1), vset(s->beta2), vset(s->one_minus_beta2), vset(s->step_size),
+                    vset(s->bias_correction2_sqrt), vset(s->eps), vset(s->momentum),
+                    vset(s->dampening_complement), vset(1.0f / s->bias_correction2_sqrt), /* under the IEEE MXCSR */
+                    VEC_FMA_QUOTIENT && j->bc2_by_fma};
+}
+
+INLINE vf canon_nan(vf x) { return vwhere(vnan(x), vset(u2f(0x7FC00000u)), x); }
+
+INLINE vmask nonfinite(vf g) { return ieq(as_int(g) & 0x7F800000u, iset(0x7F800000u)); }
+
+INLINE vf load_bf16(const uint16_t *h) { return as_float(load_u16(h) << 16); }
+
+/* Round to nearest even, in integers. A NaN keeps its payload's top bits: the loops
+ * rewrite a vector that held one from its canonical form (rewrite). */
+INLINE vi round_bf16(vf x) {
+    vi u = as_int(x);
+    return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+}
+
+INLINE vf load_grad(const void *g, int64_t i, int g_dtype) {
+    if (g_dtype == L2L_DT_BF16) return load_bf16((const uint16_t *)g + i);
+    if (g_dtype == L2L_DT_F16) return load_f16((const uint16_t *)g + i);
+    return vload((const float *)g + i);
+}
+
+/* The working copy of LANES weights. The native bf16 conversion reads a subnormal as zero:
+ * it returns the lanes that hold one, whose vectors the loop rewrites (rewrite). */
+INLINE vmask store_working(void *w, int64_t i, vf p, int w_dtype) {
+#if VEC_NATIVE_BF16
+    if (w_dtype == L2L_DT_BF16_NATIVE) return store_bf16_native((uint16_t *)w + i, p);
+#endif
+    if (w_dtype == L2L_DT_BF16) store_u16((uint16_t *)w + i, round_bf16(p));
+    else if (w_dtype == L2L_DT_F16) store_f16((uint16_t *)w + i, p);
+    return (vmask){0};
+}
+
+/* The loops below write NaN as the arithmetic made it and the working copy by the native
+ * conversion, and only note where a vector held a NaN or a subnormal weight; this pass then
+ * rewrites the whole vectors of [begin, end): NaN made canonical in p (and in fp32 m and v,
+ * which are NULL otherwise) and the working copy from p by integer rounding. Both cases are
+ * rare; testing and fixing each vector in the loop cost more. */
+INLINE void rewrite(float *p, float *m, float *v, void *w, int w_dtype, int64_t begin, int64_t end) {
+    const int exact = w_dtype == L2L_DT_BF16_NATIVE ? L2L_DT_BF16 : w_dtype;
+    for (int64_t i = begin; i < end; i += LANES) {
+        vf x = canon_nan(vload(p + i));
+        vstore(p + i, x);
+        store_working(w, i, x, exact);
+        if (m) vstore(m + i, canon_nan(vload(m + i)));
+        if (v) vstore(v + i, canon_nan(vload(v + i)));
+    }
+}
+
+/* a / bias_correction2_sqrt, rounded once, for a = sqrt(v). The divisor is the same in
+ * every element of a call, so where the call proved it (bc2_by_fma) the quotient is
+ * Markstein's (fma_quotient), +8-12% per core in cache. */
+INLINE vf div_bc2(const rule_k *k, vf a) {
+#if VEC_FMA_QUOTIENT
+    if (k->bc2_by_fma) return fma_quotient(a, k->bc2, k->bc2_inv);
+#endif
+    return a / k->bc2;
+}
+
+/* golden.apply_rule on LANES elements, statement by statement; g is already unscaled.
+ * Returns the new p; *m and *v are updated where the optimizer has them. */
+INLINE vf rule(const l2l_scalars *s, const rule_k *k, vf g, vf p, vf *m, vf *v) {
+    if (s->optimizer == L2L_SGD) {
+        if (s->weight_decay != 0) g = g + p * k->wd;
+        if (s->momentum != 0) {
+            *m = *m * k->mom + g * k->damp_c;
+            g = s->nesterov ? g + *m * k->mom : *m;
+        }
+        return p - g * k->lr;
+    }
+    if (s->optimizer == L2L_ADAM && s->weight_decay != 0) g = g + p * k->wd;
+    if (s->optimizer == L2L_ADAMW && s->weight_decay != 0) p = p * k->decay;
+    *m = *m + (g - *m) * k->b1c;
+    *v = *v * k->b2 + (g * k->b2c) * g;
+    vf denom = div_bc2(k, vsqrt(*v)) + k->eps;
+    return p - (*m * k->step_size) / denom;
+}
+
+/* fp32 state: [begin, end) in whole vectors. Returns 1 when a gradient is not finite. */
+INLINE int step_loop(const l2l_job *j, int64_t begin, int64_t end, int g_dtype, int w_dtype) {
+    const l2l_scalars s = j->s;
+    const rule_k k = rule_k_of(j);
+    /* the job's pointers in locals: a store through one of them could otherwise be taken to
+     * change the job, and every field be loaded again after it */
+    const void *g = j->g;
+    const float *p_src = j->p_src, *m_src = j->m_src, *v_src = j->v_src;
+    float *p_dst = j->p_dst, *m_dst = j->m_dst, *v_dst = j->v_dst;
+    void *w_dst = j->w_dst;
+    const int uses_m = j->uses_m, uses_v = j->uses_v, unscale = UNSCALE(s);
+    vmask bad = (vmask){0}, redo = (vmask){0};
+    for (int64_t i = begin; i < end; i += LANES) {
+        vf gv = load_grad(g, i, g_dtype);
+        if (unscale) gv = gv * k.inv_scale;
+        bad |= nonfinite(gv);
+        vf m = uses_m ? vload(m_src + i) : vset(0), v = uses_v ? vload(v_src + i) : vset(0);
+        vf p = rule(&s, &k, gv, vload(p_src + i), &m, &v);
+        redo |= vnan(p); /* a NaN in m or v makes p NaN too (rule) */
+        if (uses_m) vstore(m_dst + i, m);
+        if (uses_v) vstore(v_dst + i, v);
+        vstore(p_dst + i, p);
+        redo |= store_working(w_dst, i, p, w_dtype);
+    }
+    if (any(redo)) rewrite(p_dst, uses_m ? m_dst : NULL, uses_v ? v_dst : NULL, w_dst, w_dtype, begin, end);
+    return any(bad);
+}
+
+/* One 8-bit code book's constants on every lane. */
+typedef struct {
+    vi code_mask, exp_min, round_base, offset, max_mag;
+    uint32_t drop;
+} code_k;
+
+INLINE code_k code_k_of(const l2l_code *c) {
+    return (code_k){iset(c->sign_mask ? 0x80000000u | (c->mag_mask << c->drop) : 0xFFFFFFFFu),
+                    iset(c->smallest_normal), iset(c->drop << 23), iset(c->smallest_normal >> c->drop),
+                    iset(c->max_magnitude), c->drop};
+}
+
+/* One block's decode factors: the code's value (exact) times the scale (one rounding) is
+ * one multiply by 2^(127 - bias + k) when the scale is a power of two 2^k with k <= bias
+ * (the factor is then a normal float: the same rounding), or by NaN for a NaN scale;
+ * otherwise two multiplies, by 2^(127 - bias) and by the scale. */
+typedef struct { vf first, second; int two; } block_k;
+
+INLINE block_k block_k_of(const l2l_code *c, float scale) {
+    uint32_t bits = f2u(scale), e = bits >> 23;
+    if (scale != scale) return (block_k){vset(scale), vset(scale), 0};
+    if ((bits & 0x007FFFFFu) == 0 && e >= 1 && e <= 127 + c->bias)
+        return (block_k){vset(u2f((e + 127 - c->bias) << 23)), vset(scale), 0};
+    return (block_k){vset(c->unbias), vset(scale), 1};
+}
+
+/* codes -> values. The code shifted into place is a float32 whose exponent field is the
+ * code's e (a subnormal float32 for e = 0); a signed code is loaded sign-extended, so the
+ * shift puts copies of its sign above the magnitude, and the mask keeps the one in bit 31. */
+INLINE vf decode(const code_k *c, const block_k *b, const uint8_t *codes, int is_signed) {
+    vi bits = (is_signed ? load_s8(codes) : load_u8(codes)) << c->drop;
+    if (is_signed) bits = bits & c->code_mask;
+    vf x = as_float(bits) * b->first;
+    return b->two ? x * b->second : x;
+}
+
+/* values scaled into the code's range (y = x * 2^-k) -> codes, as golden.encode_codes: the
+ * float add |y| + M, M = 2^(E + drop) with E the exponent of |y| but at least the code's
+ * smallest normal exponent, rounds |y| to the code's grid there (round to nearest even),
+ * and bits(|y| + M) - bits(M) counts grid steps: 2^man_bits + f for a normal code, f for
+ * a subnormal one; the exponent of M gives the rest of the code. */
+INLINE void encode(const code_k *c, vf x, vf inv, uint8_t *codes, int is_signed, int saturate, int positive) {
+    vi bits = as_int(x * inv);
+    vi mag = positive ? bits : bits & 0x7FFFFFFFu;
+    vi exp = imax(bits & 0x7F800000u, c->exp_min);
+    vi base = exp + c->round_base;
+    vi steps = as_int(as_float(mag) + as_float(base)) - base;
+    vi q = steps + ((exp >> c->drop) - c->offset);
+    if (saturate) q = imin(q, c->max_mag);
+    if (is_signed) q = q | ((bits >> 24) & 0x80u);
+    store_u8(codes, q);
+}
+
+/* Largest |x| bits so far (integer order of |x| bits is the order of |x|; NaN above Inf).
+ * `positive`: every x is +0, positive or NaN, whose bits are then |x| or (NaN) at least
+ * 0x7F800000 either way, so the block is found non-finite all the same. */
+INLINE vi absmax(vi acc, vf x, int positive) {
+    return imax(acc, positive ? as_int(x) : as_int(x) & 0x7FFFFFFFu);
+}
+
+/* A block whose scale exponent k was not clamped to SCALE_EXP_LIMIT cannot round past the
+ * largest code (golden.block_exponent rounds the block maximum first): no saturation. */
+INLINE void encode_block(const float *buf, int64_t len, uint32_t max_bits, uint8_t *codes, float *scale,
+                         const l2l_code *c, const code_k *k, int is_signed, int positive) {
+    float inv = block_scale(max_bits, codes, scale, len, c);
+    if (inv == 0) return;
+    const int saturate = f2u(inv) == (uint32_t)(127 - SCALE_EXP_LIMIT) << 23;
+    const vf inv_v = vset(inv);
+    for (int64_t i = 0; i < len; i += LANES) /* the loop is unswitched on the flags (-O3) */
+        encode(k, vload(buf + i), inv_v, codes + i, is_signed, saturate, positive);
+}
+
+INLINE int nonfinite_block(const void *g, int64_t b0, int64_t len, int g_dtype, vf inv_scale, int unscale) {
+    vmask bad = (vmask){0};
+    for (int64_t b = 0; b < len; b += LANES) {
+        vf gv = load_grad(g, b0 + b, g_dtype);
+        bad |= nonfinite(unscale ? gv * inv_scale : gv);
+    }
+    return any(bad);
+}
+
+/* bf16 or 8-bit state: [begin, end) in blocks of whole vectors (8-bit: whole blocks, but
+ * for the last block of a tensor on the one-lane instance). */
+INLINE int state_loop(const l2l_job *j, int64_t begin, int64_t end, int g_dtype, int w_dtype, int format) {
+    const l2l_scalars s = j->s;
+    const rule_k k = rule_k_of(j);
+    const code_k mk = code_k_of(&j->m_code), vk = code_k_of(&j->v_code);
+    const int uses_m = j->uses_m, uses_v = j->uses_v, unscale = UNSCALE(s);
+    const int q8 = format == L2L_STATE_8BIT;
+    /* 8-bit state (always with m: l2l_host_step sends a step without state to the fp32
+     * loops): a gradient that is not finite makes m or v of its element not finite (v for
+     * Adam, m for SGD with momentum), so only a block whose state max is not finite has its
+     * gradients checked. */
+    const int check_each = !q8;
+    const void *g = j->g, *m_src = j->m_src, *v_src = j->v_src; /* in locals, as in step_loop */
+    const float *p_src = j->p_src;
+    float *p_dst = j->p_dst;
+    void *w_dst = j->w_dst, *m_dst = j->m_dst, *v_dst = j->v_dst;
+    float mbuf[L2L_BLOCK] __attribute__((aligned(64))), vbuf[L2L_BLOCK] __attribute__((aligned(64)));
+    int bad = 0;
+    for (int64_t b0 = begin; b0 < end; b0 += L2L_BLOCK) {
+        int64_t len = end - b0 < L2L_BLOCK ? end - b0 : L2L_BLOCK, blk = b0 / L2L_BLOCK;
+        float ms = q8 && uses_m ? j->m_scale_src[blk] : 0, vs = q8 && uses_v ? j->v_scale_src[blk] : 0;
+        const block_k mb = block_k_of(&j->m_code, ms), vb = block_k_of(&j->v_code, vs);
+        const int v_pos = v_positive(vs);
+        vi mmax = iset(0), vmax = iset(0);
+        vmask bad_lanes = (vmask){0}, redo = (vmask){0};
+        for (int64_t b = 0; b < len; b += LANES) {
+            int64_t i = b0 + b;
+            vf gv = load_grad(g, i, g_dtype);
+            if (unscale) gv = gv * k.inv_scale;
+            if (check_each) bad_lanes |= nonfinite(gv);
+            vf m = vset(0), v = vset(0);
+            if (uses_m) m = q8 ? decode(&mk, &mb, (const uint8_t *)m_src + i, 1) : load_bf16((const uint16_t *)m_src + i);
+            if (uses_v) v = q8 ? decode(&vk, &vb, (const uint8_t *)v_src + i, 0) : load_bf16((const uint16_t *)v_src + i);
+            vf p = rule(&s, &k, gv, vload(p_src + i), &m, &v);
+            vstore(p_dst + i, p);
+            redo |= vnan(p) | store_working(w_dst, i, p, w_dtype);
+            if (q8) { /* a NaN needs no canonical form here: it makes its block NaN */
+                vstore(mbuf + b, m);
+                vstore(vbuf + b, v);
+                mmax = absmax(mmax, m, 0);
+                vmax = absmax(vmax, v, v_pos);
+            } else {
+                if (uses_m) store_u16((uint16_t *)m_dst + i, round_bf16(canon_nan(m)));
+                if (uses_v) store_u16((uint16_t *)v_dst + i, round_bf16(canon_nan(v)));
+            }
+        }
+        if (any(redo)) rewrite(p_dst, NULL, NULL, w_dst, w_dtype, b0, b0 + len);
+        bad |= any(bad_lanes);
+        if (q8) {
+            uint32_t m_abs = hmax(mmax), v_abs = hmax(vmax);
+            if (!check_each && (m_abs >= 0x7F800000u || v_abs >= 0x7F800000u))
+                bad |= nonfinite_block(g, b0, len, g_dtype, k.inv_scale, unscale);
+            if (uses_m) encode_block(mbuf, len, m_abs, (uint8_t *)m_dst + b0, j->m_scale_dst + blk, &j->m_code, &mk, 1, 0);
+            if (uses_v) encode_block(vbuf, len, v_abs, (uint8_t *)v_dst + b0, j->v_scale_dst + blk, &j->v_code, &vk, 0, v_pos);
+        }
+    }
+    return bad;
+}
+
+/* ---------------------------------------------------------------- dispatch */
+
+/* The job's working dtype; the native bf16 conversion only where this instance has it. */
+INLINE int working_dtype(const l2l_job *j) {
+    return !VEC_NATIVE_BF16 && j->w_dtype == L2L_DT_BF16_NATIVE ? L2L_DT_BF16 : j->w_dtype;
+}
+
+static int step_dtypes(const l2l_job *j, int64_t begin, int64_t end) {
+    const int w = working_dtype(j);
+    DTYPE_CASES(step_loop, w)
+}
+
+static int state_dtypes(const l2l_job *j, int64_t begin, int64_t end) {
+    const int w = working_dtype(j);
+    if (j->format == L2L_STATE_BF16) { DTYPE_CASES(state_loop, w, L2L_STATE_BF16) }
+    DTYPE_CASES(state_loop, w, L2L_STATE_8BIT)
+}
+
+/* A tile of a call: whole vectors here, the ragged end of the tensor on one lane. */
+static int step_range(const void *ctx, int64_t begin, int64_t end) {
+    const int64_t whole = end - (end - begin) % LANES;
+    int bad = whole > begin ? step_dtypes(ctx, begin, whole) : 0;
+    return whole < end ? bad | step_range_scalar(ctx, whole, end) : bad;
+}
+
+/* As step_range; with 8-bit state the block of the ragged end runs on one lane whole. */
+static int state_range(const void *ctx, int64_t begin, int64_t end) {
+    const l2l_job *j = ctx;
+    const int64_t unit = j->format == L2L_STATE_8BIT && LANES > 1 ? L2L_BLOCK : LANES;
+    const int64_t whole = end - (end - begin) % unit;
+    int bad = whole > begin ? state_dtypes(j, begin, whole) : 0;
+    return whole < end ? bad | state_range_scalar(ctx, whole, end) : bad;
+}
+
+/* The memory stream: whole groups of LINE elements, each stream moving size[k] lines of
+ * vectors per group; the rest byte by byte. */
+static int stream_range(const void *ctx, int64_t begin, int64_t end) {
+    const l2l_stream *t = ctx;
+    const int r = t->reads, u = r + t->updates, w = u + t->writes, nt = t->nontemporal;
+    const vi one = iset(0x01010101u);
+    vi acc = iset(0);
+    int64_t i = begin;
+    for (; i + LINE <= end; i += LINE) {
+        for (int k = 0; k < w; k++) {
+            char *b = (char *)t->ptr[k] + i * t->size[k];
+            for (int l = 0; l < t->size[k] * LINE; l += (int)sizeof(vi)) {
+                if (k < r) acc = acc + iload(b + l);
+                else {
+                    vi x = k < u ? iload(b + l) + one : one;
+                    if (nt) store_nt(b + l, x);
+                    else istore(b + l, x);
+                }
+            }
+        }
+    }
+    if (nt) _mm_sfence();
+    stream_sink = hmax(acc);
+    return stream_bytes(t, i, end);
+}
+
+#undef LANES
+#undef VEC_FMA_QUOTIENT
+#undef VEC_NATIVE_BF16
+#undef VEC_MM
+#undef MM
+#endif /* VEC_ISA */
