@@ -578,19 +578,23 @@ def tokenize_text(tokenizer, data_file, doc_separator: str | None = None, text_f
     if (doc_separator is not None or text_field is not None) and tokenizer.eos_token_id is None:
         raise ValueError("documents need an end-of-text token to separate them, and this tokenizer has none")
     ids = []
-    with open(data, encoding="utf-8", newline="") as f:
-        try:
-            for number, line in enumerate(f, 1):
-                if text_field is not None:
-                    if line.strip():
-                        ids += tokenizer(_record_text(line, text_field, data, number),
-                                         add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-                elif doc_separator is not None and line.rstrip("\r\n") == doc_separator:
-                    ids.append(tokenizer.eos_token_id)
-                elif line:
-                    ids += tokenizer(line, add_special_tokens=False)["input_ids"]
-        except UnicodeDecodeError as e:
-            raise ValueError(f"data file {data} is not UTF-8 text: {e.reason} near byte {f.buffer.tell()}") from None
+    offset = 0
+    with open(data, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"data file {data} is not UTF-8 text: {e.reason} at byte {offset + e.start} "
+                                 f"(line {number})") from None
+            offset += len(raw)
+            if text_field is not None:
+                if line.strip():
+                    ids += tokenizer(_record_text(line, text_field, data, number),
+                                     add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            elif doc_separator is not None and line.rstrip("\r\n") == doc_separator:
+                ids.append(tokenizer.eos_token_id)
+            elif line:
+                ids += tokenizer(line, add_special_tokens=False)["input_ids"]
     return ids
 
 
