@@ -12,6 +12,7 @@ RandomProjectionLinear: saves S^T x, a random sketch of the input along its rows
   backpropagation through large linear layers" (arXiv 2201.13195); Oktay et al.,
   "Randomized automatic differentiation" (ICLR 2021).
 """
+import functools
 import math
 
 import torch
@@ -95,7 +96,13 @@ GELU_VALUES = (-0.0900201873, 0.0668318278, 0.2366913168, 0.4117378970,
 GELU_MSE = 0.001907  # by quadrature; tests/test_approx.py checks it by sampling
 
 
-_SLOTS = torch.arange(8, dtype=torch.int32) * 3  # bit offset of each of 8 codes in a 24-bit word
+_SLOTS = tuple(range(0, 24, 3))  # bit offset of each of 8 codes in a 24-bit word
+
+
+@functools.lru_cache(maxsize=None)
+def _on(device: torch.device, values: tuple, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """`values` as a tensor on `device`, made once per device and dtype (not copied up per call)."""
+    return torch.tensor(values, dtype=dtype, device=device)
 
 
 def pack3(codes: torch.Tensor) -> torch.Tensor:
@@ -105,7 +112,7 @@ def pack3(codes: torch.Tensor) -> torch.Tensor:
     m = -(-n // 8)
     c = codes.new_zeros(8 * m, dtype=torch.int32)
     c[:n] = codes.reshape(-1)
-    word = (c.view(m, 8) << _SLOTS.to(c.device)).sum(1, dtype=torch.int32)  # (M,) disjoint bits: sum == or
+    word = (c.view(m, 8) << _on(c.device, _SLOTS)).sum(1, dtype=torch.int32)  # (M,) disjoint bits: sum == or
     return word.view(torch.uint8).view(m, 4)[:, :3].reshape(-1)  # (3M,) the low 3 bytes of each word
 
 
@@ -115,13 +122,13 @@ def unpack3(packed: torch.Tensor, n: int) -> torch.Tensor:
     word = packed.new_zeros(m, 4)
     word[:, :3] = packed.view(m, 3)
     word = word.view(torch.int32)  # (M, 1)
-    return ((word >> _SLOTS.to(word.device)) & 7).view(-1)[:n]  # (8M,) -> (n,)
+    return ((word >> _on(word.device, _SLOTS)) & 7).view(-1)[:n]  # (8M,) -> (n,)
 
 
 class FewBitGELUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
-        codes = torch.bucketize(x, torch.tensor(GELU_BREAKPOINTS, dtype=x.dtype, device=x.device), out_int32=True)
+        codes = torch.bucketize(x, _on(x.device, GELU_BREAKPOINTS, x.dtype), out_int32=True)
         ctx.save_for_backward(pack3(codes))  # 3 bits per element instead of 32
         ctx.shape = x.shape
         return F.gelu(x)
@@ -130,7 +137,7 @@ class FewBitGELUFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         (packed,) = ctx.saved_tensors
         codes = unpack3(packed, grad_out.numel()).long()  # (n,) the interval of each element
-        slope = torch.tensor(GELU_VALUES, dtype=grad_out.dtype, device=grad_out.device).take(codes)
+        slope = _on(grad_out.device, GELU_VALUES, grad_out.dtype).take(codes)
         return grad_out * slope.view(ctx.shape)
 
 

@@ -205,6 +205,7 @@ BENCHES = {
     "rtl": ("RTL optimizer kernel in Verilator: elements per clock vs the AXI bound", "l2l_hw.bench.rtl"),
     "capacity": ("host bytes per parameter of each EPS configuration; the largest GPT", "l2l_hw.bench.capacity"),
     "hf-load": ("peak host memory loading a Hugging Face checkpoint into the EPS", "l2l_hw.bench.hf"),
+    "gpu": ("the whole GPU campaign in one call (--dry-run: toy sizes on the CPU)", "l2l_hw.bench.gpu"),
 }
 
 

@@ -60,9 +60,12 @@ def leave_torchrun(ranks: Ranks) -> None:
         dist.destroy_process_group()
 
 
-def comm_device(group) -> torch.device:
-    """Where a collective's tensors must be: NCCL moves CUDA tensors, gloo CPU tensors."""
+def comm_device(group, device: str | torch.device | None = None) -> torch.device:
+    """Where a collective's tensors must be: NCCL moves CUDA tensors (on the relay's `device`
+    where it is a CUDA device, else the current one), gloo CPU tensors."""
     if dist.get_backend(group) == "nccl":
+        if device is not None and torch.device(device).type == "cuda":
+            return torch.device(device)
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

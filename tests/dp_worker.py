@@ -33,7 +33,7 @@ def main(cfg: dict) -> None:
     relay = l2l_hw.Relay(make_model(), loss_fn, eps=eps, micro_batches=cfg.get("micro_batches", 2),
                          precision=cfg.get("precision", "fp32"),
                          clip_grad_norm=cfg.get("clip_grad_norm"), clip_mode=cfg.get("clip_mode", "layer"),
-                         pipedream_2bw=cfg.get("pipedream_2bw", False))
+                         pipedream_2bw=cfg.get("pipedream_2bw", False), device=cfg.get("device", "cpu"))
     if cfg.get("load"):
         relay.load_state_dict(safetensors.torch.load_file(cfg["load"]))
     batches = make_batches(cfg["steps"], batch=cfg["batch"])

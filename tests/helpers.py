@@ -1,7 +1,13 @@
 """Shared test utilities: relative difference, ulp distance, small models."""
 import numpy as np
+import pytest
 import torch
 from torch import nn
+
+# Where relay tests run: the CPU, the asynchronous twin of a device's transfers
+# (l2l_hw/relay/transport.py), and CUDA where there is one.
+DEVICES = ["cpu", "cpu-async",
+           pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))]
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:

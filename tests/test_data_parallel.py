@@ -62,12 +62,13 @@ def assert_params_close(got: dict, want: dict, what: str):
 
 
 @pytest.mark.parametrize("shard_state", [False, True], ids=["replicated", "sharded"])
-@pytest.mark.parametrize("model,optimizer,batch", [("gpt", "adamw", 12), ("mlp", "sgd-momentum", 13)])
-def test_two_ranks_equal_one_process_on_the_whole_minibatch(tmp_path, model, optimizer, batch, shard_state):
+@pytest.mark.parametrize("model,optimizer,batch,device", [("gpt", "adamw", 12, "cpu"), ("mlp", "sgd-momentum", 13, "cpu"),
+                                                          ("gpt", "adamw", 12, "cpu-async")])
+def test_two_ranks_equal_one_process_on_the_whole_minibatch(tmp_path, model, optimizer, batch, device, shard_state):
     # batch 13 splits 7 / 6: the ranks' gradients are weighted by their share of the samples
     steps = 4
     got = run_ok(2, model=model, optimizer=optimizer, steps=steps, batch=batch, shard_state=shard_state,
-                 out=str(tmp_path / "out.safetensors"))
+                 device=device, out=str(tmp_path / "out.safetensors"))
     want, losses = plain(model, optimizer, steps, batch)
     assert_params_close(got, want, f"{model} after {steps} steps on 2 ranks")
     assert torch.allclose(got["losses"], torch.tensor(losses, dtype=torch.float64), rtol=TOL)

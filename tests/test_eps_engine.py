@@ -13,7 +13,7 @@ import l2l_hw
 from l2l_hw.checkpoint import open_checkpoint, save_checkpoint
 from l2l_hw.models import GPTConfig, build_gpt, lm_loss
 from l2l_hw.relay import init_from_state
-from tests.helpers import mlp_layers
+from tests.helpers import DEVICES, mlp_layers
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -101,8 +101,9 @@ def test_meta_device_layer_without_init_is_refused_naming_it():
 
 @pytest.mark.parametrize("precision, pipedream_2bw", [("fp32", False), ("bf16", False), ("fp16", False),
                                                       ("fp32", True)])
-def test_streamed_checkpoint_resumes_on_a_meta_model_bit_identical(tmp_path, precision, pipedream_2bw):
-    options = dict(micro_batches=2, precision=precision, pipedream_2bw=pipedream_2bw)
+@pytest.mark.parametrize("device", DEVICES)
+def test_streamed_checkpoint_resumes_on_a_meta_model_bit_identical(tmp_path, precision, pipedream_2bw, device):
+    options = dict(micro_batches=2, precision=precision, pipedream_2bw=pipedream_2bw, device=device)
     whole = l2l_hw.Relay(tiny_gpt(), lm_loss, eps=l2l_hw.make_eps("cpu", lr=1e-2), **options)
     first = l2l_hw.Relay(tiny_gpt(), lm_loss, eps=l2l_hw.make_eps("cpu", lr=1e-2), **options)
     data = list(batches(4))
@@ -169,7 +170,7 @@ def test_relay_asks_its_eps_and_never_inspects_or_writes_it(source):
     (dict(micro_batches=2.5), r"^micro_batches=2.5: must be a whole number >= 1$"),
     (dict(micro_batches="4"), r"^micro_batches='4': must be a whole number >= 1$"),
     (dict(clip_grad_norm="1"), r"^clip_grad_norm='1': must be a finite number > 0"),
-    (dict(device="tpu"), r"^device='tpu': must be cpu, cuda or cuda:N$"),
+    (dict(device="tpu"), r"^device='tpu': must be cpu, cuda or cuda:N \(or cpu-async: the CPU with asynchronous transfers, for tests\)$"),
     (dict(device="cuda:7"), "device='cuda:7': is not available here"),
     (dict(recompute="no"), r"^recompute='no': must be True or False$"),
     (dict(droppable=[9]), r"droppable must be layer indices in \[0, 5\), got \[9\]"),

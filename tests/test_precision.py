@@ -4,6 +4,7 @@ import torch
 
 import l2l_hw
 from l2l_hw.models.gpt import lm_loss
+from tests.helpers import DEVICES
 from tests.test_relay_equivalence import gpt, gpt_batches
 
 BACKENDS = ["golden", "cpu"]
@@ -11,11 +12,12 @@ BACKENDS = ["golden", "cpu"]
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_low_precision_training_tracks_fp32(backend, precision):
+@pytest.mark.parametrize("device", DEVICES)
+def test_low_precision_training_tracks_fp32(backend, precision, device):
     data = gpt_batches(8)
     losses = {}
     for p in ("fp32", precision):
-        relay = l2l_hw.Relay(gpt(), lm_loss, eps=l2l_hw.make_eps(backend, lr=3e-3), micro_batches=2, precision=p)
+        relay = l2l_hw.Relay(gpt(), lm_loss, eps=l2l_hw.make_eps(backend, lr=3e-3), micro_batches=2, precision=p, device=device)
         losses[p] = [relay.train_step(x, y) for x, y in data]
         state = relay.eps.state_dict()
         assert all(t.dtype == torch.float32 for k, t in state.items() if k != "step")  # fp32 masters
@@ -26,9 +28,10 @@ def test_low_precision_training_tracks_fp32(backend, precision):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_inf_gradient_mid_backward_leaves_every_layer_at_its_pre_step_state(backend):
+@pytest.mark.parametrize("device", DEVICES)
+def test_inf_gradient_mid_backward_leaves_every_layer_at_its_pre_step_state(backend, device):
     eps = l2l_hw.make_eps(backend, lr=1e-3)
-    relay = l2l_hw.Relay(gpt(), lm_loss, eps=eps, micro_batches=2, precision="fp16")
+    relay = l2l_hw.Relay(gpt(), lm_loss, eps=eps, micro_batches=2, precision="fp16", device=device)
     data = gpt_batches(3)
     relay.train_step(*data[0])
     before = {k: v.clone() for k, v in eps.state_dict().items()}

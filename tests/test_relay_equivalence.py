@@ -7,7 +7,7 @@ from torch import nn
 
 import l2l_hw
 from l2l_hw.models.gpt import GPTConfig, build_gpt, lm_loss
-from tests.helpers import mlp_layers, rel_diff
+from tests.helpers import DEVICES, mlp_layers, rel_diff
 
 TOL = 1e-5
 STEPS = 10
@@ -58,9 +58,9 @@ def train_plain(model, make_opt, loss_fn, batches):
     return losses
 
 
-def train_relay(model, eps_options, loss_fn, batches, u, backend="cpu", recompute=True):
+def train_relay(model, eps_options, loss_fn, batches, u, backend="cpu", recompute=True, device="cpu"):
     relay = l2l_hw.Relay(model, loss_fn, eps=l2l_hw.make_eps(backend, **eps_options), micro_batches=u,
-                         recompute=recompute)
+                         recompute=recompute, device=device)
     return [relay.train_step(x, y) for x, y in batches], relay
 
 
@@ -75,39 +75,43 @@ def assert_same_training(plain_losses, plain_model, relay_losses, relay, tol=TOL
 @pytest.mark.parametrize("u", [1, 3, 4])
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))
 @pytest.mark.parametrize("model", list(MODELS))
-def test_relay_matches_pytorch_loss_and_parameters(model, opt, u):
+@pytest.mark.parametrize("device", DEVICES)
+def test_relay_matches_pytorch_loss_and_parameters(model, opt, u, device):
     build, batches, loss_fn = MODELS[model]
     eps_options, make_opt = OPTIMIZERS[opt]
     data = batches(STEPS)
     plain = build()
     plain_losses = train_plain(plain, make_opt, loss_fn, data)
-    relay_losses, relay = train_relay(build(), eps_options, loss_fn, data, u)
+    relay_losses, relay = train_relay(build(), eps_options, loss_fn, data, u, device=device)
     assert_same_training(plain_losses, plain, relay_losses, relay)
 
 
 @pytest.mark.parametrize("model", list(MODELS))
-def test_relay_without_recompute_matches_pytorch(model):
+@pytest.mark.parametrize("device", DEVICES)
+def test_relay_without_recompute_matches_pytorch(model, device):
     build, batches, loss_fn = MODELS[model]
     eps_options, make_opt = OPTIMIZERS["adamw"]
     data = batches(STEPS)
     plain = build()
     plain_losses = train_plain(plain, make_opt, loss_fn, data)
-    relay_losses, relay = train_relay(build(), eps_options, loss_fn, data, u=4, recompute=False)
+    relay_losses, relay = train_relay(build(), eps_options, loss_fn, data, u=4, recompute=False, device=device)
     assert_same_training(plain_losses, plain, relay_losses, relay)
 
 
-def test_tied_embedding_and_head_accumulate_over_both_uses():
+@pytest.mark.parametrize("device", DEVICES)
+def test_tied_embedding_and_head_accumulate_over_both_uses(device):
     data = gpt_batches(STEPS)
     plain = gpt(tie_weights=True)
     assert plain[0].wte.weight is plain[-1].lm_head.weight
     plain_losses = train_plain(plain, OPTIMIZERS["adamw"][1], lm_loss, data)
-    relay_losses, relay = train_relay(gpt(tie_weights=True), OPTIMIZERS["adamw"][0], lm_loss, data, u=3)
+    relay_losses, relay = train_relay(gpt(tie_weights=True), OPTIMIZERS["adamw"][0], lm_loss, data, u=3, device=device)
     assert_same_training(plain_losses, plain, relay_losses, relay)
     trained = relay.materialize()
     assert trained[0].wte.weight is trained[-1].lm_head.weight
 
 
-def test_frozen_parameters_stay_frozen_and_the_rest_trains_as_pytorch():
+@pytest.mark.parametrize("device", DEVICES)
+def test_frozen_parameters_stay_frozen_and_the_rest_trains_as_pytorch(device):
     def build():
         model = mlp_layers()
         for p in model[1].parameters():
@@ -126,13 +130,14 @@ def test_frozen_parameters_stay_frozen_and_the_rest_trains_as_pytorch():
         loss.backward()
         opt.step()
         plain_losses.append(loss.item())
-    relay_losses, relay = train_relay(build(), OPTIMIZERS["adamw"][0], nn.functional.mse_loss, data, u=4)
+    relay_losses, relay = train_relay(build(), OPTIMIZERS["adamw"][0], nn.functional.mse_loss, data, u=4, device=device)
     assert_same_training(plain_losses, plain, relay_losses, relay)
     for name, t in relay.materialize()[1].state_dict().items():
         assert torch.equal(t, frozen_before[name]), name
 
 
-def test_gpt_dropout_replayed_in_recompute_matches_pytorch():
+@pytest.mark.parametrize("device", DEVICES)
+def test_gpt_dropout_replayed_in_recompute_matches_pytorch(device):
     # With one micro-batch the relay draws dropout masks in the same order as plain
     # PyTorch; the backward's recompute must replay them, or gradients differ.
     data = gpt_batches(STEPS)
@@ -142,7 +147,7 @@ def test_gpt_dropout_replayed_in_recompute_matches_pytorch():
     plain_losses = train_plain(plain, OPTIMIZERS["adamw"][1], lm_loss, data)
     model = gpt(dropout=0.2)
     torch.manual_seed(123)
-    relay_losses, relay = train_relay(model, OPTIMIZERS["adamw"][0], lm_loss, data, u=1)
+    relay_losses, relay = train_relay(model, OPTIMIZERS["adamw"][0], lm_loss, data, u=1, device=device)
     assert_same_training(plain_losses, plain, relay_losses, relay)
 
 
@@ -162,7 +167,8 @@ class RecordingDropout(nn.Module):
         return x * mask / (1 - self.p)
 
 
-def test_dropout_masks_of_recompute_equal_forward_and_match_baseline_given_same_masks():
+@pytest.mark.parametrize("device", DEVICES)
+def test_dropout_masks_of_recompute_equal_forward_and_match_baseline_given_same_masks(device):
     u = 3
 
     def build():
@@ -173,7 +179,7 @@ def test_dropout_masks_of_recompute_equal_forward_and_match_baseline_given_same_
 
     data = mlp_batches(STEPS)
     relay_model = build()
-    relay_losses, relay = train_relay(relay_model, OPTIMIZERS["adamw"][0], nn.functional.mse_loss, data, u)
+    relay_losses, relay = train_relay(relay_model, OPTIMIZERS["adamw"][0], nn.functional.mse_loss, data, u, device=device)
     plain = build()
     for relay_block, plain_block in zip(relay_model[1:4], plain[1:4]):
         drawn = relay_block.drop.drawn
@@ -187,7 +193,8 @@ def test_dropout_masks_of_recompute_equal_forward_and_match_baseline_given_same_
     assert_same_training(plain_losses, plain, relay_losses, relay)
 
 
-def test_batchnorm_running_statistics_updated_once_per_micro_batch():
+@pytest.mark.parametrize("device", DEVICES)
+def test_batchnorm_running_statistics_updated_once_per_micro_batch(device):
     def build():
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(11, 16), nn.BatchNorm1d(16), nn.GELU(), nn.Linear(16, 7))
@@ -205,7 +212,7 @@ def test_batchnorm_running_statistics_updated_once_per_micro_batch():
             total += loss.item()
         opt.step()
         plain_losses.append(total)
-    relay_losses, relay = train_relay(build(), OPTIMIZERS["sgd-momentum"][0], nn.functional.mse_loss, data, u)
+    relay_losses, relay = train_relay(build(), OPTIMIZERS["sgd-momentum"][0], nn.functional.mse_loss, data, u, device=device)
     assert_same_training(plain_losses, plain, relay_losses, relay)
     bn, relay_bn = plain[1], relay.materialize()[1]
     assert int(relay_bn.num_batches_tracked) == STEPS * u
@@ -213,11 +220,12 @@ def test_batchnorm_running_statistics_updated_once_per_micro_batch():
     assert rel_diff(relay_bn.running_var, bn.running_var) <= TOL
 
 
-def test_batch_not_divisible_by_micro_batches_is_weighted_exactly():
+@pytest.mark.parametrize("device", DEVICES)
+def test_batch_not_divisible_by_micro_batches_is_weighted_exactly(device):
     data = mlp_batches(STEPS, batch=13)
     plain = mlp_layers()
     plain_losses = train_plain(plain, OPTIMIZERS["adamw"][1], nn.functional.mse_loss, data)
-    relay_losses, relay = train_relay(mlp_layers(), OPTIMIZERS["adamw"][0], nn.functional.mse_loss, data, u=5)
+    relay_losses, relay = train_relay(mlp_layers(), OPTIMIZERS["adamw"][0], nn.functional.mse_loss, data, u=5, device=device)
     assert_same_training(plain_losses, plain, relay_losses, relay)
 
 

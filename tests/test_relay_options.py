@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import l2l_hw
-from tests.helpers import mlp_layers, rel_diff
+from tests.helpers import DEVICES, mlp_layers, rel_diff
 from tests.test_relay_equivalence import (OPTIMIZERS, STEPS, assert_same_training, gpt, gpt_batches, mlp_batches,
                                           train_plain)
 from l2l_hw.models.gpt import lm_loss
@@ -16,13 +16,14 @@ def relay_losses(relay, data):
     return [relay.train_step(x, y) for x, y in data]
 
 
-def test_host_activations_bit_identical_to_device():
+@pytest.mark.parametrize("device", DEVICES)
+def test_host_activations_bit_identical_to_device(device):
     data = gpt_batches(4)
     results = {}
     for policy in ("device", "host"):
         torch.manual_seed(7)
         relay = l2l_hw.Relay(gpt(dropout=0.1), lm_loss, eps=l2l_hw.make_eps("cpu"), micro_batches=3,
-                             activations=policy)
+                             activations=policy, device=device)
         results[policy] = (relay_losses(relay, data), relay.eps.state_dict())
     assert results["device"][0] == results["host"][0]
     for k, v in results["device"][1].items():
@@ -116,8 +117,11 @@ def test_bad_layer_selection_is_refused():
         relay.train_step(x, y, layers=[0, 1])
 
 
-@pytest.mark.parametrize("mode", ["layer", "global"])
-def test_gradient_clipping_matches_torch_clip_grad_norm(mode):
+@pytest.mark.parametrize("mode, activations", [("layer", "device"), ("global", "device"), ("global", "host")])
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradient_clipping_matches_torch_clip_grad_norm(mode, activations, device):
+    # Global clipping defers every update to the commit, so with the host stash nothing waits
+    # for a copy down during the backward: the stash's copy up must wait for its copy down.
     data = mlp_batches(STEPS)
     max_norm = 0.05  # small enough that every step clips
     plain = mlp_layers()
@@ -133,7 +137,8 @@ def test_gradient_clipping_matches_torch_clip_grad_norm(mode):
         opt.step()
         plain_losses.append(loss.item())
     relay = l2l_hw.Relay(mlp_layers(), nn.functional.mse_loss, eps=l2l_hw.make_eps("cpu", **OPTIMIZERS["adamw"][0]),
-                         micro_batches=3, clip_grad_norm=max_norm, clip_mode=mode)
+                         micro_batches=3, clip_grad_norm=max_norm, clip_mode=mode, activations=activations,
+                         device=device)
     assert_same_training(plain_losses, plain, relay_losses(relay, data), relay)
 
 
@@ -192,19 +197,21 @@ def adamw_one_step_late(model, data, loss_fn, lr, weight_decay, lr_at=None) -> l
     return losses
 
 
-def test_pipedream_2bw_with_adamw_matches_torch_adamw_on_stale_gradients():
+@pytest.mark.parametrize("device", DEVICES)
+def test_pipedream_2bw_with_adamw_matches_torch_adamw_on_stale_gradients(device):
     data = mlp_batches(8)
     reference = mlp_layers()
     adamw_one_step_late(reference, data, nn.functional.mse_loss, lr=1e-2, weight_decay=0.01)
     relay = l2l_hw.Relay(mlp_layers(), nn.functional.mse_loss, micro_batches=2, pipedream_2bw=True,
-                         eps=l2l_hw.make_eps("cpu", lr=1e-2, weight_decay=0.01))
+                         eps=l2l_hw.make_eps("cpu", lr=1e-2, weight_decay=0.01), device=device)
     for x, y in data:
         relay.train_step(x, y)
     for p, q in zip(relay.materialize().parameters(), reference.parameters()):
         assert rel_diff(p, q) <= 1e-5
 
 
-def test_pipedream_2bw_gpt_with_tied_weights_and_warmup_cosine_matches_plain_pytorch():
+@pytest.mark.parametrize("device", DEVICES)
+def test_pipedream_2bw_gpt_with_tied_weights_and_warmup_cosine_matches_plain_pytorch(device):
     # What `l2l train --pipedream-2bw` runs, small: a GPT whose head shares the token table,
     # micro-batches, AdamW under a warm-up + cosine schedule. Plain PyTorch with a kept copy
     # of W(t-1) must give the same losses (each taken at W(t-1)) and the same W(t): staleness
@@ -223,7 +230,7 @@ def test_pipedream_2bw_gpt_with_tied_weights_and_warmup_cosine_matches_plain_pyt
     losses = adamw_one_step_late(reference, data, lm_loss, lr=lr, weight_decay=0.1, lr_at=lr_at)
     relay = l2l_hw.Relay(gpt(tie_weights=True), lm_loss, micro_batches=3, pipedream_2bw=True,
                          eps=l2l_hw.make_eps("cpu", lr=lr, weight_decay=0.1, schedule="cosine", warmup_steps=warmup,
-                                             total_steps=steps, min_lr=min_lr))
+                                             total_steps=steps, min_lr=min_lr), device=device)
     assert_same_training(losses, reference, relay_losses(relay, data), relay)
 
 
@@ -244,7 +251,8 @@ def test_pipedream_2bw_evaluates_the_newest_weights():
     assert relay.train_step(x, y) != pytest.approx(expected, rel=1e-3)  # the step itself computes one back
 
 
-def test_pipedream_2bw_resumed_from_a_checkpoint_matches_plain_pytorch():
+@pytest.mark.parametrize("device", DEVICES)
+def test_pipedream_2bw_resumed_from_a_checkpoint_matches_plain_pytorch(device):
     # A 2BW step computes on W(t-1): a checkpoint must carry that version too, or the
     # first step after a resume computes on W(t) and the run leaves the 2BW trajectory.
     data = mlp_batches(6)
@@ -253,7 +261,7 @@ def test_pipedream_2bw_resumed_from_a_checkpoint_matches_plain_pytorch():
     for backend in ("golden", "cpu"):
         def relay():
             return l2l_hw.Relay(mlp_layers(), nn.functional.mse_loss, micro_batches=2, pipedream_2bw=True,
-                                eps=l2l_hw.make_eps(backend, lr=1e-2, weight_decay=0.01))
+                                eps=l2l_hw.make_eps(backend, lr=1e-2, weight_decay=0.01), device=device)
         first = relay()
         for x, y in data[:3]:
             first.train_step(x, y)

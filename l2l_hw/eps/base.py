@@ -161,6 +161,37 @@ class PendingFetch:
         return self.tensors
 
 
+class Landing(dict):
+    """A group's gradients on their way to host memory (the relay's transport: a copy from
+    the device still running): name -> host tensor, whose values are there once `wait()`
+    returned. `release()` gives the staging buffers back once the update has read them.
+    Whoever reads the values calls `landed(grads)` first; a plain dict of host tensors has
+    landed already."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], wait: Callable[[], object],
+                 release: Callable[[], None]):
+        super().__init__(tensors)
+        self._wait, self._release = wait, release
+
+    def wait(self) -> "Landing":
+        self._wait()
+        return self
+
+    def release(self) -> None:
+        self._release()
+
+
+def landed(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`grads` with their values there: a Landing waited for, anything else as it is."""
+    return grads.wait() if isinstance(grads, Landing) else grads
+
+
+def release(grads: dict[str, torch.Tensor]) -> None:
+    """The update has read `grads`: a Landing's buffers go back to their pool."""
+    if isinstance(grads, Landing):
+        grads.release()
+
+
 class EPS(ABC):
     """Eager Param Server: the interface the relay calls, nothing else. A local EPS
     (LocalEps, below) keeps whole tensors; the sharded EPS (l2l_hw/eps/sharded.py) wraps
@@ -197,7 +228,8 @@ class EPS(ABC):
 
     @abstractmethod
     def push_grads(self, key: str, grads: dict[str, torch.Tensor], inv_scale: float = 1.0) -> None:
-        """Schedule the eager update of group `key` for the step under way; returns at once."""
+        """Schedule the eager update of group `key` for the step under way; returns at once.
+        `grads` may be a Landing (still on its way to host memory): the update waits for it."""
 
     @abstractmethod
     def commit_step(self, grad_scale: float = 1.0, skip_nonfinite: bool = False, wait: bool = True) -> bool:
@@ -271,8 +303,9 @@ class StepPushes:
         if key in self.groups:
             raise RuntimeError(f"gradients for EPS group {key!r} were pushed twice in step {step}")
         self.groups.add(key)
-        if self.defer:
-            self.deferred.append((key, {n: g.detach().to("cpu") for n, g in grads.items()}, inv_scale))
+        if self.defer:  # a Landing is held as it is (its buffers come back after the update)
+            held = grads if isinstance(grads, Landing) else {n: g.detach().to("cpu") for n, g in grads.items()}
+            self.deferred.append((key, held, inv_scale))
         else:
             update(key, grads, inv_scale)
 
@@ -284,6 +317,8 @@ class StepPushes:
     def clear(self) -> None:
         """Forget the step: its groups and any gradients still deferred."""
         self.groups.clear()
+        for _, grads, _ in self.deferred:
+            release(landed(grads))
         self.deferred.clear()
 
 

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from l2l_hw.eps import golden
-from l2l_hw.eps.base import STATE_SLOTS, WORKING_DTYPES, LocalEps, OptimConfig
+from l2l_hw.eps.base import STATE_SLOTS, WORKING_DTYPES, LocalEps, OptimConfig, landed, release
 from l2l_hw.eps.golden import step_scalars
 from l2l_hw.eps.worker import UpdateWorker
 
@@ -202,14 +202,18 @@ class AsyncEps(LocalEps):
     def _update(self, key: str, grads: dict[str, torch.Tensor], scalars: dict) -> bool:
         """Update thread: the group's gradients to the host first (all that can fail), then
         one run per tensor (with its step scalars), in place or into the spare buffers."""
-        # fp32, bf16 or fp16 as they came (push_grads checked shapes and dtypes): the backend widens them
-        host = {name: grad.detach().to("cpu").contiguous() for name, grad in grads.items()}
-        found = False
-        for name, g in host.items():
-            b = self.buffers[key][name]
-            written = [piece for slot in self._slots_written() for piece in self._pieces(slot, g.shape)]
-            dst = b.spare if self.out_of_place else {piece: b.current[piece] for piece in written}
-            found |= self._run(key, name, self.config.optimizer, scalars[name], g, b.current, dst)
+        # fp32, bf16 or fp16 as they came (push_grads checked shapes and dtypes): the backend widens
+        # them. The relay's gradients come as a Landing, on their way down from the device.
+        try:
+            host = {name: grad.detach().to("cpu").contiguous() for name, grad in landed(grads).items()}
+            found = False
+            for name, g in host.items():
+                b = self.buffers[key][name]
+                written = [piece for slot in self._slots_written() for piece in self._pieces(slot, g.shape)]
+                dst = b.spare if self.out_of_place else {piece: b.current[piece] for piece in written}
+                found |= self._run(key, name, self.config.optimizer, scalars[name], g, b.current, dst)
+        finally:
+            release(grads)
         if self.double_buffer:
             self._written.setdefault(key, set()).update(host)
         elif self.out_of_place:  # every tensor of the group succeeded: swap the group in

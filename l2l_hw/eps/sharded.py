@@ -84,6 +84,8 @@ class ShardedEps(EPS):
 
     def configure(self, working_dtype=None, double_buffer=None, defer_updates=None, device=None) -> None:
         self.inner.configure(working_dtype=working_dtype, double_buffer=double_buffer, device=device)
+        if device is not None:  # NCCL's tensors on the relay's own GPU
+            self.comm_device = comm_device(self.process_group, device)
         if defer_updates is not None:  # deferred here; the backend gets them at commit
             self.pushes.defer = bool(defer_updates)
 

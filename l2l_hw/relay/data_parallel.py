@@ -45,11 +45,14 @@ class GradReducer:
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.sharded = eps.sharded
-        self.comm_device = comm_device(group)
+        self.comm_device = comm_device(group, device)
         self.device = device
         self.overlap = overlap  # False: wait for each collective at once (the benchmark's baseline)
         self.weight = 1.0  # n_r / n of the step under way
-        self.wait_s = 0.0  # time blocked on collectives in the step under way (the exposed part)
+        # Time the relay's thread blocked on collectives in the step under way. On NCCL a wait only
+        # makes the compute stream wait, so this reads ~0 there: the exposed communication shows
+        # as the compute stream's idle time instead (`l2l bench gpu`'s trace).
+        self.wait_s = 0.0
 
     def guard(self, what: str, fn, /, *args, **kwargs):
         return guarded(self.group, what, fn, *args, **kwargs)

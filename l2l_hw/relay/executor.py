@@ -31,13 +31,14 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from l2l_hw.eps.base import EPS, StateEntry, check_number, tensor_of
+from l2l_hw.eps.base import EPS, Landing, StateEntry, check_number, tensor_of
 from l2l_hw.relay.data_parallel import GradReducer
 from l2l_hw.relay.memory import DeviceMemory
 from l2l_hw.relay.options import RelayOptions
 from l2l_hw.relay.precision import LossScaler, compute_dtype
 from l2l_hw.relay.prefetch import WeightStream
 from l2l_hw.relay.stash import ActivationStash
+from l2l_hw.relay.transport import Transport
 
 Activation = torch.Tensor | tuple  # what a layer takes and returns
 
@@ -172,10 +173,11 @@ class Relay:
             raise TypeError(f"loss_fn must be a callable loss_fn(output, targets), got {type(loss_fn).__name__}")
         self.loss_fn = loss_fn
         self.eps = eps
-        self.device = torch.device(options.device)
+        self.transport = Transport(options.device)  # every host <-> device movement
+        self.device = self.transport.device
         self.micro_batches = options.micro_batches
         self.recompute = options.recompute
-        self.stash = ActivationStash(options.activations, self.device)
+        self.stash = ActivationStash(options.activations, self.transport)
         self.memory = DeviceMemory(self.device)
         self.layer_drop = options.layer_drop
         self.layer_drop_seed = check_number("layer_drop_seed", layer_drop_seed, integer=True)
@@ -203,7 +205,7 @@ class Relay:
         self.dp = self._data_parallel(process_group)
         self._pending = []  # gradient reductions under way, oldest first
         self.plans = self._plan(init, no_decay or (lambda i, name: False))
-        self.weights = WeightStream(eps, self.device, previous=self.pipedream_2bw)
+        self.weights = WeightStream(eps, self.transport, previous=self.pipedream_2bw)
         self.groups = sorted({key for plan in self.plans for key in plan.groups})
 
     # -- set-up ---------------------------------------------------------------
@@ -253,7 +255,9 @@ class Relay:
                     owner[id(p)] = (f"layer{i}", name)
                     own[name] = _filled(i, name, p, values) if p.is_meta else p
                 plan.bindings[name] = owner[id(p)]
-            plan.buffers = {name: b for name, b in module.named_buffers()}
+            # Buffers (norm statistics, rotary tables) live on the device for the whole run: no
+            # copy per micro-batch; checkpoints and export read them back.
+            plan.buffers = {name: b.to(self.device) for name, b in module.named_buffers()}
             if own:
                 self.eps.register(f"layer{i}", own, frozenset(n for n in own if no_decay(i, n)))
             del own
@@ -269,9 +273,8 @@ class Relay:
     # -- one layer on one micro-batch -------------------------------------------
     def _call(self, i: int, x: Activation, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]):
         plan = self.plans[i]
-        frozen = {n: t.to(self.device) for n, t in plan.frozen.items()}
         try:
-            out = functional_call(plan.module, {**params, **frozen, **buffers}, (x,))
+            out = functional_call(plan.module, {**params, **buffers}, (x,))
         except Exception as exc:
             raise RelayError(f"layer {i} ({type(plan.module).__name__}) failed on an input of "
                              f"{_describe(x)}: {exc}") from exc
@@ -292,21 +295,21 @@ class Relay:
         return loss.reshape(())
 
     def _params(self, i: int, live: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """Layer i's device parameters by module name, fetching groups not yet on the device."""
-        for key in self.plans[i].groups:
+        """Layer i's device parameters by module name, bound once per visit of the layer: groups
+        not yet on the device are fetched, frozen parameters go up with them."""
+        plan = self.plans[i]
+        for key in plan.groups:
             if key not in live:
                 live[key] = {n: t.detach().requires_grad_(t.is_floating_point())
                              for n, t in self.weights.get(key).items()}
-        return {name: live[key][gname] for name, (key, gname) in self.plans[i].bindings.items()}
+        frozen = f"frozen:{i}"
+        if plan.frozen and frozen not in live:
+            live[frozen] = dict(zip(plan.frozen, self.transport.up(list(plan.frozen.values())).wait()))
+        return {**{name: live[key][gname] for name, (key, gname) in plan.bindings.items()}, **live.get(frozen, {})}
 
     def _device_buffers(self, i: int, snapshot: dict | None = None) -> dict[str, torch.Tensor]:
-        source = snapshot if snapshot is not None else self.plans[i].buffers
-        return {n: b.to(self.device) for n, b in source.items()}
-
-    def _store_buffers(self, i: int, device_buffers: dict[str, torch.Tensor]) -> None:
-        for n, b in self.plans[i].buffers.items():
-            if device_buffers[n] is not b:
-                b.copy_(device_buffers[n])
+        """Layer i's buffers (on the device): the live ones, or a snapshot the recompute replays."""
+        return snapshot if snapshot is not None else self.plans[i].buffers
 
     # -- the batch --------------------------------------------------------------
     def _split(self, inputs, targets):
@@ -329,9 +332,11 @@ class Relay:
                              f"use at most {n}")
 
         def split(x, dtype=None):
-            parts = [(torch.tensor_split(t, self.micro_batches), dtype if t.is_floating_point() else None)
-                     for t in _flatten(x)]
-            return [_unflatten(x, [p[j].to(self.device, dtype=d) for p, d in parts]) for j in range(self.micro_batches)]
+            """Micro-batches of `x` on the device: one transfer up for all of them."""
+            items = _flatten(x)
+            parts = [p for t in items for p in torch.tensor_split(t, self.micro_batches)]
+            moved = self.transport.up(parts, dtype=dtype).wait()
+            return [_unflatten(x, moved[j::self.micro_batches]) for j in range(self.micro_batches)]
 
         xs, ts = split(inputs, self.compute_dtype), split(targets)
         weights = [_flatten(t)[0].shape[0] / n for t in ts]
@@ -372,7 +377,7 @@ class Relay:
         # Per layer and micro-batch: the RNG state and buffers the forward saw (for the
         # recompute), or the forward graph (without recompute).
         rng, buffer_snapshots, graphs = {}, {}, {}
-        self._sq_norm = torch.zeros((), dtype=torch.float32)  # for global-norm clipping
+        self._sq_norm = torch.zeros((), dtype=torch.float32, device=self.device)  # for global-norm clipping
         meter = self.memory
         acts = xs
         try:
@@ -390,9 +395,7 @@ class Relay:
                             rng[i].append(_rng_state(self.device))
                             buffer_snapshots[i].append({n_: b.clone() for n_, b in self.plans[i].buffers.items()})
                         x = acts[j] if self.recompute else self._grad_leaf(acts[j])
-                        bufs = self._device_buffers(i)
-                        out = self._call(i, x, params, bufs)
-                        self._store_buffers(i, bufs)
+                        out = self._call(i, x, params, self._device_buffers(i))
                         if not self.recompute:
                             graphs[i].append((x, out))
                             out = _unflatten(out, [t.detach() for t in _flatten(out)])
@@ -412,10 +415,8 @@ class Relay:
             grads_in = []
             for j in range(u):
                 x = self._grad_leaf(acts[j])
-                bufs = self._device_buffers(last)
                 with meter.saving(last):
-                    loss = self._loss(_to_float(self._call(last, x, params, bufs)), ts[j])
-                self._store_buffers(last, bufs)
+                    loss = self._loss(_to_float(self._call(last, x, params, self._device_buffers(last))), ts[j])
                 self._sample(live, acts, grads_in)
                 (loss * (weights[j] * self.loss_scale)).backward()
                 total += loss.detach().float() * weights[j]
@@ -476,8 +477,8 @@ class Relay:
         if self.scaler is not None:
             self.scaler.update(found)
         if self.dp is not None:
-            return self.dp.mean(float(total), local_n, "averaging the step's loss")
-        return float(total)
+            return self.dp.mean(self.transport.read(total), local_n, "averaging the step's loss")
+        return self.transport.read(total)
 
     @property
     def loss_scale(self) -> float:
@@ -503,6 +504,8 @@ class Relay:
 
     def _release(self, i: int, live: dict, users: dict[str, list[int]], backward: bool) -> None:
         """Drop device weights layer i no longer needs; after its last backward use, push the gradients."""
+        if self.recompute or backward:  # without recompute, the forward graph holds them until the backward
+            live.pop(f"frozen:{i}", None)
         for key in self.plans[i].groups:
             if backward and i == users[key][0]:
                 tensors = live.pop(key)
@@ -514,7 +517,7 @@ class Relay:
         """Hand a group's gradients to the EPS; data parallel, first start averaging them across
         ranks and push the group reduced during this layer's backward."""
         if self.dp is None or not grads:
-            self.eps.push_grads(key, self._clip(grads), inv_scale=1.0 / self.loss_scale)
+            self.eps.push_grads(key, self._to_host(self._clip(grads)), inv_scale=1.0 / self.loss_scale)
             return
         self._push_reduced()
         self._pending.append(self.dp.launch(key, grads))
@@ -523,7 +526,16 @@ class Relay:
         while self._pending:
             reduction = self._pending.pop(0)
             grads = self.dp.finish(reduction)
-            self.eps.push_grads(reduction.key, self._clip(grads), inv_scale=1.0 / self.loss_scale)
+            self.eps.push_grads(reduction.key, self._to_host(self._clip(grads)), inv_scale=1.0 / self.loss_scale)
+
+    def _to_host(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A group's gradients on their way down, right after its backward: a Landing the EPS's
+        update waits for, in reused staging buffers it gives back (on the CPU, the gradients)."""
+        if not self.transport.asynchronous or not grads:
+            return grads
+        pool = self.transport.grad_pool
+        moving = self.transport.down(list(grads.values()), pool=pool)
+        return Landing(dict(zip(grads, moving.tensors)), moving.landed, lambda: pool.give_back(moving.tensors))
 
     def _clip(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Per-layer clipping scales the group's gradients as torch.nn.utils.clip_grad_norm_
@@ -535,7 +547,7 @@ class Relay:
             norm = self.dp.sum(norm ** 2, "summing a gradient norm over ranks").sqrt()
         norm = norm / self.loss_scale
         if self.clip_mode == "global":
-            self._sq_norm += norm.to("cpu") ** 2
+            self._sq_norm += norm.float() ** 2  # on the device: read once, at commit
             return grads
         coef = torch.clamp(self.clip_norm / (norm + 1e-6), max=1.0)
         return {n: g.mul_(coef.to(g.dtype)) for n, g in grads.items()}
@@ -546,7 +558,7 @@ class Relay:
             return 1.0
         sq = self.dp.sum(self._sq_norm, "summing the global gradient norm over ranks") if self._sharded else self._sq_norm
         total = sq.sqrt()
-        return float(torch.clamp(self.clip_norm / (total + 1e-6), max=1.0))
+        return self.transport.read(torch.clamp(self.clip_norm / (total + 1e-6), max=1.0))
 
     @property
     def _sharded(self) -> bool:
@@ -579,6 +591,7 @@ class Relay:
                         self._prefetch(i + 1, live)
                     acts = [self._call(i, a, params, self._device_buffers(i)) for a in acts]
                     self._sample(live, acts)
+                    live.pop(f"frozen:{i}", None)
                     for key in self.plans[i].groups:  # as in training, a layer's weights leave after their last use
                         if last_use[key] == i:
                             live.pop(key)
@@ -610,7 +623,7 @@ class Relay:
                 first[binding] = (i, name)
                 yield Exported(i, name, group[binding[1]], (i, name))
             for name, b in plan.buffers.items():
-                yield Exported(i, name, b, (i, name))
+                yield Exported(i, name, b.detach().cpu(), (i, name))
 
     def materialize(self) -> nn.Sequential:
         """The trained model as an nn.Sequential on the CPU with the fp32 master weights (a new
@@ -636,7 +649,7 @@ class Relay:
         (`save_checkpoint(path, relay.state_entries(), meta)`) without a copy of the state."""
         state = {f"eps/{k}": v for k, v in self.eps.state_entries().items()}
         for i, plan in enumerate(self.plans):
-            state.update({f"buffers/{i}/{n}": StateEntry(b.shape, b.dtype, lambda b=b: b.detach())
+            state.update({f"buffers/{i}/{n}": StateEntry(b.shape, b.dtype, lambda b=b: b.detach().cpu())
                           for n, b in plan.buffers.items()})
         return state
 

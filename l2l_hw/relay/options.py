@@ -18,10 +18,11 @@ CLIP_MODES = ("layer", "global")
 
 def device_problem(device) -> str | None:
     """What is wrong with `device` for the relay on this machine (None: nothing): cpu, cuda or
-    cuda:N, as torch sees them. The one check, for Relay and TrainConfig alike."""
+    cuda:N, as torch sees them; or cpu-async, the CPU with the asynchronous twin of a device's
+    transfers (for tests). The one check, for Relay and TrainConfig alike."""
     name = str(device)
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", name):
-        return "must be cpu, cuda or cuda:N"
+    if not re.fullmatch(r"cpu|cpu-async|cuda(:\d+)?", name):
+        return "must be cpu, cuda or cuda:N (or cpu-async: the CPU with asynchronous transfers, for tests)"
     if name.startswith("cuda"):
         if not torch.cuda.is_available():
             return ("is not available here: CUDA is not available on this machine "

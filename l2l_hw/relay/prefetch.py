@@ -1,9 +1,9 @@
 """Weight streams: the next layer's weights move to the device while the current one runs.
 
-On CUDA the copies run on a side stream from pinned host memory and an event tells
-the compute stream when they have landed (a double buffer: the layer running and the
-layer arriving). On the CPU the same code runs with synchronous copies, which for
-host tensors are no copies at all.
+The EPS's working copy goes up through the relay's transport (l2l_hw/relay/transport.py):
+on CUDA from pinned host memory on the up stream, the compute stream waiting on the
+transfer's event (a double buffer: the layer running and the layer arriving); on the CPU
+the same code runs with no copies at all.
 """
 from __future__ import annotations
 
@@ -12,49 +12,38 @@ from contextlib import contextmanager
 import torch
 
 from l2l_hw.eps.base import EPS
+from l2l_hw.relay.transport import Transfer, Transport
 
 
 class WeightStream:
-    def __init__(self, eps: EPS, device: torch.device, previous: bool = False):
+    def __init__(self, eps: EPS, transport: Transport, previous: bool = False):
         self.eps = eps
         self.previous = previous  # PipeDream-2BW: compute on the version one step back
-        self.device = device
-        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._inflight: dict[str, tuple[dict[str, torch.Tensor], object]] = {}
+        self.transport = transport
+        self._inflight: dict[str, tuple[list[str], Transfer | object]] = {}
 
     def prefetch(self, keys: list[str]) -> None:
         """Start moving the working copies of `keys` to the device (no-op if already under way).
-        A fetch still under way (a sharded EPS's all-gather) is copied when it is waited for."""
+        A fetch still under way (a sharded EPS's all-gather) goes up when it is waited for."""
         for key in keys:
             if key not in self._inflight:
                 pending = self.eps.fetch_async(key, previous=self.previous)
-                self._inflight[key] = self._to_device(pending.wait()) if pending.ready else (pending, None)
+                self._inflight[key] = self._up(pending.wait()) if pending.ready else (None, pending)
 
-    def _to_device(self, host: dict[str, torch.Tensor]):
-        """The copies of `host` to the device, and the event that says they landed (CUDA)."""
-        if self.copy_stream is None:
-            return {n: t.to(self.device) for n, t in host.items()}, None
-        with torch.cuda.stream(self.copy_stream):
-            dev = {n: t.to(self.device, non_blocking=True) for n, t in host.items()}
-            ready = torch.cuda.Event()
-            ready.record(self.copy_stream)
-        return dev, ready
+    def _up(self, host: dict[str, torch.Tensor]) -> tuple[list[str], Transfer]:
+        return list(host), self.transport.up(list(host.values()))
 
     def get(self, key: str) -> dict[str, torch.Tensor]:
         """The device tensors of `key`, once their copy has landed on the compute stream."""
         self.prefetch([key])
-        dev, ready = self._inflight.pop(key)
-        if not isinstance(dev, dict):  # a fetch under way
-            dev, ready = self._to_device(dev.wait())
-        if ready is not None:
-            torch.cuda.current_stream(self.device).wait_event(ready)
-            for t in dev.values():  # the allocator must not reuse them before compute is done
-                t.record_stream(torch.cuda.current_stream(self.device))
-        return dev
+        names, moving = self._inflight.pop(key)
+        if names is None:  # a fetch under way
+            names, moving = self._up(moving.wait())
+        return dict(zip(names, moving.wait()))
 
     def on_device(self) -> list:
         """Weights in flight to the device (for the accounting)."""
-        return [dev if isinstance(dev, dict) else dev.held() for dev, _ in self._inflight.values()]
+        return [moving.tensors if names is not None else moving.held() for names, moving in self._inflight.values()]
 
     def clear(self) -> None:
         self._inflight.clear()
