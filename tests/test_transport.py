@@ -70,3 +70,23 @@ def test_blocking_transfers_per_step_do_not_grow_with_depth_or_micro_batches(cli
 def test_unknown_device_is_refused_naming_the_kinds():
     with pytest.raises(ValueError, match="must be cpu, cuda or cuda:N"):
         l2l_hw.Relay(mlp_layers(), nn.functional.mse_loss, eps=l2l_hw.make_eps("cpu"), device="cpu-sync")
+
+
+def test_the_twin_s_stream_threads_end_with_their_transport():
+    import gc
+    import threading
+    import time
+
+    def twin_threads():
+        return sum(t.name.startswith("l2l-twin") for t in threading.enumerate())
+
+    before = twin_threads()
+    twin = Transport("cpu-async")
+    assert twin_threads() == before + 2
+    twin.up([torch.ones(3)]).wait()
+    del twin
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while twin_threads() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert twin_threads() == before

@@ -135,7 +135,14 @@ class _TwinStream:
         self._cond = threading.Condition()
         self._issued, self._demanded = 0, -1
         self._rng, self._late_s = rng, late_s
+        self._closed = False
         threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def close(self) -> None:
+        """Let the thread end once the copies issued have run (the transport is gone)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
 
     def submit(self, copies: list[tuple[torch.Tensor, Callable[[], torch.Tensor | None]]],
                after: list[_TwinEvent], keep: list[torch.Tensor]) -> _TwinEvent:
@@ -155,8 +162,10 @@ class _TwinStream:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._ops:
+                while not self._ops and not self._closed:
                     self._cond.wait()
+                if not self._ops:
+                    return
                 copies, after, done, keep, due = self._ops[0]
                 while done._index > self._demanded and time.monotonic() < due:
                     self._cond.wait(timeout=due - time.monotonic())
@@ -191,6 +200,8 @@ class Transport:
             rng = random.Random(seed)
             self._up = _TwinStream("l2l-twin-up", rng, late_s)
             self._down = _TwinStream("l2l-twin-down", rng, late_s)
+            weakref.finalize(self, _TwinStream.close, self._up)
+            weakref.finalize(self, _TwinStream.close, self._down)
 
     @property
     def asynchronous(self) -> bool:
