@@ -1,17 +1,16 @@
 """The `l2l` command: argparse only. `l2l train` builds a TrainConfig from its flags and
 calls l2l_hw.train (l2l_hw/train.py, where the loop and its outputs are described);
-`l2l finetune` does the same for a local Hugging Face model (l2l_hw/hf.py); `l2l info`
-prints what is usable here; `l2l bench NAME` runs one benchmark of l2l_hw.bench.
+`l2l finetune` does the same for a local Hugging Face model (l2l_hw/hf.py) and its data
+(l2l_hw/finetune_data.py); `l2l info` prints what is usable here; `l2l bench NAME` runs one
+benchmark of l2l_hw.bench.
 """
 import argparse
-import dataclasses
 import importlib
 import importlib.metadata
 import platform
 import re
 import signal
 import sys
-from pathlib import Path
 
 import torch
 
@@ -19,7 +18,7 @@ import l2l_hw
 from l2l_hw.checkpoint import CheckpointError
 from l2l_hw.options import OptionError, allowed_choices, option_fields, spec
 from l2l_hw.train import (COMPONENTS, CONTROL_FIELDS, NonFiniteLoss, RunOptions, TrainConfig, TrainingInterrupted,
-                          build_eps, relay_options, resume_config, train)
+                          finetune, resume_config, train)
 
 # ---------------------------------------------------------------------------- train
 
@@ -35,6 +34,8 @@ def train_config(args) -> TrainConfig:
     """`l2l train`'s (or finetune's) flags as a TrainConfig; with --resume, the checkpoint's run
     with the flags given."""
     RunOptions(resume=args.resume, overwrite=args.overwrite)  # before the checkpoint is read
+    if not args.resume and args.warmup is not None and args.warmup_ratio is not None:
+        raise OptionError("--warmup and --warmup-ratio both set the warm-up: give one of them")
     # Run flags default to None, so --resume can tell what was given from what was not; a new
     # run takes the command's own defaults where it has them (finetune's are transformers').
     given = {k: getattr(args, k) for k in FIELDS if k not in CONTROL_FIELDS and getattr(args, k, None) is not None}
@@ -105,32 +106,13 @@ def cmd_train(args) -> int:
 
 
 def cmd_finetune(args) -> int:
-    """`l2l finetune`: the model folder's weights streamed into the EPS, the text file tokenized
-    by its tokenizer, trained by train() as `l2l train` is, saved back for transformers."""
-    from l2l_hw import hf
+    """`l2l finetune`: l2l_hw.train.finetune with the flags' TrainConfig."""
 
     def body():
         cfg = train_config(args)
-        reading = dict(seed=cfg.seed, doc_separator=cfg.doc_separator, text_field=cfg.text_field)
-        batches = hf.finetune_batches(cfg.model, cfg.data, cfg.batch_size, cfg.context, **reading)
-        if cfg.val_data is not None:
-            fit, val = batches, hf.finetune_batches(cfg.model, cfg.val_data, cfg.batch_size, cfg.context, **reading)
-            print(f"validation: {len(val)} minibatches of {cfg.val_data}")
-        else:  # a tenth of the minibatches held out, at least one where there are two
-            held = len(batches) // 10 or (1 if len(batches) > 1 else 0)
-            fit, val = batches[held:], batches[:held] or None
-            print(f"validation: {held} of the {len(batches)} minibatches of {cfg.data} held out"
-                  + ("" if held else " (none: give --val-data to validate)"))
-        if cfg.epochs is not None and not args.resume:  # the run's length in steps: its schedule needs it
-            if args.steps is not None:
-                raise OptionError("--epochs and --steps both give the run's length: give one of them")
-            cfg = dataclasses.replace(cfg, steps=cfg.epochs * len(fit))
-            print(f"{cfg.epochs} epoch(s) of {len(fit)} minibatches: {cfg.steps} steps")
-        relay = hf.from_pretrained(cfg.model, eps=build_eps(cfg), options=relay_options(cfg))
-        train(cfg, relay=relay, data=fit * -(-cfg.steps // len(fit)), val_data=val)  # epochs enough for --steps
-        if cfg.out is not None:
-            saved = hf.save_pretrained(relay, Path(cfg.out) / "model", files_from=cfg.model)
-            print(f"saved the fine-tuned model for transformers in {saved}")
+        if cfg.epochs is not None and args.steps is not None and not args.resume:
+            raise OptionError("--epochs and --steps both give the run's length: give one of them")
+        finetune(cfg)
 
     return run_command("finetune", body)
 
@@ -206,6 +188,8 @@ BENCHES = {
     "capacity": ("host bytes per parameter of each EPS configuration; the largest GPT", "l2l_hw.bench.capacity"),
     "hf-load": ("peak host memory loading a Hugging Face checkpoint into the EPS", "l2l_hw.bench.hf"),
     "gpu": ("the whole GPU campaign in one call (--dry-run: toy sizes on the CPU)", "l2l_hw.bench.gpu"),
+    "disk": ("the EPS's disk tier: GB/s against the raw disk, step time against the state in RAM",
+             "l2l_hw.bench.disk"),
 }
 
 
@@ -277,9 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     f = sub.add_parser("finetune", help="fine-tune a local Hugging Face model through the relay",
                        description="Fine-tune a local Hugging Face Transformers model (GPT-2, the Llama family, "
-                                   "BERT masked LM) on a local text file through the relay; the same metrics, "
-                                   "checkpoints and --resume as l2l train; the model is saved in transformers' "
-                                   "format into --out/model.")
+                                   "BERT masked LM) on local data (text, JSON Lines, a folder, a datasets dataset, "
+                                   "conversations) through the relay; the same metrics, checkpoints and --resume as "
+                                   "l2l train; the model is saved in transformers' format into --out/model.")
     add_option_flags(f, "finetune")
     f.set_defaults(func=cmd_finetune)
 

@@ -1,4 +1,4 @@
-"""Hugging Face `transformers` models through the relay: split, load, save, fine-tuning data.
+"""Hugging Face `transformers` models through the relay: split, load, save, generate.
 
     split(model)                  the model as relay layers, HF's own modules inside:
                                   input embedding | one layer per decoder/encoder block | head
@@ -6,7 +6,12 @@
                                   shards of `dir` stream into the EPS one layer at a time
     save_pretrained(relay, dir)   config.json and sharded safetensors from the EPS masters,
                                   layer by layer, that transformers' from_pretrained loads
-    finetune_batches(dir, file)   a local text file tokenized by the tokenizer in `dir`
+    save_replacing(relay, dir)    the same, written beside `dir` and renamed into its place
+    load_tokenizer(dir)           the tokenizer saved in `dir`
+    generate(model, tokenizer, prompt)  a greedy continuation by the materialized model
+
+The data such a model is fine-tuned on (local files, datasets, conversations; tokenized,
+cached, packed into minibatches) is read by `l2l_hw.finetune_data`.
 
 Layer contract. A layer takes the previous layer's output: the hidden states (B, T, C),
 or (hidden states, attention_mask) when the batch has a padding mask. The mask stays an
@@ -18,7 +23,7 @@ Loss. HF's loss with `labels` is a mean over the tokens whose label is not -100 
 the causal shift for a causal LM), over the whole batch. The relay weights micro-batch
 j's loss by its share of the samples, n_j / B, so a per-micro-batch token mean matches
 HF only when every micro-batch holds the same number of counted tokens per sample.
-`loss_fn.targets(labels)` (what `batch()` and `finetune_batches` build) adds to the
+`loss_fn.targets(labels)` (what `batch()` and `finetune_data` build) adds to the
 labels each sample's share of the batch's counted tokens, N / B; micro-batch j's loss
 is then its token sum / (n_j N / B), and sum_j (n_j / B) * that = token sum / N: HF's
 loss for any distribution of -100s. Plain `labels` as targets give the per-micro-batch
@@ -32,6 +37,7 @@ import inspect
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -39,6 +45,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from l2l_hw.checkpoint import TEMPORARY_MARKER
 from l2l_hw.inputs import path_kind, regular_file
 
 IGNORE_INDEX = -100  # HF's label for tokens that carry no loss
@@ -256,7 +263,7 @@ def batch(loss_fn: TokenLoss, input_ids: torch.Tensor, labels: torch.Tensor,
 
 
 # ---------------------------------------------------------------------------- loading
-def _model_folder(path) -> Path:
+def model_folder(path) -> Path:
     folder = Path(path)
     kind = path_kind(folder)
     if kind != "a folder":
@@ -269,7 +276,7 @@ def _model_folder(path) -> Path:
     return folder
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
 
@@ -277,13 +284,13 @@ def _first_line(e: BaseException) -> str:
 def load_config(path):
     """The transformers config of a local model folder, checked for what the relay needs; a
     config.json that is not valid, or describes no trainable model, is a ValueError naming it."""
-    folder = _model_folder(path)
+    folder = model_folder(path)
     file = folder / "config.json"
     try:
         raw = json.loads(file.read_text(encoding="utf-8"))
         config = _transformers().AutoConfig.from_pretrained(folder, local_files_only=True)
     except (ValueError, OSError, KeyError, TypeError, AttributeError) as e:  # transformers' own, or bad JSON
-        raise ValueError(f"{file} is not a valid transformers config: {_first_line(e)}") from None
+        raise ValueError(f"{file} is not a valid transformers config: {first_line(e)}") from None
     for name in SIZES:
         value = raw.get(name)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
@@ -299,7 +306,7 @@ def config_fingerprint(path) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _weights(folder: Path) -> Path:
+def weights_file(folder: Path) -> Path:
     """The folder's shard index, or its one weights file."""
     for name in (INDEX_FILE, WEIGHTS_FILE):
         if (folder / name).is_file():
@@ -320,18 +327,47 @@ def _model_class(config):
                      f"is not supported; l2l_hw.hf supports {SUPPORTED}")
 
 
+def masked_lm(config) -> bool:
+    """Whether a model config describes a masked LM (BERT), trained on masked tokens, rather than a
+    causal LM (GPT-2, the Llama family) that continues text."""
+    return _model_class(config).__name__ == "BertForMaskedLM"
+
+
+def load_tokenizer(path):
+    """The tokenizer saved in a local model folder (nothing is downloaded)."""
+    folder = model_folder(path)
+    if not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        raise FileNotFoundError(f"{folder} has no tokenizer (one of {', '.join(TOKENIZER_FILES)}); save it "
+                                "there with tokenizer.save_pretrained")
+    try:
+        return _transformers().AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except Exception as e:  # a corrupt tokenizer.json or tokenizer_config.json: transformers' many errors
+        files = ", ".join(f for f in TOKENIZER_FILES if (folder / f).is_file())
+        raise ValueError(f"the tokenizer in {folder} ({files}) cannot be loaded: {first_line(e)}") from None
+
+
+def max_positions(config) -> int | None:
+    """The longest sequence a model with learned positions takes (GPT-2's n_positions, BERT's
+    max_position_embeddings); None for rotary models, whose positions are computed."""
+    if getattr(config, "model_type", None) == "gpt2":
+        return config.n_positions
+    if getattr(config, "model_type", None) == "bert":
+        return config.max_position_embeddings
+    return None
+
+
 def skeleton(path) -> nn.Module:
     """The model of a local folder with every parameter on the meta device (no weights
     allocated) and real non-persistent buffers (rotary inv_freq, BERT's position ids),
     computed by the model's own initialization, as transformers' from_pretrained does."""
-    folder = _model_folder(path)
+    folder = model_folder(path)
     config = load_config(folder)
     cls = _model_class(config)
     try:
         with torch.device("meta"):
             model = cls(config)
     except Exception as e:  # a config transformers accepts but cannot build a model from
-        raise ValueError(f"{folder / 'config.json'}: {cls.__name__} cannot be built from it: {_first_line(e)}") from None
+        raise ValueError(f"{folder / 'config.json'}: {cls.__name__} cannot be built from it: {first_line(e)}") from None
     for name, buffer in list(model.named_non_persistent_buffers()):
         owner, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(owner), leaf, torch.empty_like(buffer, device="cpu"))
@@ -348,14 +384,14 @@ class Checkpoint:
         from safetensors import safe_open
 
         self._open = safe_open
-        weights = _weights(folder)
+        weights = weights_file(folder)
         if weights.name == INDEX_FILE:
             try:
                 weight_map = json.loads(weights.read_text(encoding="utf-8"))["weight_map"]
                 self.shard_of = {key: folder / file for key, file in weight_map.items()}
             except (ValueError, KeyError, TypeError, AttributeError) as e:
                 raise ValueError(f"{weights} is not a safetensors index (a JSON object with a weight_map of "
-                                 f"tensor name -> file): {_first_line(e)}") from None
+                                 f"tensor name -> file): {first_line(e)}") from None
             for shard in set(self.shard_of.values()):
                 regular_file(shard, f"the weights file named in {weights},")
         else:
@@ -368,7 +404,7 @@ class Checkpoint:
         try:
             return self._open(shard, framework="pt")
         except Exception as e:  # safetensors' SafetensorError: a truncated or foreign file
-            raise ValueError(f"{shard} is not a readable safetensors file: {_first_line(e)}") from None
+            raise ValueError(f"{shard} is not a readable safetensors file: {first_line(e)}") from None
 
     def expect(self, keys: set[str]) -> None:
         for key in keys:
@@ -384,7 +420,7 @@ class Checkpoint:
         try:
             tensor = self.handles[shard].get_tensor(key)
         except Exception as e:  # data past the end of a truncated file, a dtype torch lacks
-            raise ValueError(f"{shard}: tensor {key} cannot be read: {_first_line(e)}") from None
+            raise ValueError(f"{shard}: tensor {key} cannot be read: {first_line(e)}") from None
         left = self.left.get(shard, set())
         left.discard(key)
         if not left:
@@ -456,7 +492,7 @@ def from_pretrained(path, eps, exempt_from_decay: bool = True, **relay_options):
     Trainer does (False: every parameter decays, as torch.optim over model.parameters())."""
     from l2l_hw.relay import Relay
 
-    folder = _model_folder(path)
+    folder = model_folder(path)
     model = skeleton(folder)
     layers, loss_fn = split(model)
     return Relay(layers, loss_fn, eps=eps, init=LayerInit(folder, model, layers), no_decay=no_decay_rule(model, layers) if exempt_from_decay else None,
@@ -534,124 +570,69 @@ def save_pretrained(relay, path, max_shard_size: int | str = "2GB", tokenizer=No
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
     if files_from is not None:
-        for source in sorted(_model_folder(files_from).iterdir()):
+        for source in sorted(model_folder(files_from).iterdir()):
             if path_kind(source) == "a regular file" and source.name != "config.json" and not (
                     source.name.startswith("model") and source.name.endswith((".safetensors", INDEX_FILE))):
                 shutil.copyfile(source, folder / source.name)
     return folder
 
 
-# ---------------------------------------------------------------------------- data
-def load_tokenizer(path):
-    """The tokenizer saved in a local model folder (nothing is downloaded)."""
-    folder = _model_folder(path)
-    if not any((folder / f).is_file() for f in TOKENIZER_FILES):
-        raise FileNotFoundError(f"{folder} has no tokenizer (one of {', '.join(TOKENIZER_FILES)}); save it "
-                                "there with tokenizer.save_pretrained")
+def save_replacing(relay, path, files_from=None) -> Path:
+    """save_pretrained into a new folder beside `path`, then renamed into its place (the folder it
+    replaces is removed): `path` holds a whole model at every moment, the previous one or the new
+    one. A kill while writing leaves a hidden temporary folder beside it; a kill between the two
+    renames leaves no `path` and the previous model in the hidden `.NAME.l2l-old-PID` folder."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    prefix = f".{target.name}.{TEMPORARY_MARKER}-{os.getpid()}-"
+    written = Path(tempfile.mkdtemp(dir=target.parent, prefix=prefix, suffix=".tmp"))
     try:
-        return _transformers().AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    except Exception as e:  # a corrupt tokenizer.json or tokenizer_config.json: transformers' many errors
-        files = ", ".join(f for f in TOKENIZER_FILES if (folder / f).is_file())
-        raise ValueError(f"the tokenizer in {folder} ({files}) cannot be loaded: {_first_line(e)}") from None
+        usual_mode(written, 0o777)
+        save_pretrained(relay, written, files_from=files_from)
+        if path_kind(target) == "a folder":
+            previous = target.with_name(f".{target.name}.l2l-old-{os.getpid()}")
+            shutil.rmtree(previous, ignore_errors=True)
+            os.replace(target, previous)
+            os.replace(written, target)
+            shutil.rmtree(previous)
+        else:
+            os.replace(written, target)
+    finally:
+        shutil.rmtree(written, ignore_errors=True)  # gone once renamed
+    return target
 
 
-def max_positions(config) -> int | None:
-    """The longest sequence a model with learned positions takes (GPT-2's n_positions, BERT's
-    max_position_embeddings); None for rotary models, whose positions are computed."""
-    if getattr(config, "model_type", None) == "gpt2":
-        return config.n_positions
-    if getattr(config, "model_type", None) == "bert":
-        return config.max_position_embeddings
-    return None
+def usual_mode(path: Path, mode: int) -> None:
+    """tempfile makes its files 0600 and folders 0700: give `path` the mode that open() (0o666)
+    or mkdir() (0o777) gives under this process's umask, as the run's other files have."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, mode & ~umask)
 
 
-def tokenize_text(tokenizer, data_file, doc_separator: str | None = None, text_field: str | None = None) -> list[int]:
-    """The token ids of a UTF-8 text file as written, as transformers' run_clm reads it: line
-    by line with each line's newline kept (so the file streams), concatenated. With
-    `doc_separator`, a line that is exactly it (after its newline) ends a document: it is
-    dropped and the end-of-text token stands in its place. JSON Lines (`text_field`, or a
-    .jsonl file: field "text"): each line's object is a document, its field's text followed
-    by the end-of-text token."""
-    data = regular_file(data_file, "data file")
-    if text_field is None and data.suffix == ".jsonl":
-        text_field = "text"
-    if (doc_separator is not None or text_field is not None) and tokenizer.eos_token_id is None:
-        raise ValueError("documents need an end-of-text token to separate them, and this tokenizer has none")
-    ids = []
-    offset = 0
-    with open(data, "rb") as f:
-        for number, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"data file {data} is not UTF-8 text: {e.reason} at byte {offset + e.start} "
-                                 f"(line {number})") from None
-            offset += len(raw)
-            if text_field is not None:
-                if line.strip():
-                    ids += tokenizer(_record_text(line, text_field, data, number),
-                                     add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-            elif doc_separator is not None and line.rstrip("\r\n") == doc_separator:
-                ids.append(tokenizer.eos_token_id)
-            elif line:
-                ids += tokenizer(line, add_special_tokens=False)["input_ids"]
-    return ids
+# ---------------------------------------------------------------------------- samples
+SAMPLE_TOKENS = 32  # new tokens of a sample: a line or two of text, quick on the CPU
 
 
-def _record_text(line: str, field: str, path: Path, number: int) -> str:
+@torch.no_grad()
+def generate(model: nn.Module, tokenizer, prompt: str, new_tokens: int = SAMPLE_TOKENS) -> str:
+    """The greedy continuation of `prompt` by `model`, the relay's layers materialized
+    (relay.materialize()), as transformers' generate(do_sample=False) makes it: `new_tokens` at
+    most, ending at the end-of-text token; the text of the new tokens. The whole sequence (its
+    last max_positions tokens, for learned positions) goes through the model for each new
+    token, in eval mode."""
+    limit = max_positions(model[0].config)
+    training = model.training
+    model.eval()
+    ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]], dtype=torch.long)  # (1, T)
+    start = ids.shape[1]
     try:
-        record = json.loads(line)
-    except ValueError as e:
-        raise ValueError(f"{path}:{number}: not a JSON object ({e})") from None
-    if not isinstance(record, dict) or not isinstance(record.get(field), str):
-        raise ValueError(f"{path}:{number}: no text field {field!r} (a JSON object with {field!r}: a string)")
-    return record[field]
-
-
-def finetune_batches(path, data_file, batch_size: int, seq_len: int, seed: int = 0,
-                     mask_fraction: float = 0.15, doc_separator: str | None = None,
-                     text_field: str | None = None) -> list[tuple]:
-    """One epoch of `(inputs, targets)` minibatches for relay.train_step from a local text file,
-    tokenized by the tokenizer in the model folder `path`.
-
-    The text, tokenized as written (tokenize_text: newlines kept, documents ended by the
-    end-of-text token where `doc_separator` marks them), is packed into blocks of `seq_len`
-    tokens, as transformers' run_clm packs it (the last, shorter block dropped), shuffled
-    with `seed`, `batch_size` per minibatch (the last, shorter group dropped). Causal LMs:
-    labels are the input ids (the loss shifts). Masked LMs (BERT): `mask_fraction` of the
-    tokens are replaced by the mask token and are the only labelled ones. Targets carry the
-    token count (`TokenLoss.targets`)."""
-    folder = _model_folder(path)
-    config = load_config(folder)
-    masked = _model_class(config).__name__ == "BertForMaskedLM"
-    _weights(folder)
-    tokenizer = load_tokenizer(folder)
-    if batch_size < 1 or seq_len < 2:
-        raise ValueError(f"batch_size must be >= 1 and seq_len >= 2, got {batch_size} and {seq_len}")
-    limit = max_positions(config)
-    if limit is not None and seq_len > limit:
-        raise ValueError(f"a context of {seq_len} tokens is longer than the model's position table: "
-                         f"{folder / 'config.json'} has {limit} positions")
-    if masked and tokenizer.mask_token_id is None:
-        raise ValueError(f"the tokenizer in {folder} has no mask token; a masked LM needs one")
-    ids = tokenize_text(tokenizer, data_file, doc_separator, text_field)
-    if ids and max(ids) >= config.vocab_size:
-        raise ValueError(f"the tokenizer in {folder} gives token id {max(ids)}, past the model's vocabulary: "
-                         f"{folder / 'config.json'} has vocab_size {config.vocab_size}")
-    n_seq = len(ids) // seq_len
-    if n_seq < batch_size:
-        raise ValueError(f"{data_file} gives {len(ids)} tokens: fewer than one minibatch of {batch_size} x {seq_len}")
-    tokens = torch.tensor(ids[:n_seq * seq_len]).view(n_seq, seq_len)
-    g = torch.Generator().manual_seed(seed)
-    tokens = tokens[torch.randperm(n_seq, generator=g)]
-    loss_fn = TokenLoss(shift=not masked)
-    batches = []
-    for start in range(0, n_seq - batch_size + 1, batch_size):
-        input_ids = tokens[start:start + batch_size].clone()
-        labels = input_ids.clone()
-        if masked:
-            chosen = torch.rand(input_ids.shape, generator=g) < mask_fraction
-            labels[~chosen] = IGNORE_INDEX
-            input_ids[chosen] = tokenizer.mask_token_id
-        batches.append(batch(loss_fn, input_ids, labels))
-    return batches
+        for _ in range(new_tokens):
+            logits = model(ids[:, -limit:] if limit else ids)  # (1, T, vocab)
+            token = logits[0, -1].argmax().view(1, 1)
+            ids = torch.cat([ids, token], dim=1)
+            if token.item() == tokenizer.eos_token_id:
+                break
+    finally:
+        model.train(training)
+    return tokenizer.decode(ids[0, start:])

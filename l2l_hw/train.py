@@ -21,10 +21,14 @@ Files in `cfg.out` (rank 0 only; nothing when out is None):
   loss.png                 train and validation loss curves
   checkpoint.safetensors   relay state, config and every RNG state (l2l_hw.checkpoint)
   tensorboard/             event files, with cfg.tensorboard (torch.utils.tensorboard)
+  tokens/, model/          finetune(): the tokenized data (finetune_data.tokenize_text's
+                           cache), the model for transformers (hf.save_replacing)
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -38,9 +42,11 @@ from typing import Callable, Iterable
 
 import torch
 
+from l2l_hw import finetune_data, hf
 from l2l_hw.checkpoint import Checkpoint, CheckpointError, open_checkpoint, remove_stale_temporaries, save_checkpoint
 from l2l_hw.distributed import Ranks, join_torchrun, leave_torchrun, rank_shard
 from l2l_hw.eps import make_eps
+from l2l_hw.eps.golden import QUANT_BLOCK
 from l2l_hw.eps.options import EpsOptions, ScheduleOptions
 from l2l_hw.models import Corpus, GPTConfig, build_gpt, generate, lm_loss
 from l2l_hw.models.gpt import ModelOptions
@@ -49,6 +55,7 @@ from l2l_hw.relay import Relay, RelayOptions, init_from_state
 from l2l_hw.version import __version__
 
 CHECKPOINT, METRICS, PLOT, TENSORBOARD = "checkpoint.safetensors", "metrics.jsonl", "loss.png", "tensorboard"
+MODEL, TOKEN_CACHE = "model", "tokens"  # finetune's: the Hugging Face folder, the tokens (finetune_data's cache)
 EVAL_BATCHES = 4  # validation minibatches per eval point of the reference corpus; the same windows every time
 RUN_FILES = (CHECKPOINT, METRICS, PLOT, TENSORBOARD)  # what a run writes into out: an earlier run is these
 MAX_DISCARDED = 100  # steps discarded in a row (non-finite) before the run stops: fp16's scale needs <= 24
@@ -86,16 +93,20 @@ class DataOptions:
     """What the run trains on: the text, cut into minibatches of sequences."""
 
     data: str | None = option(None, "the text to train on: for l2l train a file or a folder (default: this Python's "
-                              "stdlib sources), for l2l finetune a UTF-8 text file", kind="path", metavar="PATH",
-                              required_in=("finetune",))
-    val_data: str | None = option(None, "a UTF-8 text file to validate on (default: a tenth of --data's minibatches, "
-                                  "held out)", kind="path", metavar="PATH", commands=("finetune",))
+                              "stdlib sources); for l2l finetune a UTF-8 text file, a JSON Lines file, a folder of "
+                              "text files (each a document) or a datasets dataset (save_to_disk's folder)",
+                              kind="path", metavar="PATH", required_in=("finetune",))
+    val_data: str | None = option(None, "data to validate on, read as --data is (default: a tenth of --data's "
+                                  "minibatches, held out)", kind="path", metavar="PATH", commands=("finetune",))
     doc_separator: str | None = option(None, "a line that separates documents in --data: each is ended by the "
                                        "end-of-text token (default: the text as one stream, as run_clm reads it)",
                                        kind="text", metavar="LINE", commands=("finetune",))
-    text_field: str | None = option(None, "--data is JSON Lines: each object's text in this field is a document "
-                                    "(default for a .jsonl file: text)", kind="text", metavar="NAME",
-                                    commands=("finetune",))
+    text_field: str | None = option(None, "--data is JSON Lines (or a datasets dataset): each object's text in this "
+                                    "field (column) is a document (default for a .jsonl file or a dataset: text)",
+                                    kind="text", metavar="NAME", commands=("finetune",))
+    chat: bool = option(False, "--data holds conversations, {\"messages\": [{\"role\": ..., \"content\": ...}]} a "
+                        "line (or a datasets column messages), rendered by the tokenizer's chat template; the loss "
+                        "counts the assistant's tokens only", kind="bool", commands=("finetune",))
     context: int = option(GPTConfig.block_size, "tokens per sequence (bytes for l2l train's GPT)", kind="int", low=1)
     batch_size: int = option(32, "sequences per minibatch", kind="int", low=1)
     seed: int = option(1337, "seeds the weights, dropout and batches", kind="int", low=0, high=2**63, high_open=True)
@@ -119,6 +130,13 @@ class RunOptions:
                              "or --resume, an --out that holds a run is refused", kind="bool")
     stop_after: int | None = option(None, "checkpoint and stop at this step, keeping --steps as the schedule's length",
                                     kind="int", low=1, metavar="STEP")
+    save_every: int | None = option(None, "steps between saves of the Hugging Face folder --out/model during training "
+                                    "(each replaces the last whole; it is always saved at the end)", kind="int", low=1,
+                                    metavar="STEPS", commands=("finetune",))
+    prompt: str | None = option(None, "at each evaluation and at the end, print the model's greedy continuation of "
+                                f"this text ({hf.SAMPLE_TOKENS} tokens; the weights are gathered on the CPU for it)",
+                                kind="text", metavar="TEXT", commands=("finetune",),
+                                check=lambda text: "must not be empty" if not text.strip() else None)
     tensorboard: bool = option(False, "also write the metrics as TensorBoard event files into --out/tensorboard",
                                kind="bool")
     dist_timeout: float = option(300.0, "under torchrun: how long a rank waits for the others before failing",
@@ -182,7 +200,7 @@ class TrainConfig(RunOptions, RelayOptions, EpsOptions, ScheduleOptions, DataOpt
 
 
 CONTROL_FIELDS = ("out", "resume", "overwrite", "stop_after", "tensorboard", "verbose", "overlay", "kernel",
-                  "dist_timeout")
+                  "state_dir", "dist_timeout", "save_every", "prompt")
 FINGERPRINT = "model_fingerprint"  # in a fine-tuning run's saved config: l2l_hw.hf.config_fingerprint
 
 
@@ -333,6 +351,74 @@ def train(cfg: TrainConfig | None = None, *, layers=None, loss_fn: Callable | No
         leave_torchrun(ranks)
 
 
+def finetune(cfg: TrainConfig, callbacks: Iterable[Callable[[dict], None]] = ()) -> TrainResult:
+    """`l2l finetune`: the Hugging Face model in cfg.model trained on cfg.data through the relay.
+
+    The data (finetune_data.finetune_batches) is tokenized once into out/tokens (read back by a
+    later run of the same data, tokenizer and options), packed and shuffled; validation is
+    cfg.val_data or a tenth of the minibatches held out. cfg.epochs, where given, sets the steps.
+    The weights stream into the EPS (hf.from_pretrained), train() trains them; out/model is the
+    model as transformers saves it (the folder's other files copied unchanged), written at the
+    end and every cfg.save_every steps, each time whole (hf.save_replacing). cfg.prompt: a
+    greedy sample printed at each evaluation (the last step is one)."""
+    lead = int(os.environ.get("RANK", "0")) == 0  # torchrun's rank 0, before train() joins the group
+    say = print if cfg.verbose and lead else (lambda *_: None)
+    out = Path(cfg.out) if cfg.out is not None else None
+    if cfg.prompt is not None and hf.masked_lm(hf.load_config(cfg.model)):
+        raise ConfigError(f"a sample continues a causal LM's text, and {cfg.model} holds a masked LM", "prompt",
+                          cfg.prompt)
+    if out is not None and lead:  # before anything is read: the token cache goes there, a run there is refused
+        prepare_out(cfg)
+
+    def minibatches(data, role: str):
+        return finetune_data.finetune_batches(cfg.model, data, cfg.batch_size, cfg.context, seed=cfg.seed,
+                                              doc_separator=cfg.doc_separator, text_field=cfg.text_field,
+                                              chat=cfg.chat,
+                                              cache=out / TOKEN_CACHE / role if out is not None else None)
+
+    fit = minibatches(cfg.data, "train")
+    if cfg.val_data is not None:
+        val = minibatches(cfg.val_data, "val")
+        say(f"validation: {len(val)} minibatches of {cfg.val_data}")
+    else:  # a tenth of the minibatches held out, at least one where there are two
+        held = len(fit) // 10 or (1 if len(fit) > 1 else 0)
+        say(f"validation: {held} of the {len(fit)} minibatches of {cfg.data} held out"
+            + ("" if held else " (none: give --val-data to validate)"))
+        fit, val = fit[held:], fit[:held] or None
+    if cfg.epochs is not None and not cfg.resume:  # the run's length in steps: its schedule needs it
+        cfg = dataclasses.replace(cfg, steps=cfg.epochs * len(fit))
+        say(f"{cfg.epochs} epoch(s) of {len(fit)} minibatches: {cfg.steps} steps")
+    relay = hf.from_pretrained(cfg.model, eps=build_eps(cfg), options=relay_options(cfg))
+    tokenizer = hf.load_tokenizer(cfg.model) if cfg.prompt is not None and cfg.verbose else None
+    saved_step = None
+
+    def save() -> None:
+        nonlocal saved_step
+        if out is None or saved_step == relay.step:
+            return
+        if lead:
+            hf.save_replacing(relay, out / MODEL, files_from=cfg.model)
+        else:  # the export is a collective when the state is sharded: every rank takes part
+            collections.deque(relay.export(), maxlen=0)
+        saved_step = relay.step
+
+    def at_each_step(row: dict) -> None:
+        if cfg.save_every and row["step"] % cfg.save_every == 0:
+            save()
+        if tokenizer is not None and "val_loss" in row:  # an evaluation
+            model = relay.materialize()  # every rank: with a sharded EPS the weights are gathered
+            if lead:
+                print(f"sample at step {row['step']}: {cfg.prompt}{hf.generate(model, tokenizer, cfg.prompt)}")
+
+    epochs = -(-cfg.steps // len(fit))  # passes enough for the steps
+    result = train(cfg, relay=relay, data=itertools.chain.from_iterable(itertools.repeat(fit, epochs)),
+                   val_data=val, callbacks=[at_each_step, *callbacks])
+    save()
+    if out is not None:
+        say(f"saved the fine-tuned model for transformers in {out / MODEL}")
+    return result
+
+
 def _set_up(cfg: TrainConfig, ranks: Ranks, layers, loss_fn, data, val_data, relay, checkpoint):
     if layers is None and relay is None:
         check_memory(cfg)
@@ -431,6 +517,10 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:,.1f} GiB" if n < 2**50 else f"{n / 2**30:.3g} GiB"
 
 
+def _size(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB" if n < 2**30 else _gib(n)
+
+
 def sharded(cfg: TrainConfig, ranks: Ranks) -> bool:
     """Sharding needs ranks to share with: a sharded run resumed on one process is replicated."""
     return cfg.shard_state and ranks.world > 1
@@ -454,22 +544,54 @@ def _load_for_resume(cfg: TrainConfig):
     return tensors, meta
 
 
+def eps_bytes_per_parameter(cfg: TrainConfig) -> float:
+    """The EPS's host bytes per trained parameter, as `l2l bench capacity` measures them (README,
+    "What the EPS costs in host memory"): the fp32 master, the optimizer's moments in their
+    format, the low-precision working copy the device fetches, and all of it twice (plus the
+    previous working copy) where a step can be discarded whole or computes one version back."""
+    moments = {"adamw": 2, "adam": 2, "sgd": 1 if cfg.momentum else 0}[cfg.optimizer]
+    moment = {"fp32": 4, "bf16": 2, "8bit": 1 + 4 / QUANT_BLOCK}[cfg.optimizer_state]  # 8-bit: one fp32 scale a block
+    working = 0 if cfg.precision == "fp32" else 2
+    single = 4 + moments * moment + working
+    doubled = cfg.precision == "fp16" or cfg.pipedream_2bw or cfg.skip_nonfinite
+    return 2 * single + working if doubled else single
+
+
 def _banner(cfg: TrainConfig, relay, ranks: Ranks, corpus: Corpus | None) -> str:
-    params = sum(math.prod(shape) for names in relay.eps.shapes.values() for shape in names.values())
-    family = getattr(getattr(relay.layers[0], "config", None), "model_type", None)  # a Hugging Face model's
-    model = (f"{cfg.layers} layers x {cfg.width} wide, context {cfg.context}, " if corpus is not None
-             else f"{family + ' ' if family else ''}{len(relay.layers)} relay layers, ")
-    model += f"{params:,} trained parameters, {cfg.batch_size * cfg.context:,} tokens a step, "
+    """What the run is: the model, the data per step and in all, the optimizer's settings, the EPS."""
+    trained = sum(math.prod(shape) for names in relay.eps.shapes.values() for shape in names.values())
+    total = sum(p.numel() for p in {id(p): p for layer in relay.layers for p in layer.parameters()}.values())
+    config = getattr(relay.layers[0], "config", None)  # a Hugging Face model's
+    if corpus is not None:
+        model = f"the reference GPT, {cfg.layers} layers x {cfg.width} wide"
+    elif config is not None:
+        model = f"{config.model_type}, {getattr(config, 'num_hidden_layers', len(relay.layers) - 2)} layers"
+    else:
+        model = f"{len(relay.layers)} relay layers"
+    step_tokens = cfg.batch_size * cfg.context
+    ranks_note = f" on each of {ranks.world} ranks" if ranks.world > 1 else ""
+    run = (f"l2l {'finetune' if cfg.model else 'train'}: {model}, {total:,} parameters ({trained:,} trained), "
+           f"context {cfg.context}, batch {cfg.batch_size} in {cfg.micro_batches} micro-batches{ranks_note}, "
+           f"{step_tokens:,} tokens a step, {cfg.steps * step_tokens:,} tokens in {cfg.steps} steps")
+    rule = (f"betas ({cfg.adam_beta1:g}, {cfg.adam_beta2:g}), eps {cfg.adam_eps:g}" if cfg.optimizer != "sgd"
+            else f"momentum {cfg.momentum:g}")
+    schedule = "constant" if cfg.schedule == "constant" else f"{cfg.schedule} to {cfg.floor(cfg.lr):g}"
+    optimizer = (f"optimizer: {cfg.optimizer}, lr {cfg.lr:g}, {schedule}, warm-up {cfg.warmup_steps} steps, "
+                 f"weight decay {cfg.weight_decay:g}, {rule}")
+    per_parameter = eps_bytes_per_parameter(cfg)
+    eps = (f"EPS {cfg.eps_backend}{' (state sharded)' if sharded(cfg, ranks) else ''}: about "
+           f"{_size(trained * per_parameter)} of host memory ({per_parameter:.3g} B a trained parameter"
+           f"{', 1/N a rank' if sharded(cfg, ranks) else ''}), device {ranks.device or cfg.device}")
+    if cfg.state_dir is not None:  # the state is in files; host memory holds the groups in flight
+        eps = (f"EPS {cfg.eps_backend}: state in {cfg.state_dir}, {_size(relay.eps.disk_bytes())} on disk, at most "
+               f"{_size(relay.eps.memory_bound())} of it in host memory, device {ranks.device or cfg.device}")
     data = f"corpus {corpus.source} ({len(corpus.train):,} train bytes), " if corpus is not None else ""
     if corpus is not None and corpus.skipped:
         data += (f"skipped {len(corpus.skipped)} path(s) that are not regular files "
                  f"({', '.join(corpus.skipped[:3])}{', ...' if len(corpus.skipped) > 3 else ''}), ")
     if cfg.shard_state and not sharded(cfg, ranks):
         data += "optimizer state whole in this one process (the checkpoint's run was sharded), "
-    return (f"l2l train: {model}batch {cfg.batch_size} in {cfg.micro_batches} micro-batches"
-            f"{f' on each of {ranks.world} ranks' if ranks.world > 1 else ''}, EPS {cfg.eps_backend}"
-            f"{' (state sharded)' if sharded(cfg, ranks) else ''}, device {ranks.device or cfg.device}, "
-            f"{data}out {cfg.out}")
+    return "\n".join((run, optimizer, f"{eps}, {data}out {cfg.out}"))
 
 
 class _Loop:

@@ -10,7 +10,7 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from l2l_hw import hf
+from l2l_hw import finetune_data, hf
 from l2l_hw.cli import main
 from l2l_hw.train import read_metrics
 
@@ -54,15 +54,15 @@ def gpt2_folder(tmp_path):
 def test_the_text_is_tokenized_as_written_and_packed_blocks_decode_to_the_source(gpt2_folder, tmp_path):
     folder = gpt2_folder()
     tokenizer = hf.load_tokenizer(folder)
-    ids = hf.tokenize_text(tokenizer, tmp_path / "text.txt")
+    ids = finetune_data.tokenize_text(tokenizer, tmp_path / "text.txt").ids.tolist()
     assert tokenizer.decode(ids) == PARAGRAPHS  # every newline and blank line kept, no token added
-    batches = hf.finetune_batches(folder, tmp_path / "text.txt", batch_size=2, seq_len=16, seed=0)
+    batches = finetune_data.finetune_batches(folder, tmp_path / "text.txt", batch_size=2, seq_len=16, seed=0)
     blocks = [tokenizer.decode(row) for inputs, _ in batches for row in inputs.tolist()]
     assert all(block in PARAGRAPHS for block in blocks)  # each a stretch of the text as written
     assert sum("\n" in block for block in blocks) >= len(blocks) // 2
     separated = tmp_path / "docs.txt"
     separated.write_text("first doc\n---\nsecond doc\n")
-    ids = hf.tokenize_text(tokenizer, separated, doc_separator="---")
+    ids = finetune_data.tokenize_text(tokenizer, separated, doc_separator="---").ids.tolist()
     assert tokenizer.decode(ids) == "first doc\n<|endoftext|>second doc\n"
 
 
@@ -72,15 +72,18 @@ def finetune_argv(folder: Path, tmp_path: Path, out: str, *extra: str) -> list[s
             "--batch-size", "4", "--micro-batches", "2", "--context", "16", "--seed", "7", *extra]
 
 
-@pytest.mark.parametrize("weight_decay", [0.0, 0.1])  # 0.1: Trainer exempts biases and norms, so must we
-def test_the_loss_curve_matches_transformers_trainer_with_its_defaults(gpt2_folder, tmp_path, weight_decay):
+# weight decay 0.1: Trainer exempts biases and norms, so must we; a warm-up share: Trainer's warmup_steps below 1
+@pytest.mark.parametrize("weight_decay, warmup_ratio", [(0.0, None), (0.1, None), (0.0, 0.12)])
+def test_the_loss_curve_matches_transformers_trainer_with_its_defaults(gpt2_folder, tmp_path, weight_decay,
+                                                                       warmup_ratio):
     folder = gpt2_folder()
     steps, lr = 20, 1e-3  # the defaults otherwise: linear decay to 0, no warm-up, no weight decay, AdamW
+    warmup = ["--warmup-ratio", str(warmup_ratio)] if warmup_ratio is not None else []
     assert main(finetune_argv(folder, tmp_path, "l2l", "--steps", str(steps), "--lr", str(lr),
-                              "--weight-decay", str(weight_decay))) == 0
+                              "--weight-decay", str(weight_decay), *warmup)) == 0
     ours = [r["loss"] for r in read_metrics(tmp_path / "l2l" / "metrics.jsonl")]
 
-    batches = hf.finetune_batches(folder, tmp_path / "text.txt", batch_size=4, seq_len=16, seed=7)
+    batches = finetune_data.finetune_batches(folder, tmp_path / "text.txt", batch_size=4, seq_len=16, seed=7)
     rows = [{"input_ids": row, "labels": row} for inputs, _ in batches for row in inputs]
     losses = []
 
@@ -98,7 +101,7 @@ def test_the_loss_curve_matches_transformers_trainer_with_its_defaults(gpt2_fold
 
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / "trainer"), per_device_train_batch_size=4, max_steps=steps, learning_rate=lr,
-        weight_decay=weight_decay,
+        weight_decay=weight_decay, warmup_steps=warmup_ratio or 0,
         seed=7, max_grad_norm=0.0,  # the relay updates each layer eagerly: it clips only when asked
         report_to=[], save_strategy="no", logging_strategy="no", use_cpu=True, dataloader_drop_last=True)
     InOrder(model=transformers.AutoModelForCausalLM.from_pretrained(folder), args=args, train_dataset=rows).train()
@@ -129,19 +132,20 @@ def test_json_lines_are_documents_each_ended_by_the_end_of_text_token_and_a_bad_
     tokenizer = hf.load_tokenizer(gpt2_folder())
     data = tmp_path / "docs.jsonl"
     data.write_text(json.dumps({"text": "The cat sat.\nOn the mat."}) + "\n\n" + json.dumps({"text": "A bird."}) + "\n")
-    assert tokenizer.decode(hf.tokenize_text(tokenizer, data)) == "The cat sat.\nOn the mat.<|endoftext|>A bird.<|endoftext|>"
+    ids = finetune_data.tokenize_text(tokenizer, data).ids.tolist()
+    assert tokenizer.decode(ids) == "The cat sat.\nOn the mat.<|endoftext|>A bird.<|endoftext|>"
     data.write_text(json.dumps({"body": "x"}) + "\n")
     with pytest.raises(ValueError, match=f"{data}:1: no text field 'text'"):
-        hf.tokenize_text(tokenizer, data)
+        finetune_data.tokenize_text(tokenizer, data)
     data.write_text('{"text": "x"}\n{"text": \n')
     with pytest.raises(ValueError, match=f"{data}:2: not a JSON object"):
-        hf.tokenize_text(tokenizer, data)
+        finetune_data.tokenize_text(tokenizer, data)
 
 
 def test_epochs_set_the_run_s_length_from_the_data(gpt2_folder, tmp_path, capsys):
     folder = gpt2_folder()
     assert main(finetune_argv(folder, tmp_path, "run", "--epochs", "2")) == 0
-    passes = len(hf.finetune_batches(folder, tmp_path / "text.txt", batch_size=4, seq_len=16, seed=7))
+    passes = len(finetune_data.finetune_batches(folder, tmp_path / "text.txt", batch_size=4, seq_len=16, seed=7))
     assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == list(range(1, 2 * passes + 1))
     capsys.readouterr()
     assert main(finetune_argv(folder, tmp_path, "other", "--epochs", "2", "--steps", "3")) == 2

@@ -19,7 +19,7 @@ from transformers import (AutoModelForCausalLM, AutoModelForMaskedLM, BertConfig
                           MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
 import l2l_hw  # noqa: E402
-from l2l_hw import hf  # noqa: E402
+from l2l_hw import finetune_data, hf  # noqa: E402
 from tests.helpers import rel_diff  # noqa: E402
 
 transformers.logging.set_verbosity_error()
@@ -283,7 +283,7 @@ def llama_folder(tmp_path):
 
 def test_finetune_batches_are_the_tokenized_text_and_train_end_to_end(llama_folder, tmp_path, one_thread):
     tokenizer = hf.load_tokenizer(llama_folder)
-    batches = hf.finetune_batches(llama_folder, tmp_path / "data.txt", batch_size=4, seq_len=6)
+    batches = finetune_data.finetune_batches(llama_folder, tmp_path / "data.txt", batch_size=4, seq_len=6)
     expected = []
     for line in TEXT:
         expected += tokenizer(line + "\n", add_special_tokens=False)["input_ids"]  # as written: no token added
@@ -307,7 +307,7 @@ def test_finetune_batches_mask_tokens_for_a_masked_lm(tmp_path):
     tokenizer = word_tokenizer(TEXT)
     tokenizer.save_pretrained(folder)
     (tmp_path / "data.txt").write_text("\n".join(TEXT))
-    inputs, (labels, _) = hf.finetune_batches(folder, tmp_path / "data.txt", batch_size=4, seq_len=8)[0]
+    inputs, (labels, _) = finetune_data.finetune_batches(folder, tmp_path / "data.txt", batch_size=4, seq_len=8)[0]
     chosen = labels != -100
     assert chosen.any() and (inputs[chosen] == tokenizer.mask_token_id).all()
     assert (inputs[~chosen] != tokenizer.mask_token_id).all()
@@ -334,14 +334,14 @@ def test_bad_folders_and_architectures_say_what_is_wrong_and_what_is_supported(l
         hf.from_pretrained(llama_folder, eps=eps)
     one_line_error(e, "no weights", hf.WEIGHTS_FILE)
     with pytest.raises(FileNotFoundError) as e:
-        hf.finetune_batches(llama_folder, tmp_path / "data.txt", 2, 4)
+        finetune_data.finetune_batches(llama_folder, tmp_path / "data.txt", 2, 4)
     one_line_error(e, "no weights")
     for f in tmp_path.glob("*.safetensors"):
         f.rename(llama_folder / f.name)
     for f in llama_folder.glob("tokenizer*"):
         f.unlink()
     with pytest.raises(FileNotFoundError) as e:
-        hf.finetune_batches(llama_folder, tmp_path / "data.txt", 2, 4)
+        finetune_data.finetune_batches(llama_folder, tmp_path / "data.txt", 2, 4)
     one_line_error(e, "no tokenizer", "tokenizer.json")
 
     partial = tmp_path / "partial"  # a checkpoint that lacks one tensor the model needs

@@ -405,12 +405,13 @@ def test_finetune_context_past_the_position_table_is_one_line(tmp_path, capsys, 
             ["context of 17 tokens", "16 positions", "config.json"], folder)
 
 
-@pytest.mark.parametrize("data", ["folder", "bad utf-8", "missing"])
+@pytest.mark.parametrize("data", ["empty folder", "bad utf-8", "missing"])
 def test_finetune_data_that_is_not_a_text_file_is_named_for_what_it_is(tmp_path, capsys, hf_folder, data):
     folder = hf_folder("gpt2")
     path = tmp_path / "d"
-    words = {"folder": ["is a folder"], "bad utf-8": ["not UTF-8", "byte 4"], "missing": ["does not exist"]}[data]
-    if data == "folder":
+    words = {"empty folder": ["holds no files"], "bad utf-8": ["not UTF-8", "byte 4"],
+             "missing": ["does not exist"]}[data]
+    if data == "empty folder":
         path.mkdir()
     elif data == "bad utf-8":
         path.write_bytes(b"the \xff cat\n" * 50)

@@ -4,6 +4,7 @@ optimizer's own rules are OptimConfig's (l2l_hw/eps/base.py), applied here as ma
 applies them; `make_eps(**eps_options.make_eps_arguments(schedule))` builds the EPS."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from l2l_hw.eps.base import OPTIMIZERS, SCHEDULES, OptimConfig
@@ -24,15 +25,20 @@ class ScheduleOptions:
                            command_defaults={"finetune": "linear"})
     warmup: int | None = option(None, "linear warm-up steps (l2l train's default: a tenth of --steps)", kind="int",
                                 low=0, command_defaults={"finetune": 0})
+    warmup_ratio: float | None = option(None, "warm-up as a share of the steps: ceil(steps x this) steps, as "
+                                        "transformers' Trainer takes a warmup_steps below 1 (a --warmup above 0 wins)",
+                                        kind="float", low=0.0, high=1.0, high_open=True, metavar="SHARE")
     min_lr: float | None = option(None, "the learning rate the schedule ends at (default: lr/10 for cosine, 0 for "
                                   "linear)", kind="float", low=0.0)
 
     def __post_init__(self):
         check_options(self)
-        if self.warmup is not None and (self.warmup > self.steps or (self.schedule != "constant"
-                                                                     and self.warmup == self.steps)):
+        given = "warmup_ratio" if self.warmup_ratio is not None and not self.warmup else "warmup"
+        if getattr(self, given) is not None and (self.warmup_steps > self.steps or (
+                self.schedule != "constant" and self.warmup_steps == self.steps)):
             decaying = f" (less with the {self.schedule} schedule)" if self.schedule != "constant" else ""
-            fail("warmup", self.warmup, f"must be a whole number from 0 to steps ({self.steps}){decaying}")
+            fail(given, getattr(self, given), f"gives {self.warmup_steps} warm-up steps; there must be from 0 to "
+                 f"steps ({self.steps}){decaying}")
 
     def floor(self, lr: float) -> float:
         """The learning rate the schedule ends at, for a peak of `lr`."""
@@ -42,6 +48,10 @@ class ScheduleOptions:
 
     @property
     def warmup_steps(self) -> int:
+        """warmup where above 0, else ceil(steps x warmup_ratio) (Trainer's rule) where given, else warmup (0),
+        or l2l train's tenth of the steps. A run records the number it began with as its warmup."""
+        if self.warmup_ratio is not None and not self.warmup:
+            return math.ceil(self.steps * self.warmup_ratio)
         return self.steps // 10 if self.warmup is None else self.warmup
 
 
@@ -72,6 +82,9 @@ class EpsOptions:
                                  "docs/BOARD.md)", kind="path", metavar="PATH")
     kernel: str | None = option(None, "--eps fpga-pynq: the kernel's IP name in the overlay (default: every IP "
                                 "named l2l_optim*, each a compute unit)", kind="text", metavar="NAME")
+    state_dir: str | None = option(None, "--eps cpu: keep the master weights, optimizer state and working copy in "
+                                   "files under PATH (a disk filesystem with direct I/O), only the layer groups in "
+                                   "flight in memory (docs/DISK.md)", kind="path", metavar="PATH")
 
     def __post_init__(self):
         check_options(self)
@@ -82,6 +95,9 @@ class EpsOptions:
         if self.shard_state and self.optimizer_state != "fp32":
             fail("optimizer_state", self.optimizer_state, "shard_state keeps fp32 optimizer state only; drop one "
                  "of them")
+        if self.state_dir is not None and (self.eps_backend != "cpu" or self.shard_state):
+            fail("state_dir", self.state_dir, "keeps the state of the cpu EPS (unsharded) on disk; drop --state-dir "
+                 f"or use --eps cpu{' without --shard-state' if self.shard_state else ''}")
         if self.kernel is not None and self.overlay is None:
             fail("kernel", self.kernel, "names an IP in an overlay: give --overlay too (the fpga-pynq EPS)")
         if (self.eps_backend == "fpga-pynq") != (self.overlay is not None):
@@ -101,6 +117,8 @@ class EpsOptions:
         backend = {"overlay": self.overlay, "kernel": self.kernel} if self.overlay else {}
         if self.optimizer_state != "fp32":  # a backend registered without state formats still takes the default
             backend["state"] = self.optimizer_state
+        if self.state_dir is not None:
+            backend["state_dir"] = self.state_dir
         return dict(name=self.eps_backend, **self.optimizer_arguments(), schedule=schedule.schedule,
                     warmup_steps=schedule.warmup_steps, total_steps=schedule.steps, min_lr=schedule.floor(self.lr),
                     shard_state=self.shard_state, **backend)

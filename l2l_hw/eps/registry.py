@@ -13,12 +13,14 @@ from l2l_hw.eps.base import EPS, OptimConfig
 from l2l_hw.eps.sharded import ShardedEps
 
 _BACKENDS: dict[str, Callable[..., EPS]] = {}
+_DISK_TIERS: dict[str, Callable[..., EPS]] = {}  # backend name -> the class keeping its state under state_dir
 
 
-def register_backend(name: str):
-    """Class decorator: make a backend buildable by `make_eps(name)`."""
+def register_backend(name: str, state_dir: bool = False):
+    """Class decorator: make a backend buildable by `make_eps(name)`; with `state_dir`, the
+    class `make_eps(name, state_dir=PATH)` builds (its state in files: l2l_hw/eps/disk.py)."""
     def wrap(cls):
-        _BACKENDS[name] = cls
+        (_DISK_TIERS if state_dir else _BACKENDS)[name] = cls
         cls.name = name
         return cls
     return wrap
@@ -31,7 +33,9 @@ def known_backends() -> list[str]:
 def make_eps(name: str, working_dtype: str = "fp32", shard_state: bool = False, process_group=None,
              **options) -> EPS:
     """Build an EPS by backend name; the other options are those of OptimConfig or the backend's
-    (cpu and golden: `state="fp32" | "bf16" | "8bit"`, the format of m and v).
+    (cpu and golden: `state="fp32" | "bf16" | "8bit"`, the format of m and v; cpu:
+    `state_dir=PATH`, the state in files under PATH, only the groups in flight in memory,
+    l2l_hw/eps/disk.py).
 
     shard_state=True (data parallel, torch.distributed initialized): this rank keeps 1/N of
     every tensor's master weights and state, ZeRO-style (l2l_hw/eps/sharded.py)."""
@@ -41,6 +45,13 @@ def make_eps(name: str, working_dtype: str = "fp32", shard_state: bool = False, 
         raise ValueError(f"shard_state must be True or False, got {shard_state!r}")
     backend = _BACKENDS[name]
     backend_options = {k: options.pop(k) for k in list(options) if k not in OptimConfig.__dataclass_fields__}
+    if backend_options.get("state_dir") is not None:
+        if name not in _DISK_TIERS or shard_state:
+            raise ValueError(f"state_dir keeps the state of the unsharded {' or '.join(sorted(_DISK_TIERS))} EPS on "
+                             f"disk, not of the {'sharded ' if shard_state else ''}{name} EPS")
+        backend = _DISK_TIERS[name]
+    else:
+        backend_options.pop("state_dir", None)
     if shard_state and backend_options.get("state", "fp32") != "fp32":
         raise ValueError(f"shard_state=True keeps fp32 optimizer state only, not state={backend_options['state']!r} "
                          f"(its checkpoints gather fp32 tensors); use an unsharded EPS for bf16 or 8-bit state")

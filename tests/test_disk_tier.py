@@ -1,0 +1,389 @@
+"""The disk tier (make_eps("cpu", state_dir=...)): training with the state in files equals
+training with it in RAM bit for bit (the in-RAM CPU EPS is verified against golden and
+PyTorch elsewhere); only the groups in flight are in memory; checkpoints stream both ways;
+a killed run resumes bit-exactly; every bad state_dir and every I/O fault is one clear
+error naming the folder or the region."""
+import errno
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import l2l_hw
+from l2l_hw.checkpoint import open_checkpoint, save_checkpoint
+from l2l_hw.eps import disk_store
+from l2l_hw.eps.disk_store import StateDirError
+from l2l_hw.models.gpt import lm_loss
+from tests.helpers import DEVICES, mlp_layers
+from tests.test_cli_errors import CKPT, ROOT, SMALL, assert_one_clear_line, assert_same_runs, run_cli
+from tests.test_relay_equivalence import gpt, gpt_batches
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+FLIGHT = 2  # fewer images than the GPT's groups: every step evicts, reads and writes regions
+KILLS = 3  # kill -9 moments of the crash test (docs/BENCHMARKS.md has a run with 20)
+
+
+def disk_eps(path, **options):
+    return l2l_hw.make_eps("cpu", lr=3e-3, state_dir=path, groups_in_flight=FLIGHT, **options)
+
+
+def train(eps, steps=3, data=None, **relay_options):
+    relay = l2l_hw.Relay(gpt(), lm_loss, eps=eps, micro_batches=2, **relay_options)
+    losses = [relay.train_step(x, y) for x, y in (data or gpt_batches(steps))]
+    return relay, losses
+
+
+def assert_same_state(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for name in sa:
+        assert sa[name].dtype == sb[name].dtype and torch.equal(sa[name], sb[name]), name
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("state", ["fp32", "bf16", "8bit"])
+def test_training_with_state_dir_equals_training_in_ram_bit_for_bit(state, precision, tmp_path):
+    ram, ram_losses = train(l2l_hw.make_eps("cpu", lr=3e-3, state=state), precision=precision)
+    disk, disk_losses = train(disk_eps(tmp_path / "state", state=state), precision=precision)
+    assert disk_losses == ram_losses
+    assert_same_state(ram.eps, disk.eps)
+    for key in ram.eps.shapes:
+        for name, t in ram.eps.fetch(key).items():
+            assert torch.equal(t, disk.eps.fetch(key)[name]), (key, name)
+    store = disk.eps.store
+    assert store.bytes_read > 0 and store.bytes_written > 0  # the state went through the files
+    assert len(store.images) + len(store.spare_buffers) <= FLIGHT
+    disk.eps.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_state_dir_equals_ram_on_every_device(device, tmp_path):
+    """The relay's transport (gradients landing asynchronously on cpu-async and cuda) feeds
+    the disk tier's updates as it feeds the RAM EPS's."""
+    ram, ram_losses = train(l2l_hw.make_eps("cpu", lr=3e-3, state="8bit"), precision="bf16", device=device)
+    disk, disk_losses = train(disk_eps(tmp_path / "state", state="8bit"), precision="bf16", device=device)
+    assert disk_losses == ram_losses
+    assert_same_state(ram.eps, disk.eps)
+    disk.eps.close()
+
+
+@pytest.mark.parametrize("relay_options", [dict(precision="fp16"), dict(pipedream_2bw=True)],
+                         ids=["fp16-loss-scaling", "pipedream-2bw"])
+def test_double_buffered_training_with_state_dir_equals_ram(relay_options, tmp_path):
+    ram, ram_losses = train(l2l_hw.make_eps("cpu", lr=3e-3, state="8bit"), steps=4, **relay_options)
+    disk, disk_losses = train(disk_eps(tmp_path / "state", state="8bit"), steps=4, **relay_options)
+    assert disk.eps.double_buffer and disk_losses == ram_losses
+    assert_same_state(ram.eps, disk.eps)
+    for key in ram.eps.shapes:
+        for name, t in ram.eps.fetch(key, previous=True).items():
+            assert torch.equal(t, disk.eps.fetch(key, previous=True)[name]), (key, name)
+    disk.eps.close()
+
+
+def test_memory_bound_is_the_groups_in_flight_largest_regions(tmp_path):
+    relay, _ = train(disk_eps(tmp_path / "state", state="8bit"), steps=1)
+    store = relay.eps.store
+    regions = sorted((tmp_path / "state" / "regions").iterdir())
+    assert len(regions) == len(relay.eps.shapes) > FLIGHT
+    assert [p.stat().st_size for p in regions] == [r.nbytes for r in store.regions.values()]
+    assert relay.eps.memory_bound() == sum(sorted(p.stat().st_size for p in regions)[-FLIGHT:])
+    assert sum(b.numel() for b in [*(im.buffer for im in store.images.values()), *store.spare_buffers]) \
+        <= relay.eps.memory_bound()
+    relay.eps.close()
+
+
+def test_checkpoints_stream_between_ram_and_disk_tier_and_resume_bit_exact(tmp_path):
+    data = gpt_batches(4)
+    straight, _ = train(l2l_hw.make_eps("cpu", lr=3e-3, state="8bit"), data=data)
+    ram, _ = train(l2l_hw.make_eps("cpu", lr=3e-3, state="8bit"), data=data[:2])
+    save_checkpoint(tmp_path / "ram.safetensors", ram.eps.state_entries(), {})
+    disk = disk_eps(tmp_path / "state", state="8bit")
+    resumed = l2l_hw.Relay(gpt(seed=9), lm_loss, eps=disk, micro_batches=2)  # other weights: the checkpoint rules
+    disk.load_state_dict(open_checkpoint(tmp_path / "ram.safetensors"))
+    assert len(disk.store.images) <= FLIGHT  # loaded region by region
+    for x, y in data[2:]:
+        resumed.train_step(x, y)
+    assert_same_state(straight.eps, disk)
+    save_checkpoint(tmp_path / "disk.safetensors", disk.state_entries(), {})  # a normal checkpoint, streamed
+    back = l2l_hw.make_eps("cpu", lr=3e-3, state="8bit")
+    l2l_hw.Relay(gpt(seed=9), lm_loss, eps=back, micro_batches=2)
+    back.load_state_dict(open_checkpoint(tmp_path / "disk.safetensors"))
+    assert_same_state(straight.eps, back)
+    disk.close()
+
+
+def test_cli_state_dir_resume_equals_one_run(tmp_path, capsys):
+    argv = [*SMALL, "--steps", "4", "--optimizer-state", "8bit"]
+    rc, err = run_cli(capsys, *argv, "--out", str(tmp_path / "ram"))
+    assert rc == 0, err
+    rc, err = run_cli(capsys, *argv, "--out", str(tmp_path / "disk"), "--stop-after", "2",
+                      "--state-dir", str(tmp_path / "state"))
+    assert rc == 0, err
+    rc, err = run_cli(capsys, "--resume", "--out", str(tmp_path / "disk"), "--state-dir", str(tmp_path / "state"))
+    assert rc == 0, err
+    assert_same_runs(tmp_path / "ram", tmp_path / "disk")
+
+
+def test_sigkill_at_random_moments_resumes_bit_identical_and_leaves_no_stray_file(tmp_path, capsys):
+    argv = [*SMALL, "--steps", "4", "--eval-every", "1", "--optimizer-state", "8bit"]
+    t0 = time.monotonic()
+    rc, err = run_cli(capsys, *argv, "--out", str(tmp_path / "straight"), "--state-dir", str(tmp_path / "s0"))
+    assert rc == 0, err
+    span = time.monotonic() - t0
+    rng = random.Random(7)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    landed = {"while running": 0, "with a checkpoint to resume": 0}
+    for k in range(KILLS):
+        out, state = tmp_path / f"killed{k}", tmp_path / f"state{k}"
+        flags = [*argv, "--out", str(out), "--state-dir", str(state)]
+        proc = subprocess.Popen([sys.executable, "-m", "l2l_hw.cli", "train", *flags], cwd=ROOT, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        proc.stdout.readline()  # the banner: training starts
+        time.sleep(rng.uniform(0, span))
+        landed["while running"] += proc.poll() is None
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+        proc.stdout.close()
+        landed["with a checkpoint to resume"] += (out / CKPT).exists()
+        resume = ["--resume", "--out", str(out), "--state-dir", str(state)] if (out / CKPT).exists() else \
+            [*flags, "--overwrite"]
+        rc, err = run_cli(capsys, *resume)
+        assert rc == 0, err
+        assert_same_runs(tmp_path / "straight", out)
+        assert sorted(p.name for p in state.iterdir()) == ["lock", "manifest.json", "regions"]
+        assert all(p.suffix == ".region" for p in (state / "regions").iterdir())
+    print(landed)  # where the kills landed (pytest -s): the property above holds for each
+
+
+# ------------------------------------------------------------------------------ bad input and faults
+
+def test_state_dir_on_tmpfs_is_refused(capsys):
+    shm = Path("/dev/shm")
+    if disk_store.filesystem_type(shm) != "tmpfs":
+        pytest.skip("no tmpfs at /dev/shm")
+    folder = shm / f"l2l-test-{os.getpid()}"
+    try:
+        with pytest.raises(StateDirError, match="on tmpfs, a filesystem in memory"):
+            disk_eps(folder)
+        rc, err = run_cli(capsys, *SMALL, "--steps", "1", "--out", str(folder / "out"), "--state-dir", str(folder))
+        assert rc == 2
+        assert_one_clear_line(err, str(folder), "tmpfs", "disk filesystem")
+    finally:
+        subprocess.run(["rm", "-rf", str(folder)], check=False)
+
+
+def test_a_filesystem_without_direct_io_is_refused(tmp_path, monkeypatch):
+    real_open = os.open
+
+    def no_direct_io(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(disk_store.os, "open", no_direct_io)
+    with pytest.raises(StateDirError, match=r"no direct I/O \(O_DIRECT"):
+        disk_eps(tmp_path / "state")
+
+
+def test_read_only_state_dir_is_refused(tmp_path, monkeypatch, capsys):
+    real_open = os.open
+
+    def read_only(path, flags, *args):
+        if flags & (os.O_CREAT | os.O_RDWR | os.O_WRONLY) and str(tmp_path / "state") in str(path):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real_open(path, flags, *args)
+
+    (tmp_path / "state").mkdir()
+    monkeypatch.setattr(disk_store.os, "open", read_only)
+    rc, err = run_cli(capsys, *SMALL, "--steps", "1", "--out", str(tmp_path / "out"), "--state-dir",
+                      str(tmp_path / "state"))
+    assert rc == 2
+    assert_one_clear_line(err, "state_dir", "read-only")
+
+
+def test_full_disk_at_registration_names_the_region_and_exits_2(tmp_path, monkeypatch, capsys):
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(disk_store.os, "posix_fallocate", full)
+    rc, err = run_cli(capsys, *SMALL, "--steps", "1", "--out", str(tmp_path / "out"), "--state-dir",
+                      str(tmp_path / "state"))
+    assert rc == 2
+    assert_one_clear_line(err, "no space for region 0", "No space left on device")
+
+
+@pytest.mark.parametrize("fault", ["error", "short"])
+def test_a_failed_or_short_write_back_stops_training_naming_the_region(fault, tmp_path, monkeypatch):
+    eps = disk_eps(tmp_path / "state")
+    relay = l2l_hw.Relay(gpt(), lm_loss, eps=eps, micro_batches=2)
+    real = os.pwritev
+
+    def failing(fd, buffers, offset):
+        if fault == "error":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, buffers, offset) - disk_store.ALIGN
+
+    monkeypatch.setattr(disk_store.os, "pwritev", failing)
+    with pytest.raises(StateDirError, match=r"region \d+ \(group \S+, \d+\.region\)") as e:
+        for x, y in gpt_batches(2):
+            relay.train_step(x, y)
+    assert ("No space left on device" if fault == "error" else "short write") in str(e.value)
+    monkeypatch.undo()
+    eps.close()
+
+
+def test_a_changed_region_file_is_a_checksum_mismatch_naming_the_region(tmp_path):
+    eps = disk_eps(tmp_path / "state")
+    relay, _ = train(eps, steps=1)
+    eps.wait()
+    eps.store.flush()
+    key = next(k for k in eps.shapes if k not in eps.store.images)  # on disk only: its next fetch reads the file
+    region = eps.store.regions[key]
+    with open(region.path, "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0x40]))
+    with pytest.raises(StateDirError, match=rf"checksum mismatch in region {region.index} \(group {key}"):
+        eps.fetch(key)
+    eps.close()
+
+
+def test_a_state_dir_of_another_model_is_refused_and_left_as_it_was(tmp_path, capsys):
+    relay, _ = train(disk_eps(tmp_path / "state"), steps=1)
+    relay.eps.store.flush()
+    relay.eps.close()
+    before = {p: p.read_bytes() for p in (tmp_path / "state").rglob("*") if p.is_file()}
+    with pytest.raises(StateDirError, match="holds the state of another model"):
+        l2l_hw.Relay(mlp_layers(), torch.nn.functional.mse_loss, eps=disk_eps(tmp_path / "state"), micro_batches=2)
+    with pytest.raises(StateDirError, match="holds the state of another run"):
+        l2l_hw.Relay(gpt(), lm_loss, eps=disk_eps(tmp_path / "state", state="8bit"), micro_batches=2)
+    assert {p: p.read_bytes() for p in (tmp_path / "state").rglob("*") if p.is_file()} == before
+    rc, err = run_cli(capsys, *SMALL, "--steps", "1", "--out", str(tmp_path / "out"), "--state-dir",
+                      str(tmp_path / "state"))
+    assert rc == 2
+    assert_one_clear_line(err, "holds the state of another")
+
+
+def test_a_state_dir_in_use_is_refused(tmp_path):
+    eps = disk_eps(tmp_path / "state")
+    with pytest.raises(StateDirError, match="in use by another EPS"):
+        disk_eps(tmp_path / "state")
+    eps.close()
+    disk_eps(tmp_path / "state").close()  # released with its EPS
+
+
+def test_state_dir_is_for_the_unsharded_cpu_eps(tmp_path, capsys):
+    with pytest.raises(ValueError, match="state_dir keeps the state"):
+        l2l_hw.make_eps("golden", state_dir=tmp_path)
+    rc, err = run_cli(capsys, *SMALL, "--steps", "1", "--eps", "golden", "--state-dir", str(tmp_path))
+    assert rc == 2
+    assert_one_clear_line(err, "--state-dir", "cpu EPS")
+
+
+@pytest.mark.parametrize("state", ["bf16", "8bit"])
+def test_state_encoded_in_chunks_equals_the_engine_encoding_at_once(state, tmp_path, monkeypatch):
+    from l2l_hw.eps import disk, golden
+
+    monkeypatch.setattr(disk, "ENCODE_CHUNK", 2 * golden.QUANT_BLOCK)  # several chunks, a short last block
+    shape = torch.Size([5, golden.QUANT_BLOCK - 3])
+    params = {"w": torch.randn(shape)}
+    fp32 = {"param": params["w"], "m": torch.randn(shape) * 1e-3, "v": torch.rand(shape) * 1e-6}
+    ram, on_disk = l2l_hw.make_eps("cpu", state=state), disk_eps(tmp_path / "state", state=state)
+    for eps in (ram, on_disk):
+        eps.register("g", params)
+    assert_same_state(ram, on_disk)  # zeros encoded once
+    for eps in (ram, on_disk):
+        eps.load_tensor("g", "w", fp32)  # fp32 state (another EPS's checkpoint) in this one's format
+    assert_same_state(ram, on_disk)  # fp32 values encoded in chunks
+    on_disk.close()
+
+
+def test_threads_using_the_store_at_once_lose_no_write(tmp_path):
+    """Four threads, five regions, two images: every increment each thread made to its own
+    counter in a region's bytes is there after the images were evicted and read back."""
+    import collections
+    import threading
+
+    store = disk_store.RegionStore(tmp_path / "state", groups_in_flight=2)
+    keys = [f"g{i}" for i in range(5)]
+    for key in keys:
+        store.add_region(key, {"x": [1024]}, {"fetched": 4096, "state": 4096}, rule={})
+    rng = random.Random(3)
+    plans = [[rng.choice(keys) for _ in range(300)] for _ in range(4)]
+
+    def work(thread: int):
+        for key in plans[thread]:
+            with store.use(key, writes=("state",)) as image:
+                counter = image.buffer[4096 + 8 * thread: 4096 + 8 * thread + 8].view(torch.int64)
+                counter += 1
+            store.write_back(key)
+
+    for key in keys:  # zeros to count from (a fresh region's bytes are whatever its buffer held)
+        with store.use(key, replaces=disk_store.SECTIONS) as image:
+            image.buffer.zero_()
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    store.evict()
+    for key in keys:
+        with store.use(key) as image:
+            got = image.buffer[4096:4096 + 32].view(torch.int64).tolist()
+        assert got == [collections.Counter(plan)[key] for plan in plans], key
+    store.close()
+
+
+def test_bench_disk_reports_the_tier_against_the_raw_disk_and_the_state_in_ram(tmp_path, monkeypatch, capsys):
+    from l2l_hw.bench import disk as bench_disk
+    from l2l_hw.cli import main
+    from l2l_hw.models import GPTConfig
+
+    monkeypatch.setattr(bench_disk, "MODEL", GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
+    monkeypatch.setattr(bench_disk, "deepspeed_aio", lambda *args: "not measured here")  # its first build takes minutes
+    assert main(["bench", "disk", "--dir", str(tmp_path), "--size-gib", "0.03125", "--region-mib", "16",
+                 "--rounds", "1", "--batches", "2", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["bytes"] == 32 << 20 and r["tier"]["write"] > 0 and r["tier"]["read"] > 0 and r["dd"]["read"] > 0
+    assert r["tier_vs_dd"]["read"] > 0 and r["deepspeed_aio"] == "not measured here"
+    step = r["steps"][0]
+    assert step["ram_step_s"] > 0 and step["disk_step_s"] > 0 and 0 <= step["wait_share"] < 1
+    assert step["disk_bytes_per_step"] >= step["state_bytes"]  # every region written back each step
+    assert list(tmp_path.iterdir()) == []  # nothing left behind
+
+
+def test_bench_disk_llama_run_resumes_from_its_checkpoint_bit_exact(tmp_path, monkeypatch):
+    from l2l_hw.bench import disk as bench_disk
+
+    small = dict(bench_disk.LLAMA_7B, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                 num_key_value_heads=4, vocab_size=300)
+    monkeypatch.setattr(bench_disk, "LLAMA_7B", small)
+    monkeypatch.setattr(bench_disk, "LLAMA_CONTEXT", 16)
+    trained = bench_disk.llama_train(tmp_path, layers=2)
+    resumed = bench_disk.llama_resume(tmp_path, layers=2)
+    assert len(trained["steps"]) == bench_disk.LLAMA_STEPS and trained["checkpoint_bytes"] > 0
+    assert resumed["crcs"] == trained["crcs"] and resumed["next"]["loss"] == trained["next"]["loss"]
+    assert trained["steps"][-1]["disk_bytes"] > 0 and trained["peak_rss_bytes"] > 0
+
+
+def test_read_ahead_spares_a_group_whose_update_is_queued_and_a_demand_does_not_wait_on_it(tmp_path):
+    store = disk_store.RegionStore(tmp_path / "state", groups_in_flight=2)
+    for key in ("a", "b", "c", "d"):
+        store.add_region(key, {"x": [8]}, {"fetched": 4096, "state": 4096}, rule={})
+    for key in ("a", "b"):
+        with store.use(key):
+            pass
+        store.update_queued(key)
+    store.read_ahead("c")
+    assert sorted(store.images) == ["a", "b"]  # no read-ahead evicts a group before its update
+    with store.use("d"):  # a demand takes one (never waits for updates queued behind its caller)
+        assert "d" in store.images and len(store.images) == 2
+    store.close()
