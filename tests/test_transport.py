@@ -74,19 +74,14 @@ def test_unknown_device_is_refused_naming_the_kinds():
 
 def test_the_twin_s_stream_threads_end_with_their_transport():
     import gc
-    import threading
     import time
 
-    def twin_threads():
-        return sum(t.name.startswith("l2l-twin") for t in threading.enumerate())
-
-    before = twin_threads()
     twin = Transport("cpu-async")
-    assert twin_threads() == before + 2
+    threads = [twin._up.thread, twin._down.thread]
+    assert all(t.is_alive() for t in threads)
     twin.up([torch.ones(3)]).wait()
     del twin
     gc.collect()
-    deadline = time.monotonic() + 5
-    while twin_threads() > before and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert twin_threads() == before
+    for t in threads:
+        t.join(timeout=5)
+    assert not any(t.is_alive() for t in threads)

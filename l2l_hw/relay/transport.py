@@ -35,6 +35,7 @@ constant per step, whatever the depth and the number of micro-batches.
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import random
 import threading
@@ -125,6 +126,16 @@ class _TwinEvent:
         return self._done.is_set()
 
 
+_TWIN_STREAMS: "weakref.WeakSet[_TwinStream]" = weakref.WeakSet()
+
+
+@atexit.register
+def _drain_twin_streams() -> None:
+    for stream in list(_TWIN_STREAMS):
+        stream.close()
+        stream.thread.join(timeout=10)
+
+
 class _TwinStream:
     """A copy stream of the twin: one thread running its copies in order, each as late as it
     may: when it, or a later copy of the stream, is waited for, or else a while (`late_s`,
@@ -136,12 +147,16 @@ class _TwinStream:
         self._issued, self._demanded = 0, -1
         self._rng, self._late_s = rng, late_s
         self._closed = False
-        threading.Thread(target=self._run, name=name, daemon=True).start()
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+        _TWIN_STREAMS.add(self)
 
     def close(self) -> None:
-        """Let the thread end once the copies issued have run (the transport is gone)."""
+        """Run the copies issued at once, then let the thread end (the transport is gone, or
+        the interpreter is exiting: no copy may run while it tears torch down)."""
         with self._cond:
             self._closed = True
+            self._demanded = self._issued
             self._cond.notify()
 
     def submit(self, copies: list[tuple[torch.Tensor, Callable[[], torch.Tensor | None]]],
