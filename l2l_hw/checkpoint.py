@@ -87,6 +87,21 @@ def _temporary_prefix(path: Path) -> str:
     return f".{path.name}.{TEMPORARY_MARKER}-{os.getpid()}-"
 
 
+def temporary_beside(path: Path, folder: bool = False) -> Path:
+    """A new empty file (or folder) beside `path`, named as this program names its temporaries
+    (the marker and this pid: remove_stale_temporaries removes those a killed run left), with
+    the mode open() (mkdir()) gives the run's other files; mkstemp (mkdtemp) make it 0600 (0700)."""
+    if folder:
+        made = tempfile.mkdtemp(prefix=_temporary_prefix(path), suffix=".tmp", dir=path.parent)
+    else:
+        fd, made = tempfile.mkstemp(prefix=_temporary_prefix(path), suffix=".tmp", dir=path.parent)
+        os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(made, (0o777 if folder else 0o666) & ~umask)
+    return Path(made)
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -135,12 +150,9 @@ def save_checkpoint(path, tensors: Mapping[str, torch.Tensor | StateEntry], meta
     path = Path(path)
     entries = {name: _entry(name, t) for name, t in tensors.items()}
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=_temporary_prefix(path), suffix=".tmp", dir=path.parent)
+    tmp = temporary_beside(path)
     try:
-        umask = os.umask(0)  # mkstemp makes it 0600: give it the mode open() gives the run's other files
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        with os.fdopen(fd, "wb") as f:
+        with os.fdopen(os.open(tmp, os.O_WRONLY), "wb") as f:
             header = _header(entries, meta, {})
             f.write(header)
             crcs = {}

@@ -40,7 +40,6 @@ import hashlib
 import io
 import json
 import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Iterator, NamedTuple
@@ -48,9 +47,9 @@ from typing import Iterator, NamedTuple
 import numpy as np
 import torch
 
-from l2l_hw.checkpoint import TEMPORARY_MARKER, remove_stale_temporaries
+from l2l_hw.checkpoint import remove_stale_temporaries, temporary_beside
 from l2l_hw.hf import (IGNORE_INDEX, TOKENIZER_FILES, TokenLoss, batch, first_line, load_config, load_tokenizer,
-                       masked_lm, max_positions, model_folder, usual_mode, weights_file)
+                       masked_lm, max_positions, model_folder, weights_file)
 from l2l_hw.inputs import path_kind, regular_file
 
 TOKENIZER_STATE = (*TOKENIZER_FILES, "merges.txt", "special_tokens_map.json", "added_tokens.json",
@@ -197,14 +196,10 @@ def _write_cache(cache: Path, key: dict, runs: Iterator[tuple[list[int], bool]],
 
 
 def _temporary(path: Path) -> Path:
-    """A new empty file beside `path`, named as this program names its temporaries (with its pid,
-    so remove_stale_temporaries removes those a killed run left), with the usual mode."""
+    """A new empty temporary file beside `path` (checkpoint.temporary_beside), after removing
+    those a killed run left there."""
     remove_stale_temporaries(path)
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{TEMPORARY_MARKER}-{os.getpid()}-",
-                                suffix=".tmp")
-    os.close(fd)
-    usual_mode(Path(name), 0o666)
-    return Path(name)
+    return temporary_beside(path)
 
 
 def _write_tokens(runs: Iterator[tuple[list[int], bool]], ids, counted) -> int:

@@ -37,7 +37,6 @@ import inspect
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -45,7 +44,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from l2l_hw.checkpoint import TEMPORARY_MARKER
+from l2l_hw.checkpoint import temporary_beside
 from l2l_hw.inputs import path_kind, regular_file
 
 IGNORE_INDEX = -100  # HF's label for tokens that carry no loss
@@ -584,10 +583,8 @@ def save_replacing(relay, path, files_from=None) -> Path:
     renames leaves no `path` and the previous model in the hidden `.NAME.l2l-old-PID` folder."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    prefix = f".{target.name}.{TEMPORARY_MARKER}-{os.getpid()}-"
-    written = Path(tempfile.mkdtemp(dir=target.parent, prefix=prefix, suffix=".tmp"))
+    written = temporary_beside(target, folder=True)
     try:
-        usual_mode(written, 0o777)
         save_pretrained(relay, written, files_from=files_from)
         if path_kind(target) == "a folder":
             previous = target.with_name(f".{target.name}.l2l-old-{os.getpid()}")
@@ -600,14 +597,6 @@ def save_replacing(relay, path, files_from=None) -> Path:
     finally:
         shutil.rmtree(written, ignore_errors=True)  # gone once renamed
     return target
-
-
-def usual_mode(path: Path, mode: int) -> None:
-    """tempfile makes its files 0600 and folders 0700: give `path` the mode that open() (0o666)
-    or mkdir() (0o777) gives under this process's umask, as the run's other files have."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, mode & ~umask)
 
 
 # ---------------------------------------------------------------------------- samples
