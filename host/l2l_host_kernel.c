@@ -3,10 +3,13 @@
  * One pass per tile: load the gradient (fp32, bf16 or fp16), multiply by the inverse
  * loss scale, record whether any value is non-finite, update fp32 p, m, v by the rule of
  * l2l_hw/eps/golden.py::apply_rule (docs/NUMERICS.md), canonicalize every NaN written,
- * and write the bf16/fp16 working copy (or none). m and v may be kept as fp32, bf16 or
- * block-wise 8-bit codes (golden.apply_rule_stored: decoded, updated and encoded in the
- * same pass). Sources and destinations may differ (double-buffered state) or be equal
- * (in place); partial overlap is refused by the Python binding
+ * and write the bf16/fp16 working copy (or none). LAMB and LARS first run a pass that writes
+ * nothing (l2l_host_norms: the tensor's sums of squares of p and of LAMB's update direction
+ * or LARS's gradient, in float64 in golden.sum_of_squares' fixed order), from which the
+ * binding makes the tensor's trust scalar (golden.with_trust) for the step. m and v may be
+ * kept as fp32, bf16 or block-wise 8-bit codes (golden.apply_rule_stored: decoded, updated
+ * and encoded in the same pass). Sources and destinations may differ (double-buffered
+ * state) or be equal (in place); partial overlap is refused by the Python binding
  * (l2l_hw/eps/host_kernel.py), which is the only caller.
  *
  * One algorithm, three instruction sets. This file is read once as itself (the ABI, the
@@ -50,11 +53,12 @@
 #include <pthread.h>
 #include <signal.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define EXPORT __attribute__((visibility("default")))
 
-enum { L2L_ADAMW = 0, L2L_ADAM = 1, L2L_SGD = 2 };
+enum { L2L_ADAMW = 0, L2L_ADAM = 1, L2L_SGD = 2, L2L_LAMB = 3, L2L_LARS = 4 };
 enum { L2L_DT_NONE = -1, L2L_DT_F32 = 0, L2L_DT_BF16 = 1, L2L_DT_F16 = 2 };
 /* The AVX-512 bf16 working copy by the CPU's own conversion (AVX512_BF16), which rounds
  * to nearest even as round_bf16 does but reads subnormals as zero: vectors with a
@@ -64,7 +68,7 @@ enum { L2L_DT_BF16_NATIVE = 3 };
 #define L2L_ISA_AVX2 1
 #define L2L_ISA_AVX512 2
 enum { L2L_STATE_F32 = 0, L2L_STATE_BF16 = 1, L2L_STATE_8BIT = 2 };
-enum { L2L_OK = 0, L2L_E_ARG = -1, L2L_E_ISA = -2, L2L_E_THREAD = -3 };
+enum { L2L_OK = 0, L2L_E_ARG = -1, L2L_E_ISA = -2, L2L_E_THREAD = -3, L2L_E_MEMORY = -4 };
 
 /* Elements per tile, the unit of work a thread takes off a share's counter. 16 Ki
  * elements = 64 KiB per fp32 stream: big enough that taking a tile costs nothing, small
@@ -75,11 +79,12 @@ enum { L2L_OK = 0, L2L_E_ARG = -1, L2L_E_ISA = -2, L2L_E_THREAD = -3 };
 #define MXCSR_IEEE 0x1F80u /* all exceptions masked, round to nearest, FTZ = DAZ = 0 */
 
 /* Per-step scalars, each an exact float32 value from golden.step_scalars. The layout
- * is mirrored by host_kernel.py's ctypes Structure. */
+ * is mirrored by host_kernel.py's ctypes Structure. `trust` (LAMB: lr x the tensor's trust
+ * ratio, LARS: the ratio) comes from golden.with_trust over the sums of l2l_host_norms. */
 typedef struct {
     int32_t optimizer, nesterov;
     float inv_scale, lr, weight_decay, decay, beta1, one_minus_beta1, beta2, one_minus_beta2,
-        step_size, bias_correction2_sqrt, eps, momentum, dampening_complement;
+        step_size, bias_correction2_sqrt, eps, momentum, dampening_complement, bias_correction1, trust;
 } l2l_scalars;
 
 /* An 8-bit code book as golden.Code8 defines it (the binding passes golden's). */
@@ -110,6 +115,7 @@ typedef struct {
     float *m_scale_dst, *v_scale_dst;
     l2l_code m_code, v_code;
     int32_t bc2_by_fma; /* AVX-512: sqrt(v) / bias_correction2_sqrt by div_bc2's FMA quotient */
+    double *ssq;        /* l2l_host_norms: per block, the sums of squares of p and of LAMB's u or LARS's g */
 } l2l_job;
 
 static inline uint32_t f2u(float x) { uint32_t u; memcpy(&u, &x, 4); return u; }
@@ -241,6 +247,8 @@ static int stream_bytes(const l2l_stream *t, int64_t begin, int64_t end) {
 #define istore VEC(istore)
 #define as_int VEC(as_int)         /* the bits of a vf, and back */
 #define as_float VEC(as_float)
+#define vd VEC(vd)                 /* LANES lanes of float64 */
+#define ssq_add VEC(ssq_add)       /* *acc + x * x in float64 (x widened exactly; the square is exact) */
 #define vraw VEC(vraw)             /* x86: the intrinsics' own types */
 #define vhalf VEC(vhalf)
 #define load_half VEC(load_half)
@@ -260,6 +268,13 @@ static int stream_bytes(const l2l_stream *t, int64_t begin, int64_t end) {
 #define rewrite VEC(rewrite)
 #define div_bc2 VEC(div_bc2)
 #define rule VEC(rule)
+#define adam_moments VEC(adam_moments)
+#define lamb_update VEC(lamb_update)
+#define load_moment VEC(load_moment)
+#define ssq_fold VEC(ssq_fold)
+#define norm_loop VEC(norm_loop)
+#define norm_dtypes VEC(norm_dtypes)
+#define norm_range VEC(norm_range)
 #define step_loop VEC(step_loop)
 #define code_k VEC(code_k)
 #define code_k_of VEC(code_k_of)
@@ -536,32 +551,67 @@ typedef struct {
     void *w_dst;
 } l2l_buffers;
 
-/* One optimizer step over n elements. Returns 1 when a gradient value times inv_scale is
- * not finite, 0 when all are finite, or a negative error code. */
-EXPORT int l2l_host_step(const l2l_scalars *s, int64_t n, const l2l_buffers *b, int g_dtype, int state_format,
-                         const l2l_codebooks *codes, int w_dtype, int isa, int threads) {
-    if (n < 0 || s->optimizer < L2L_ADAMW || s->optimizer > L2L_SGD || g_dtype < L2L_DT_F32 ||
+/* The job of a call, checked: the error code, or 0. */
+static int prepare(l2l_job *job, const l2l_scalars *s, int64_t n, const l2l_buffers *b, int g_dtype, int state_format,
+                   const l2l_codebooks *codes, int w_dtype, int isa, int threads) {
+    if (n < 0 || s->optimizer < L2L_ADAMW || s->optimizer > L2L_LARS || g_dtype < L2L_DT_F32 ||
         g_dtype > L2L_DT_F16 || w_dtype < L2L_DT_NONE || w_dtype == L2L_DT_F32 || w_dtype > L2L_DT_F16 ||
         state_format < L2L_STATE_F32 || state_format > L2L_STATE_8BIT ||
         (state_format == L2L_STATE_8BIT && !(codebook_valid(codes->m, 1) && codebook_valid(codes->v, 0))))
         return L2L_E_ARG;
-    int uses_v = s->optimizer != L2L_SGD, uses_m = uses_v || s->momentum != 0;
+    if (!l2l_host_isa_supported(isa)) return L2L_E_ISA;
+    int uses_v = s->optimizer != L2L_SGD && s->optimizer != L2L_LARS, uses_m = uses_v || s->momentum != 0;
     if (!uses_m) state_format = L2L_STATE_F32; /* no state to keep */
-    range_fn fn = state_format == L2L_STATE_F32 ? pick(isa, step_range_scalar, step_range_avx2, step_range_avx512)
-                                                : pick(isa, state_range_scalar, state_range_avx2, state_range_avx512);
-    if (fn == NULL) return L2L_E_ISA;
-    if (n == 0) return 0;
-    l2l_job job = {*s, g_dtype, w_dtype, state_format, uses_m, uses_v, b->g, b->p_src, b->p_dst, b->w_dst,
-                   b->m_src, b->v_src, b->m_dst, b->v_dst, b->m_scale_src, b->v_scale_src, b->m_scale_dst,
-                   b->v_scale_dst, {0}, {0}, 0};
+    *job = (l2l_job){.s = *s, .g_dtype = g_dtype, .w_dtype = w_dtype, .format = state_format, .uses_m = uses_m,
+                     .uses_v = uses_v, .g = b->g, .p_src = b->p_src, .p_dst = b->p_dst, .w_dst = b->w_dst,
+                     .m_src = b->m_src, .v_src = b->v_src, .m_dst = b->m_dst, .v_dst = b->v_dst,
+                     .m_scale_src = b->m_scale_src, .v_scale_src = b->v_scale_src, .m_scale_dst = b->m_scale_dst,
+                     .v_scale_dst = b->v_scale_dst};
     if (isa == L2L_ISA_AVX512 && w_dtype == L2L_DT_BF16 && native_bf16)
-        job.w_dtype = L2L_DT_BF16_NATIVE;
-    if (isa == L2L_ISA_AVX512 && uses_v) job.bc2_by_fma = bc2_by_fma(s->bias_correction2_sqrt, n, threads);
+        job->w_dtype = L2L_DT_BF16_NATIVE;
+    if (isa == L2L_ISA_AVX512 && uses_v) job->bc2_by_fma = bc2_by_fma(s->bias_correction2_sqrt, n, threads);
     if (state_format == L2L_STATE_8BIT) {
-        job.m_code = make_code(codes->m);
-        job.v_code = make_code(codes->v);
+        job->m_code = make_code(codes->m);
+        job->v_code = make_code(codes->v);
     }
+    return 0;
+}
+
+/* One optimizer step over n elements. Returns 1 when a gradient value times inv_scale is
+ * not finite, 0 when all are finite, or a negative error code. LAMB and LARS: pass 2, with
+ * the tensor's trust scalar in s (l2l_host_norms gives its sums). */
+EXPORT int l2l_host_step(const l2l_scalars *s, int64_t n, const l2l_buffers *b, int g_dtype, int state_format,
+                         const l2l_codebooks *codes, int w_dtype, int isa, int threads) {
+    l2l_job job;
+    int rc = prepare(&job, s, n, b, g_dtype, state_format, codes, w_dtype, isa, threads);
+    if (rc != 0 || n == 0) return rc;
+    range_fn fn = job.format == L2L_STATE_F32 ? pick(isa, step_range_scalar, step_range_avx2, step_range_avx512)
+                                              : pick(isa, state_range_scalar, state_range_avx2, state_range_avx512);
     return parallel_tiles(fn, &job, n, threads);
+}
+
+/* Pass 1 of a LAMB or LARS step over n elements (what l2l_host_step reads; nothing is
+ * written): sums[0] = the sum of p^2, sums[1] = that of LAMB's u or LARS's unscaled g, in
+ * float64, in golden.sum_of_squares' order (per block on the threads, then the blocks in
+ * order here; no block sum is subnormal, so the caller's MXCSR cannot change them). Returns 0
+ * or a negative error code. */
+EXPORT int l2l_host_norms(const l2l_scalars *s, int64_t n, const l2l_buffers *b, int g_dtype, int state_format,
+                          const l2l_codebooks *codes, int isa, int threads, double *sums) {
+    l2l_job job;
+    int rc = prepare(&job, s, n, b, g_dtype, state_format, codes, L2L_DT_NONE, isa, threads);
+    if (rc == 0 && s->optimizer != L2L_LAMB && s->optimizer != L2L_LARS) rc = L2L_E_ARG;
+    sums[0] = sums[1] = 0;
+    if (rc != 0 || n == 0) return rc;
+    int64_t blocks = (n + L2L_BLOCK - 1) / L2L_BLOCK;
+    job.ssq = malloc((size_t)blocks * 2 * sizeof(double));
+    if (job.ssq == NULL) return L2L_E_MEMORY;
+    parallel_tiles(pick(isa, norm_range_scalar, norm_range_avx2, norm_range_avx512), &job, n, threads);
+    for (int64_t blk = 0; blk < blocks; blk++) {
+        sums[0] = sums[0] + job.ssq[2 * blk];
+        sums[1] = sums[1] + job.ssq[2 * blk + 1];
+    }
+    free(job.ssq);
+    return 0;
 }
 
 /* The memory reference (see "memory stream"): n elements of each stream. Non-temporal
@@ -587,10 +637,12 @@ EXPORT int l2l_host_stream(int64_t n, const l2l_stream *streams, int isa, int th
 typedef float vf;
 typedef uint32_t vi;
 typedef int vmask;
+typedef double vd;
 
 static inline vf vset(float x) { return x; }
 static inline vi iset(uint32_t x) { return x; }
 static inline vf vsqrt(vf x) { return __builtin_sqrtf(x); }
+static inline void ssq_add(vd *acc, vf x) { *acc = *acc + (double)x * (double)x; }
 static inline vi imax(vi a, vi b) { return a > b ? a : b; }
 static inline vi imin(vi a, vi b) { return a < b ? a : b; }
 static inline vmask vnan(vf x) { return x != x; }
@@ -730,6 +782,12 @@ static int fma_quotient_misses(const void *ctx, int64_t begin, int64_t end) {
 static inline vf vset(float x) { return MM(set1_ps)(x); }
 static inline vi iset(uint32_t x) { return (vi)MM(set1_epi32)((int)x); }
 static inline vf vsqrt(vf x) { return MM(sqrt_ps)(x); }
+typedef double vd __attribute__((vector_size(LANES * 8)));
+/* by pointer: a vd of 16 doubles passed by value would cross the ABI in memory (-Wpsabi) */
+static inline void ssq_add(vd *acc, vf x) {
+    vd d = __builtin_convertvector(x, vd);
+    *acc = *acc + d * d;
+}
 static inline vi imax(vi a, vi b) { return (vi)MM(max_epu32)((vraw)a, (vraw)b); }
 static inline vi imin(vi a, vi b) { return (vi)MM(min_epu32)((vraw)a, (vraw)b); }
 
@@ -757,7 +815,7 @@ static inline vf as_float(vi x) { vf r; memcpy(&r, &x, sizeof r); return r; }
 
 /* The step's scalars on every lane. */
 typedef struct {
-    vf inv_scale, lr, wd, decay, b1c, b2, b2c, step_size, bc2, eps, mom, damp_c, bc2_inv;
+    vf inv_scale, lr, wd, decay, b1c, b2, b2c, step_size, bc2, eps, mom, damp_c, bc2_inv, bc1, trust;
     int bc2_by_fma;
 } rule_k;
 
@@ -767,7 +825,7 @@ INLINE rule_k rule_k_of(const l2l_job *j) {
                     vset(s->one_minus_beta1), vset(s->beta2), vset(s->one_minus_beta2), vset(s->step_size),
                     vset(s->bias_correction2_sqrt), vset(s->eps), vset(s->momentum),
                     vset(s->dampening_complement), vset(1.0f / s->bias_correction2_sqrt), /* under the IEEE MXCSR */
-                    VEC_FMA_QUOTIENT && j->bc2_by_fma};
+                    vset(s->bias_correction1), vset(s->trust), VEC_FMA_QUOTIENT && j->bc2_by_fma};
 }
 
 INLINE vf canon_nan(vf x) { return vwhere(vnan(x), vset(u2f(0x7FC00000u)), x); }
@@ -826,22 +884,36 @@ INLINE vf div_bc2(const rule_k *k, vf a) {
     return a / k->bc2;
 }
 
+/* golden.adam_moments: *m and *v updated; returns the denominator of the step. */
+INLINE vf adam_moments(const rule_k *k, vf g, vf *m, vf *v) {
+    *m = *m + (g - *m) * k->b1c;
+    *v = *v * k->b2 + (g * k->b2c) * g;
+    return div_bc2(k, vsqrt(*v)) + k->eps;
+}
+
+/* golden.lamb_update: LAMB's direction before the trust ratio. */
+INLINE vf lamb_update(const l2l_scalars *s, const rule_k *k, vf g, vf p, vf *m, vf *v) {
+    vf denom = adam_moments(k, g, m, v);
+    vf u = (*m / k->bc1) / denom;
+    return s->weight_decay != 0 ? u + p * k->wd : u;
+}
+
 /* golden.apply_rule on LANES elements, statement by statement; g is already unscaled.
  * Returns the new p; *m and *v are updated where the optimizer has them. */
 INLINE vf rule(const l2l_scalars *s, const rule_k *k, vf g, vf p, vf *m, vf *v) {
-    if (s->optimizer == L2L_SGD) {
+    if (s->optimizer == L2L_SGD || s->optimizer == L2L_LARS) {
         if (s->weight_decay != 0) g = g + p * k->wd;
+        if (s->optimizer == L2L_LARS) g = g * k->trust;
         if (s->momentum != 0) {
             *m = *m * k->mom + g * k->damp_c;
             g = s->nesterov ? g + *m * k->mom : *m;
         }
         return p - g * k->lr;
     }
+    if (s->optimizer == L2L_LAMB) return p - lamb_update(s, k, g, p, m, v) * k->trust;
     if (s->optimizer == L2L_ADAM && s->weight_decay != 0) g = g + p * k->wd;
     if (s->optimizer == L2L_ADAMW && s->weight_decay != 0) p = p * k->decay;
-    *m = *m + (g - *m) * k->b1c;
-    *v = *v * k->b2 + (g * k->b2c) * g;
-    vf denom = div_bc2(k, vsqrt(*v)) + k->eps;
+    vf denom = adam_moments(k, g, m, v);
     return p - (*m * k->step_size) / denom;
 }
 
@@ -945,6 +1017,13 @@ INLINE void encode_block(const float *buf, int64_t len, uint32_t max_bits, uint8
         encode(k, vload(buf + i), inv_v, codes + i, is_signed, saturate, positive);
 }
 
+/* One vector of m or v as the update reads it, from its state format (8-bit: `b` is its block's). */
+INLINE vf load_moment(const void *src, int64_t i, int format, const code_k *c, const block_k *b, int is_signed) {
+    if (format == L2L_STATE_8BIT) return decode(c, b, (const uint8_t *)src + i, is_signed);
+    if (format == L2L_STATE_BF16) return load_bf16((const uint16_t *)src + i);
+    return vload((const float *)src + i);
+}
+
 INLINE int nonfinite_block(const void *g, int64_t b0, int64_t len, int g_dtype, vf inv_scale, int unscale) {
     vmask bad = (vmask){0};
     for (int64_t b = 0; b < len; b += LANES) {
@@ -986,8 +1065,8 @@ INLINE int state_loop(const l2l_job *j, int64_t begin, int64_t end, int g_dtype,
             if (unscale) gv = gv * k.inv_scale;
             if (check_each) bad_lanes |= nonfinite(gv);
             vf m = vset(0), v = vset(0);
-            if (uses_m) m = q8 ? decode(&mk, &mb, (const uint8_t *)m_src + i, 1) : load_bf16((const uint16_t *)m_src + i);
-            if (uses_v) v = q8 ? decode(&vk, &vb, (const uint8_t *)v_src + i, 0) : load_bf16((const uint16_t *)v_src + i);
+            if (uses_m) m = load_moment(m_src, i, format, &mk, &mb, 1);
+            if (uses_v) v = load_moment(v_src, i, format, &vk, &vb, 0);
             vf p = rule(&s, &k, gv, vload(p_src + i), &m, &v);
             vstore(p_dst + i, p);
             redo |= vnan(p) | store_working(w_dst, i, p, w_dtype);
@@ -1014,6 +1093,58 @@ INLINE int state_loop(const l2l_job *j, int64_t begin, int64_t end, int g_dtype,
     return bad;
 }
 
+/* ---------------------------------------------------------------- LAMB and LARS: the norms
+ * Pass 1 of a LAMB or LARS step (l2l_host_norms): per block of L2L_BLOCK elements, the sums
+ * of squares of p and of the trust ratio's other operand, LAMB's u (the rule's statements on
+ * the decoded state; nothing is written) or LARS's unscaled g, in float64 (the square of a
+ * float32 is exact there) in golden.sum_of_squares' order: element i of a block goes to lane
+ * i % 16, rows are added in order, the 16 lanes folded by a fixed tree. A vector instance
+ * holds the 16 lanes in NORM_VECTORS vectors of LANES doubles. Pass 2 is the ordinary step
+ * with the tensor's trust scalar (rule). */
+#define NORM_VECTORS (16 / LANES)
+
+/* golden.sum_of_squares' fold: lane l + lane l + 8, then + 4, + 2, + 1. */
+INLINE double ssq_fold(const vd *acc) {
+    double lane[16];
+    memcpy(lane, acc, sizeof lane);
+    for (int w = 8; w >= 1; w /= 2)
+        for (int l = 0; l < w; l++) lane[l] = lane[l] + lane[l + w];
+    return lane[0];
+}
+
+INLINE int norm_loop(const l2l_job *j, int64_t begin, int64_t end, int g_dtype, int format) {
+    const l2l_scalars s = j->s;
+    const rule_k k = rule_k_of(j);
+    const code_k mk = code_k_of(&j->m_code), vk = code_k_of(&j->v_code);
+    const int lamb = s.optimizer == L2L_LAMB, unscale = UNSCALE(s), q8 = format == L2L_STATE_8BIT;
+    const void *g = j->g, *m_src = j->m_src, *v_src = j->v_src; /* in locals, as in step_loop */
+    const float *p_src = j->p_src;
+    double *ssq = j->ssq;
+    for (int64_t b0 = begin; b0 < end; b0 += L2L_BLOCK) {
+        int64_t len = end - b0 < L2L_BLOCK ? end - b0 : L2L_BLOCK, blk = b0 / L2L_BLOCK;
+        const block_k mb = block_k_of(&j->m_code, q8 ? j->m_scale_src[blk] : 0);
+        const block_k vb = block_k_of(&j->v_code, q8 ? j->v_scale_src[blk] : 0);
+        vd p_acc[NORM_VECTORS], x_acc[NORM_VECTORS];
+        for (int r = 0; r < NORM_VECTORS; r++) p_acc[r] = x_acc[r] = (vd){0};
+        for (int64_t b = 0; b < len; b += LANES) {
+            int64_t i = b0 + b;
+            vf gv = load_grad(g, i, g_dtype);
+            if (unscale) gv = gv * k.inv_scale;
+            vf p = vload(p_src + i), x = gv;
+            if (lamb) {
+                vf m = load_moment(m_src, i, format, &mk, &mb, 1), v = load_moment(v_src, i, format, &vk, &vb, 0);
+                x = lamb_update(&s, &k, gv, p, &m, &v);
+            }
+            const int r = (int)(b / LANES) % NORM_VECTORS;
+            ssq_add(&p_acc[r], p);
+            ssq_add(&x_acc[r], x);
+        }
+        ssq[2 * blk] = ssq_fold(p_acc);
+        ssq[2 * blk + 1] = ssq_fold(x_acc);
+    }
+    return 0;
+}
+
 /* ---------------------------------------------------------------- dispatch */
 
 /* The job's working dtype; the native bf16 conversion only where this instance has it. */
@@ -1030,6 +1161,32 @@ static int state_dtypes(const l2l_job *j, int64_t begin, int64_t end) {
     const int w = working_dtype(j);
     if (j->format == L2L_STATE_BF16) { DTYPE_CASES(state_loop, w, L2L_STATE_BF16) }
     DTYPE_CASES(state_loop, w, L2L_STATE_8BIT)
+}
+
+/* LARS reads no state in pass 1: one loop per gradient dtype; LAMB one per state format too. */
+static int norm_dtypes(const l2l_job *j, int64_t begin, int64_t end) {
+    const int f = j->s.optimizer == L2L_LAMB ? j->format : L2L_STATE_F32;
+    switch (j->g_dtype * 3 + f) {
+    case 0: return norm_loop(j, begin, end, L2L_DT_F32, L2L_STATE_F32);
+    case 1: return norm_loop(j, begin, end, L2L_DT_F32, L2L_STATE_BF16);
+    case 2: return norm_loop(j, begin, end, L2L_DT_F32, L2L_STATE_8BIT);
+    case 3: return norm_loop(j, begin, end, L2L_DT_BF16, L2L_STATE_F32);
+    case 4: return norm_loop(j, begin, end, L2L_DT_BF16, L2L_STATE_BF16);
+    case 5: return norm_loop(j, begin, end, L2L_DT_BF16, L2L_STATE_8BIT);
+    case 6: return norm_loop(j, begin, end, L2L_DT_F16, L2L_STATE_F32);
+    case 7: return norm_loop(j, begin, end, L2L_DT_F16, L2L_STATE_BF16);
+    default: return norm_loop(j, begin, end, L2L_DT_F16, L2L_STATE_8BIT);
+    }
+}
+
+/* A tile of the norm pass: whole blocks here (a block's lanes are one set of sums), the
+ * block of the ragged end on one lane. */
+static int norm_range(const void *ctx, int64_t begin, int64_t end) {
+    const int64_t unit = LANES > 1 ? L2L_BLOCK : 1;
+    const int64_t whole = end - (end - begin) % unit;
+    if (whole > begin) norm_dtypes(ctx, begin, whole);
+    if (whole < end) norm_range_scalar(ctx, whole, end);
+    return 0;
 }
 
 /* A tile of a call: whole vectors here, the ragged end of the tensor on one lane. */
@@ -1075,6 +1232,7 @@ static int stream_range(const void *ctx, int64_t begin, int64_t end) {
 }
 
 #undef LANES
+#undef NORM_VECTORS
 #undef VEC_FMA_QUOTIENT
 #undef VEC_NATIVE_BF16
 #undef VEC_MM

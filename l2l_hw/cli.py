@@ -17,6 +17,7 @@ import torch
 import l2l_hw
 from l2l_hw.checkpoint import CheckpointError
 from l2l_hw.options import OptionError, allowed_choices, option_fields, spec
+from l2l_hw.relay.pipeline import PipelineError
 from l2l_hw.train import (COMPONENTS, CONTROL_FIELDS, NonFiniteLoss, RunOptions, TrainConfig, TrainingInterrupted,
                           finetune, resume_config, train)
 
@@ -79,6 +80,8 @@ def run_command(command: str, body) -> int:
         return _fail(command, flag_message(e), 2)
     except (CheckpointError, NonFiniteLoss, FileNotFoundError, ValueError) as e:
         return _fail(command, str(e), 2)
+    except PipelineError as e:  # a pipeline stage failed or stopped answering: every rank says which, once
+        return _fail(command, str(e), 1)
     except OSError as e:  # an output that cannot be written (read-only, full disk): one line
         return _fail(command, str(e), 1)
     except TrainingInterrupted as e:
@@ -190,6 +193,8 @@ BENCHES = {
     "gpu": ("the whole GPU campaign in one call (--dry-run: toy sizes on the CPU)", "l2l_hw.bench.gpu"),
     "disk": ("the EPS's disk tier: GB/s against the raw disk, step time against the state in RAM",
              "l2l_hw.bench.disk"),
+    "pipeline": ("the relay as a pipeline on CPU ranks vs one process and torch's 1F1B; the bubble",
+                 "l2l_hw.bench.pipeline"),
 }
 
 

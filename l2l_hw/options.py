@@ -103,6 +103,8 @@ def problem(meta: dict, value: Any, optional: bool) -> str | None:
     if value is None:
         return None if optional else rule(meta, optional)
     kind, bad = meta["kind"], False
+    if callable(value) and meta["function_ok"]:
+        return None
     if kind == "bool":
         bad = not isinstance(value, bool)
     elif kind == "choice":
@@ -111,8 +113,6 @@ def problem(meta: dict, value: Any, optional: bool) -> str | None:
         bad = not isinstance(value, (str, os.PathLike)) or not str(value).strip()
     elif kind == "text":
         bad = not isinstance(value, str)
-    elif callable(value) and meta["function_ok"]:
-        return None
     else:
         integral = isinstance(value, numbers.Integral) if kind == "int" else isinstance(value, numbers.Real)
         bad = isinstance(value, bool) or not integral or not math.isfinite(value) or _out_of_range(meta, value)

@@ -46,12 +46,14 @@ from l2l_hw import finetune_data, hf
 from l2l_hw.checkpoint import Checkpoint, CheckpointError, open_checkpoint, remove_stale_temporaries, save_checkpoint
 from l2l_hw.distributed import Ranks, join_torchrun, leave_torchrun, rank_shard
 from l2l_hw.eps import make_eps
+from l2l_hw.eps.base import STATE_SLOTS, updated_slots
 from l2l_hw.eps.golden import QUANT_BLOCK
 from l2l_hw.eps.options import EpsOptions, ScheduleOptions
 from l2l_hw.models import Corpus, GPTConfig, build_gpt, generate, lm_loss
 from l2l_hw.models.gpt import ModelOptions
 from l2l_hw.options import OptionError, check_options, fail, option, pick, with_default
 from l2l_hw.relay import Relay, RelayOptions, init_from_state
+from l2l_hw.relay.options import PipelineOptions
 from l2l_hw.version import __version__
 
 CHECKPOINT, METRICS, PLOT, TENSORBOARD = "checkpoint.safetensors", "metrics.jsonl", "loss.png", "tensorboard"
@@ -150,11 +152,11 @@ class RunOptions:
             fail("overwrite", True, "replaces the run in out, resume continues it: give one of them")
 
 
-COMPONENTS = (ModelOptions, DataOptions, ScheduleOptions, EpsOptions, RelayOptions, RunOptions)
+COMPONENTS = (ModelOptions, DataOptions, ScheduleOptions, EpsOptions, RelayOptions, PipelineOptions, RunOptions)
 
 
 @dataclass(frozen=True)
-class TrainConfig(RunOptions, RelayOptions, EpsOptions, ScheduleOptions, DataOptions, ModelOptions):
+class TrainConfig(RunOptions, PipelineOptions, RelayOptions, EpsOptions, ScheduleOptions, DataOptions, ModelOptions):
     """One training run: the options of each component (COMPONENTS), each declared once in its own
     dataclass, with `l2l train`'s defaults: the reference GPT on the stdlib corpus.
 
@@ -272,6 +274,11 @@ def build_relay(cfg: TrainConfig, layers=None, loss_fn: Callable | None = None, 
     torch.manual_seed(cfg.seed)
     if layers is None:
         layers, loss_fn = build_gpt(cfg.model_config()), lm_loss
+    if cfg.pipeline_stages > 1:  # stages on the ranks (docs/PIPELINE.md); every rank trains the whole minibatch
+        from l2l_hw.relay.pipeline import PipelineRelay
+
+        return PipelineRelay(layers, loss_fn, build_eps(cfg, shard_state), relay_options(cfg, device),
+                             pipeline=cfg.pipeline_config(), init=init)
     return Relay(layers, loss_fn, eps=build_eps(cfg, shard_state), options=relay_options(cfg, device), init=init)
 
 
@@ -549,7 +556,7 @@ def eps_bytes_per_parameter(cfg: TrainConfig) -> float:
     "What the EPS costs in host memory"): the fp32 master, the optimizer's moments in their
     format, the low-precision working copy the device fetches, and all of it twice (plus the
     previous working copy) where a step can be discarded whole or computes one version back."""
-    moments = {"adamw": 2, "adam": 2, "sgd": 1 if cfg.momentum else 0}[cfg.optimizer]
+    moments = len(updated_slots(cfg.optimizer, cfg.momentum))
     moment = {"fp32": 4, "bf16": 2, "8bit": 1 + 4 / QUANT_BLOCK}[cfg.optimizer_state]  # 8-bit: one fp32 scale a block
     working = 0 if cfg.precision == "fp32" else 2
     single = 4 + moments * moment + working
@@ -573,7 +580,7 @@ def _banner(cfg: TrainConfig, relay, ranks: Ranks, corpus: Corpus | None) -> str
     run = (f"l2l {'finetune' if cfg.model else 'train'}: {model}, {total:,} parameters ({trained:,} trained), "
            f"context {cfg.context}, batch {cfg.batch_size} in {cfg.micro_batches} micro-batches{ranks_note}, "
            f"{step_tokens:,} tokens a step, {cfg.steps * step_tokens:,} tokens in {cfg.steps} steps")
-    rule = (f"betas ({cfg.adam_beta1:g}, {cfg.adam_beta2:g}), eps {cfg.adam_eps:g}" if cfg.optimizer != "sgd"
+    rule = (f"betas ({cfg.adam_beta1:g}, {cfg.adam_beta2:g}), eps {cfg.adam_eps:g}" if "v" in STATE_SLOTS[cfg.optimizer]
             else f"momentum {cfg.momentum:g}")
     schedule = "constant" if cfg.schedule == "constant" else f"{cfg.schedule} to {cfg.floor(cfg.lr):g}"
     optimizer = (f"optimizer: {cfg.optimizer}, lr {cfg.lr:g}, {schedule}, warm-up {cfg.warmup_steps} steps, "
@@ -591,7 +598,11 @@ def _banner(cfg: TrainConfig, relay, ranks: Ranks, corpus: Corpus | None) -> str
                  f"({', '.join(corpus.skipped[:3])}{', ...' if len(corpus.skipped) > 3 else ''}), ")
     if cfg.shard_state and not sharded(cfg, ranks):
         data += "optimizer state whole in this one process (the checkpoint's run was sharded), "
-    return "\n".join((run, optimizer, f"{eps}, {data}out {cfg.out}"))
+    updates = "between layers" if not relay.transport.asynchronous else "beside the device's compute"
+    threads = (f"threads: {relay.threads} (torch intra-op {torch.get_num_threads()}; EPS updates {updates}), "
+               f"recompute {cfg.recompute if isinstance(cfg.recompute, str) else 'by a policy function'}, "
+               f"OpenMP waits {os.environ.get('OMP_WAIT_POLICY', 'default').lower()}")
+    return "\n".join((run, optimizer, f"{eps}, {data}out {cfg.out}", threads))
 
 
 class _Loop:
@@ -606,6 +617,8 @@ class _Loop:
         self.elapsed = 0.0
         self.skip = 0  # batches of a fresh pass over `data` already trained on (resume without a data state)
         self.saved_step: int | None = None  # the step of the newest checkpoint in out
+        # Where each rank's part of a minibatch comes from: its shard (data parallel), or all of it (a pipeline)
+        self.shard = (0, 1) if cfg.pipeline_stages > 1 else (ranks.rank, ranks.world)
 
     def restore(self, checkpoint: Checkpoint, meta: dict) -> None:
         """The run as the checkpoint left it. Every entry is checked (names, dtypes, shapes, the step)
@@ -656,7 +669,7 @@ class _Loop:
     def evaluate(self) -> float | None:
         if self.val_data is None:
             return None
-        losses = [self.relay.evaluate(*rank_shard(batch, self.ranks.rank, self.ranks.world))
+        losses = [self.relay.evaluate(*rank_shard(batch, *self.shard))
                   for batch in self.val_data]
         return sum(losses) / len(losses)
 
@@ -766,7 +779,7 @@ class _Loop:
         return f"{self.out / CHECKPOINT} keeps step {self.saved_step}"
 
     def step(self, batch) -> dict:
-        inputs, targets = rank_shard(batch, self.ranks.rank, self.ranks.world)
+        inputs, targets = rank_shard(batch, *self.shard)
         lr = self.relay.eps.lr_at(self.relay.step + 1)  # 1-based: the step about to run
         t0 = time.perf_counter()
         loss = self.relay.train_step(inputs, targets)

@@ -110,12 +110,21 @@ def test_bench_approx_is_reachable_and_reports_the_memory_of_each_variant(capsys
     assert memory["fewbit"] < memory["exact"] and memory["projection_0.5"] < memory["exact"]
 
 
-def test_bench_relay_json_reports_torch_time_and_ratios_for_u_1_4_8(monkeypatch, capsys):
+def test_bench_relay_json_pairs_each_policy_with_its_pytorch_partner_and_contention(monkeypatch, capsys):
     monkeypatch.setattr(bench_relay, "MODEL", GPTConfig(n_layer=1, n_embd=32, n_head=2, block_size=16))
     monkeypatch.setattr(bench_relay, "BATCH_SIZE", 8)
-    assert main(["bench", "relay", "--json", "--steps", "1"]) == 0
+    assert main(["bench", "relay", "--json", "--steps", "1", "--contention", "--budgets"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["torch_step_s"] > 0 and report["model"]["n_layer"] == 1
-    for u in ("u1", "u4", "u8"):
-        assert report[u]["step_s"] > 0 and report[u]["tokens_per_s"] > 0
-        assert report[u]["ratio"] == pytest.approx(report[u]["step_s"] / report["torch_step_s"])
+    assert report["model"]["n_layer"] == 1
+    assert {p: v["partner"] for p, v in report["pairs"].items()} == {
+        "none": "plain", "full": "checkpointed", "selective": "selective"}
+    for pair in report["pairs"].values():
+        assert pair["ratio"] == pytest.approx(pair["relay_step_s"] / pair["torch_step_s"])
+        assert pair["relay_peak_bytes"] > 0 and pair["torch_peak_bytes"] > 0
+        assert pair["slowdown_ratio"] == pytest.approx(pair["relay_slowdown"] / pair["torch_slowdown"])
+    # checkpointing keeps less than plain PyTorch keeps
+    assert report["pairs"]["full"]["torch_peak_bytes"] < report["torch_plain_peak_bytes"]
+    planned = report["planned"]
+    assert set(planned) >= {"full", "none"} and len(planned) == 5
+    for p in planned.values():
+        assert p["budget_bytes"] is None or p["kept_peak_bytes"] <= p["budget_bytes"]

@@ -17,6 +17,9 @@ CONFIGS = {
     "sgd-plain": dict(optimizer="sgd", lr=0.1),
     "adamw-cosine": dict(optimizer="adamw", lr=1e-2, schedule="cosine", warmup_steps=2, total_steps=6,
                          min_lr=1e-4),
+    "lamb": dict(optimizer="lamb", lr=1e-2, weight_decay=0.01),
+    "lars-cosine": dict(optimizer="lars", lr=0.5, momentum=0.9, weight_decay=1e-4, schedule="cosine",
+                        warmup_steps=2, total_steps=6),
 }
 
 
@@ -161,7 +164,7 @@ def test_unknown_backend_lists_known_ones():
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(optimizer="lamb"), "unknown optimizer 'lamb'"),
+    (dict(optimizer="adagrad"), "unknown optimizer 'adagrad'"),
     (dict(lr=-1.0), "lr must be >= 0"),
     (dict(betas=(0.9, 1.0)), "betas must be"),
     (dict(optimizer="sgd", nesterov=True), "nesterov needs momentum"),

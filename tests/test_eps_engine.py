@@ -172,7 +172,7 @@ def test_relay_asks_its_eps_and_never_inspects_or_writes_it(source):
     (dict(clip_grad_norm="1"), r"^clip_grad_norm='1': must be a finite number > 0"),
     (dict(device="tpu"), r"^device='tpu': must be cpu, cuda or cuda:N \(or cpu-async: the CPU with asynchronous transfers, for tests\)$"),
     (dict(device="cuda:7"), "device='cuda:7': is not available here"),
-    (dict(recompute="no"), r"^recompute='no': must be True or False$"),
+    (dict(recompute="no"), r"^recompute='no': must be one of none, full, selective$"),
     (dict(droppable=[9]), r"droppable must be layer indices in \[0, 5\), got \[9\]"),
 ])
 def test_bad_relay_options_are_refused_naming_the_option(options, message):

@@ -5,7 +5,7 @@ import torch
 
 import l2l_hw
 from l2l_hw.eps import golden, host_kernel
-from l2l_hw.eps.base import OptimConfig
+from l2l_hw.eps.base import STATE_SLOTS, OptimConfig
 
 ISAS = host_kernel.ISAS
 AVAILABLE = host_kernel.available_isas()
@@ -18,6 +18,8 @@ OPTIMIZERS = {
     "sgd-momentum": dict(optimizer="sgd", lr=0.1, momentum=0.9, dampening=0.3, weight_decay=1e-2),
     "sgd-nesterov": dict(optimizer="sgd", lr=0.1, momentum=0.8, nesterov=True),
     "sgd-plain": dict(optimizer="sgd", lr=0.1),
+    "lamb": dict(optimizer="lamb", lr=5e-3, weight_decay=0.01, betas=(0.85, 0.99)),
+    "lars": dict(optimizer="lars", lr=0.5, momentum=0.9, weight_decay=1e-3, trust_coefficient=2e-3),
 }
 GRAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 WORKING = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -38,7 +40,7 @@ def random_state(n, seed, optimizer):
     p = spread(-8, 5)
     p[: n // 50] = rng.choice(np.array([0.0, -0.0, 1e-40, -3e-39, 65520.0, 1.00390625], np.float32), n // 50)
     m = spread(-6, 0)
-    v = np.abs(spread(-10, 0)) if optimizer in ("adam", "adamw") else None
+    v = np.abs(spread(-10, 0)) if "v" in STATE_SLOTS[optimizer] else None
     g = spread(-4, 3) * np.float32(1024)  # the loss scale
     return p, m, v, g
 
@@ -49,8 +51,9 @@ def grad_tensor(g: np.ndarray, dtype) -> torch.Tensor:
 
 
 def expected(optimizer, s, p, m, v, grad, working):
-    """The golden rule, its canonical NaNs, the working copy bits and the flag."""
+    """The golden rule (LAMB and LARS: pass 1 then pass 2), its canonical NaNs, the working copy bits and the flag."""
     g = golden.grad_to_numpy(grad)
+    s = golden.layerwise_scalars(optimizer, s, p, m, v, g)
     with np.errstate(all="ignore"):
         found = not np.isfinite(g * np.float32(s.inv_scale)).all()
         ep, em, ev = golden.apply_rule(optimizer, s, p, m, v, g, np.sqrt)
@@ -115,7 +118,7 @@ def test_kernel_bit_identical_to_golden_2_pow_20_plus_3_adamw(isa, grad_dtype):
     check("adamw", GRAD_DTYPES[grad_dtype], working, isa, in_place=grad_dtype != "fp16", n=BIG, threads=3)
 
 
-@pytest.mark.parametrize("config", ["adam", "sgd-momentum", "sgd-nesterov", "sgd-plain"])
+@pytest.mark.parametrize("config", ["adam", "sgd-momentum", "sgd-nesterov", "sgd-plain", "lamb", "lars"])
 @pytest.mark.parametrize("isa", ISA_PARAMS)
 def test_kernel_bit_identical_to_golden_2_pow_20_plus_3_other_optimizers(isa, config):
     check(config, torch.bfloat16, torch.bfloat16, isa, in_place=config != "adam", n=BIG)
@@ -131,7 +134,8 @@ def test_first_step_and_no_loss_scale_bit_identical(isa):
 def test_nan_and_inf_gradients_set_flag_and_give_canonical_nans(isa):
     n = 3 * TILE + 5
     for grad_dtype in GRAD_DTYPES.values():
-        for config, working in (("adamw", torch.bfloat16), ("sgd-momentum", torch.float16)):
+        for config, working in (("adamw", torch.bfloat16), ("sgd-momentum", torch.float16),
+                                ("lamb", torch.bfloat16), ("lars", torch.float16)):
             cfg = OptimConfig(**OPTIMIZERS[config])
             s = golden.step_scalars(cfg, 2, 1.0)
             p, m, v, g = random_state(n, 1, cfg.optimizer)
@@ -158,7 +162,7 @@ def test_non_finite_state_with_finite_gradients_gives_canonical_nans(isa):
     n = 2 * TILE + 37
     odd = np.array([0x7FC00000, 0xFFC00000, 0x7F800001, 0xFFC00123, 0x7F800000, 0xFF800000], np.uint32).view(np.float32)
     for config, working in (("adamw", torch.bfloat16), ("adam", torch.float16), ("sgd-nesterov", torch.bfloat16),
-                            ("sgd-momentum", None)):
+                            ("sgd-momentum", None), ("lamb", torch.bfloat16), ("lars", None)):
         cfg = OptimConfig(**OPTIMIZERS[config])
         s = golden.step_scalars(cfg, 2, 1 / 1024)
         p, m, v, g = random_state(n, 3, cfg.optimizer)
@@ -251,16 +255,17 @@ def test_subnormals_kept_when_caller_flushes_denormals(isa):
         assert_bits(name, ours, theirs)
 
 
-def test_every_isa_and_thread_count_gives_the_same_bits():
+@pytest.mark.parametrize("config", ["adamw", "lamb", "lars"])  # LAMB, LARS: the norms' order is fixed too
+def test_every_isa_and_thread_count_gives_the_same_bits(config):
     n = 5 * TILE + 9
-    cfg = OptimConfig(**OPTIMIZERS["adamw"])
+    cfg = OptimConfig(**OPTIMIZERS[config])
     s = golden.step_scalars(cfg, 4, 1 / 1024)
-    p, m, v, g = random_state(n, 3, "adamw")
+    p, m, v, g = random_state(n, 3, cfg.optimizer)
     grad = grad_tensor(g, torch.bfloat16)
-    results = [run_kernel("adamw", s, p, m, v, grad, torch.bfloat16, isa, True, threads)
+    results = [run_kernel(cfg.optimizer, s, p, m, v, grad, torch.bfloat16, isa, True, threads)
                for isa in AVAILABLE for threads in (1, 2, 4)]
     for r in results[1:]:
-        for a, b in zip(r[:4], results[0][:4]):
+        for a, b in ((a, b) for a, b in zip(r[:4], results[0][:4]) if b is not None):  # LARS has no v
             assert np.array_equal(a.view(np.uint32 if a.dtype == np.float32 else np.uint16),
                                   b.view(np.uint32 if b.dtype == np.float32 else np.uint16))
 

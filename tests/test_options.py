@@ -96,8 +96,8 @@ def test_relay_takes_its_options_as_a_dataclass_or_as_keywords_and_refuses_unkno
 
     eps = l2l_hw.make_eps("cpu")
     relay = l2l_hw.Relay([nn.Linear(2, 2)], nn.functional.mse_loss, eps=eps,
-                         options=RelayOptions(micro_batches=2), recompute=False)
-    assert relay.options == RelayOptions(micro_batches=2, recompute=False)
+                         options=RelayOptions(micro_batches=2), recompute="none")
+    assert relay.options == RelayOptions(micro_batches=2, recompute="none")
     with pytest.raises(TypeError, match="unknown option.*micro_batch\\b"):
         l2l_hw.Relay([nn.Linear(2, 2)], nn.functional.mse_loss, eps=l2l_hw.make_eps("cpu"), micro_batch=2)
 

@@ -58,7 +58,7 @@ def train_plain(model, make_opt, loss_fn, batches):
     return losses
 
 
-def train_relay(model, eps_options, loss_fn, batches, u, backend="cpu", recompute=True, device="cpu"):
+def train_relay(model, eps_options, loss_fn, batches, u, backend="cpu", recompute="full", device="cpu"):
     relay = l2l_hw.Relay(model, loss_fn, eps=l2l_hw.make_eps(backend, **eps_options), micro_batches=u,
                          recompute=recompute, device=device)
     return [relay.train_step(x, y) for x, y in batches], relay
@@ -94,7 +94,7 @@ def test_relay_without_recompute_matches_pytorch(model, device):
     data = batches(STEPS)
     plain = build()
     plain_losses = train_plain(plain, make_opt, loss_fn, data)
-    relay_losses, relay = train_relay(build(), eps_options, loss_fn, data, u=4, recompute=False, device=device)
+    relay_losses, relay = train_relay(build(), eps_options, loss_fn, data, u=4, recompute="none", device=device)
     assert_same_training(plain_losses, plain, relay_losses, relay)
 
 

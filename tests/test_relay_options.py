@@ -277,6 +277,7 @@ def test_pipedream_2bw_step_does_not_wait_for_its_last_update():
     # The first layer's update of step 1 is held until released: under 2BW train_step
     # returns anyway (step 2 computes on the version that update replaces); the update
     # is swapped in when step 2 first pushes, and training still equals plain PyTorch.
+    # Beside a device (its twin): on the CPU itself updates run between layers, inline.
     import threading
     data = mlp_batches(3)
     reference = mlp_layers()
@@ -295,7 +296,8 @@ def test_pipedream_2bw_step_does_not_wait_for_its_last_update():
             finished.set()
 
     eps._update = slow_update
-    relay = l2l_hw.Relay(mlp_layers(), nn.functional.mse_loss, eps=eps, micro_batches=2, pipedream_2bw=True)
+    relay = l2l_hw.Relay(mlp_layers(), nn.functional.mse_loss, eps=eps, micro_batches=2, pipedream_2bw=True,
+                         device="cpu-async")
     relay.train_step(*data[0])
     assert not finished.is_set() and relay.step == 1  # returned before layer0's update could finish
     release.set()

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from l2l_hw.eps import golden, host_kernel
-from l2l_hw.eps.base import OptimConfig
+from l2l_hw.eps.base import STATE_SLOTS, OptimConfig
 
 AVAILABLE = host_kernel.available_isas()
 ISA_PARAMS = [pytest.param(isa, marks=pytest.mark.skipif(isa not in AVAILABLE, reason=f"this CPU lacks {isa}"))
@@ -16,6 +16,8 @@ OPTIMIZERS = {
     "adamw": dict(optimizer="adamw", lr=3e-3, weight_decay=0.1),
     "adam": dict(optimizer="adam", lr=2e-3, weight_decay=0.05, betas=(0.8, 0.95)),
     "sgd-momentum": dict(optimizer="sgd", lr=0.1, momentum=0.9, dampening=0.3, weight_decay=1e-2),
+    "lamb": dict(optimizer="lamb", lr=5e-3, weight_decay=0.01),
+    "lars": dict(optimizer="lars", lr=0.5, momentum=0.9, weight_decay=1e-3),
 }
 
 
@@ -124,7 +126,7 @@ def initial_state(n, seed, optimizer, state):
     p[5::97] = np.float32(-3e-39)  # subnormal weights: their working copy is rounded, not read as zero
     g = (rng.standard_normal(n) * 10.0 ** rng.uniform(-4, 2, n) * 1024).astype(np.float32)
     fp32 = {"m": (rng.standard_normal(n) * 10.0 ** rng.uniform(-7, 0, n)).astype(np.float32)}
-    if optimizer != "sgd":
+    if "v" in STATE_SLOTS[optimizer]:
         fp32["v"] = (np.abs(rng.standard_normal(n)) * 10.0 ** rng.uniform(-12, 0, n)).astype(np.float32)
     if n >= 2 * BLOCK:
         g[BLOCK: 2 * BLOCK] = 0
@@ -205,7 +207,7 @@ def test_kernel_bit_identical_to_golden_compressed_state_many_tiles_and_threads(
 def test_nan_and_inf_gradients_with_compressed_state(isa, state):
     n = 5 * BLOCK + 9
     poison = ((3, float("nan")), (2 * BLOCK + 8, float("inf")), (n - 1, -float("inf")))
-    for config in ("adamw", "sgd-momentum"):
+    for config in ("adamw", "sgd-momentum", "lamb", "lars"):
         check(config, state, isa, n, grad_dtype=torch.float32, poison=poison, seed=2)
 
 
@@ -216,7 +218,7 @@ def test_8bit_blocks_of_any_scale_decode_as_golden(isa):
     # 2^127: the updated block's maximum needs a scale above 2^126, so its codes saturate;
     # -2 and -0: negative state (v too), encoded by its magnitude
     odd = np.array([2.0**20, 2.0**40, 3.0, 2.0**-140, 0.0, 2.0**-126, 2.0**127, -2.0, -0.0], np.float32)
-    for config in ("adamw", "sgd-momentum"):
+    for config in ("adamw", "sgd-momentum", "lamb"):
         check(config, "8bit", isa, 10 * BLOCK + 5, scales={"m_scale": odd, "v_scale": odd[::-1].copy()})
         check(config, "8bit", isa, 10 * BLOCK + 5, scales={"m_scale": odd[::-1].copy(), "v_scale": odd})
 

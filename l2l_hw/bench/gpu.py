@@ -176,7 +176,7 @@ class Campaign:
 
         return step
 
-    def relay(self, cfg: GPTConfig, recompute: bool = True, activations: str = "device") -> l2l_hw.Relay:
+    def relay(self, cfg: GPTConfig, recompute: str = "full", activations: str = "device") -> l2l_hw.Relay:
         torch.manual_seed(0)
         eps = l2l_hw.make_eps("cpu", optimizer="adamw", lr=1e-4)
         return l2l_hw.Relay(build_gpt(cfg), lm_loss, eps=eps, device=self.relay_device,
@@ -238,7 +238,7 @@ class Campaign:
     def resident(self) -> dict:
         cfg = self.gpt(self.sizes.resident_layers)
         result = {}
-        for pair, recompute, checkpointed in [("no_recompute", False, False), ("recompute", True, True)]:
+        for pair, recompute, checkpointed in [("no_recompute", "none", False), ("recompute", "full", True)]:
             relay = self.relay(cfg, recompute=recompute)
             figures = self.throughput({"relay": self.relay_step(relay),
                                        "torch": self.torch_step(cfg, checkpointed=checkpointed)}, cfg)

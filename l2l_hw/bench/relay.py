@@ -1,29 +1,55 @@
-"""`l2l bench relay`: time per step of the relay against plain PyTorch.
+"""`l2l bench relay`: time per step and peak memory of the relay against PyTorch, policy by policy.
 
-Both train the same GPT (built with the same seed) on the same minibatch with
-AdamW. PyTorch runs the whole minibatch at once with torch.optim.AdamW
-(fused on CUDA, foreach on the CPU); the relay runs it layer by layer in
-u = 1, 4, 8 micro-batches with recompute (the constant-memory default), and at
-u = 4 without recompute (each layer's forward graph kept). Warm-up steps are not timed; the variants take
-turns step by step, and each figure is the median of its timed steps.
-ratio = relay step time / PyTorch step time.
+Each recompute policy of the relay meets the PyTorch training that keeps the same things
+for its backward, on the same GPT (built with the same seed), minibatch and AdamW:
+
+    none       the relay keeps each layer's forward graph   vs plain PyTorch
+    full       it runs each layer's forward again           vs PyTorch checkpointing every block
+    selective  it runs again all but matmuls and attention  vs PyTorch's selective activation
+                                                              checkpointing of every block, same policy
+
+PyTorch runs the whole minibatch at once with torch.optim.AdamW (fused on CUDA, foreach on
+the CPU); the relay runs it in 4 micro-batches with its CPU EPS, through l2l_hw.train as a
+user would. Warm-up steps are not timed; the six take turns step by step
+(l2l_hw/bench/timer.py), and each figure is the median of its timed steps. ratio = relay
+step time / its PyTorch partner's.
+
+Peak memory: the most bytes torch's allocator held above the step's start during one
+more step of each (torch.profiler's memory events): activations, and the weights and
+gradients a step allocates (all of PyTorch's gradients; the relay's one or two layers).
+
+--contention runs the same turns again with one busy process beside them (a Python loop
+on one core) and reports each one's slowdown, and each policy's relay slowdown over its
+partner's.
+
+--budgets times the relay with an activation budget (planned recompute) at 30, 60 and 90%
+of the way from what "full" keeps for the backward to what "none" keeps (the relay's
+accounting of kept activations, measured in a first step of each), beside "full" and
+"none", taking turns; with each, its plan and the kept activations' peak.
 """
+from __future__ import annotations
+
 import statistics
+import subprocess
+import sys
 import time
+from functools import partial
 
 import torch
+from torch.profiler import ProfilerActivity, profile
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 import l2l_hw
 from l2l_hw.bench import print_report, train_steps
 from l2l_hw.bench.timer import round_robin
 from l2l_hw.models import Corpus, GPTConfig, build_gpt, lm_loss
+from l2l_hw.relay.recompute import save_matmuls_and_attention
 
-# Big enough that compute, not Python overhead, dominates a step; small enough
-# that the whole bench stays under ~2 minutes on 2 CPU cores.
+# Big enough that compute, not Python overhead, dominates a step; small enough that the
+# bench stays within a few minutes on 2 CPU cores.
 MODEL = GPTConfig(n_layer=6, n_embd=256, n_head=8, block_size=128)
-BATCH_SIZE = 32
-MICRO_BATCHES = (1, 4, 8)
-NO_RECOMPUTE = "u4_no_recompute"
+BATCH_SIZE, MICRO_BATCHES = 32, 4
+PAIRS = {"none": "plain", "full": "checkpointed", "selective": "selective"}  # relay policy -> PyTorch partner
 WARMUP_STEPS = 1
 LR, SEED = 1e-3, 0
 
@@ -33,17 +59,30 @@ def _sync(device: torch.device):
         torch.cuda.synchronize(device)
 
 
-def _torch_trainer(x, y, device: torch.device):
+def _torch_trainer(x, y, device: torch.device, keeps: str):
+    """A PyTorch step: `keeps` plain, checkpointed (every block) or selective (every block, SAC)."""
     torch.manual_seed(SEED)
     model = build_gpt(MODEL).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, **({"fused": True} if device.type == "cuda" else {"foreach": True}))
     x, y = x.to(device), y.to(device)
+    embedding, blocks, head = model[0], list(model)[1:-1], model[-1]
+    contexts = partial(create_selective_checkpoint_contexts, save_matmuls_and_attention)
+
+    def block(b, h):
+        if keeps == "plain":
+            return b(h)
+        if keeps == "checkpointed":
+            return checkpoint(b, h, use_reentrant=False)
+        return checkpoint(b, h, use_reentrant=False, context_fn=contexts)
 
     def step() -> float:
         _sync(device)
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        lm_loss(model(x), y).backward()
+        h = embedding(x)
+        for b in blocks:
+            h = block(b, h)
+        lm_loss(head(h), y).backward()
         opt.step()
         _sync(device)
         return time.perf_counter() - t0
@@ -51,48 +90,126 @@ def _torch_trainer(x, y, device: torch.device):
     return step
 
 
-def _relay_trainer(x, y, micro_batches: int, device: torch.device, recompute: bool = True):
+def _relay(device: torch.device, **options) -> l2l_hw.Relay:
     torch.manual_seed(SEED)
     eps = l2l_hw.make_eps("cpu", optimizer="adamw", lr=LR)
-    relay = l2l_hw.Relay(build_gpt(MODEL), lm_loss, eps=eps, device=str(device), micro_batches=micro_batches,
-                         recompute=recompute)
+    return l2l_hw.Relay(build_gpt(MODEL), lm_loss, eps=eps, device=str(device), micro_batches=MICRO_BATCHES, **options)
+
+
+def _relay_trainer(x, y, device: torch.device, recompute: str):
+    relay = _relay(device, recompute=recompute)
     return lambda: train_steps(relay, [(x, y)], 1)[0]  # the float loss waits for the device
 
 
-def run(steps: int = 5, device: str = "cpu") -> dict:
+def planned(x, y, device: torch.device, steps: int) -> dict:
+    """Step time and kept activations under three activation budgets, with full and none."""
+    relays = {policy: _relay(device, recompute=policy) for policy in ("full", "none")}
+    kept = {}
+    for policy, relay in relays.items():
+        train_steps(relay, [(x, y)], 1)
+        kept[policy] = relay.memory_report()["kept_activation_peak_bytes"]
+    for share in (0.3, 0.6, 0.9):
+        budget = int(kept["full"] + share * (kept["none"] - kept["full"]))
+        relays[f"budget_{budget}"] = relay = _relay(device, activation_budget=budget)
+        train_steps(relay, [(x, y)], 1)  # the plan is made in the first step
+    for relay in relays.values():
+        relay.reset_memory()
+    times = round_robin({name: lambda r=r: train_steps(r, [(x, y)], 1)[0] for name, r in relays.items()}, steps, 0,
+                        self_timed=True)
+    return {name: {"step_s": statistics.median(times[name]), "budget_bytes": r.options.activation_budget,
+                   "kept_peak_bytes": r.memory_report()["kept_activation_peak_bytes"],
+                   "plan": r.keep.plan if r.options.activation_budget else None}
+            for name, r in relays.items()}
+
+
+def _peak_bytes(step, device: torch.device) -> int:
+    """The most bytes the allocator held above the start of one `step`."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        return torch.cuda.max_memory_allocated(device) - start
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    held = peak = 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        held += event.self_cpu_memory_usage
+        peak = max(peak, held)
+    return peak
+
+
+class _BusyNeighbour:
+    """One process spinning on a core while the block runs."""
+
+    def __enter__(self):
+        self.proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        time.sleep(0.5)  # let it reach the scheduler's steady state
+        return self
+
+    def __exit__(self, *exc):
+        self.proc.kill()
+        self.proc.wait()
+
+
+def run(steps: int = 5, device: str = "cpu", contention: bool = False, budgets: bool = False) -> dict:
     dev = torch.device(device)
     x, y = Corpus.load().batch("train", BATCH_SIZE, MODEL.block_size, torch.Generator().manual_seed(SEED))
     tokens = BATCH_SIZE * MODEL.block_size
-    trainers = {"torch": _torch_trainer(x, y, dev)}
-    trainers.update({f"u{u}": _relay_trainer(x, y, u, dev) for u in MICRO_BATCHES})
-    trainers[NO_RECOMPUTE] = _relay_trainer(x, y, 4, dev, recompute=False)
+    trainers = {}
+    for policy, keeps in PAIRS.items():
+        trainers[f"torch_{keeps}"] = _torch_trainer(x, y, dev, keeps)
+        trainers[f"relay_{policy}"] = _relay_trainer(x, y, dev, policy)
     # each trainer returns its step's own seconds (train()'s, or synchronized with the device)
-    times = round_robin(trainers, steps, WARMUP_STEPS, self_timed=True)
-    median = {name: statistics.median(t) for name, t in times.items()}
-    torch.manual_seed(SEED)
+    quiet = round_robin(trainers, steps, WARMUP_STEPS, self_timed=True)
+    median = {name: statistics.median(t) for name, t in quiet.items()}
     report = {
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)",
         "model": {"n_layer": MODEL.n_layer, "n_embd": MODEL.n_embd, "n_head": MODEL.n_head,
-                  "block_size": MODEL.block_size, "batch_size": BATCH_SIZE,
+                  "block_size": MODEL.block_size, "batch_size": BATCH_SIZE, "micro_batches": MICRO_BATCHES,
                   "params": sum(p.numel() for p in build_gpt(MODEL).parameters())},
-        "steps": steps, "warmup_steps": WARMUP_STEPS,
-        "torch_step_s": median["torch"], "torch_tokens_per_s": tokens / median["torch"],
+        "steps": steps, "warmup_steps": WARMUP_STEPS, "pairs": {},
     }
-    for name in [f"u{u}" for u in MICRO_BATCHES] + [NO_RECOMPUTE]:
-        s = median[name]
-        report[name] = {"step_s": s, "tokens_per_s": tokens / s, "ratio": s / median["torch"]}
+    peak = {name: _peak_bytes(step, dev) for name, step in trainers.items()}
+    if contention:
+        with _BusyNeighbour():
+            busy = round_robin(trainers, steps, 0, self_timed=True)
+        slowed = {name: statistics.median(t) / median[name] for name, t in busy.items()}
+    for policy, keeps in PAIRS.items():
+        relay, partner = f"relay_{policy}", f"torch_{keeps}"
+        pair = {"partner": keeps, "relay_step_s": median[relay], "torch_step_s": median[partner],
+                "relay_tokens_per_s": tokens / median[relay], "torch_tokens_per_s": tokens / median[partner],
+                "ratio": median[relay] / median[partner], "relay_peak_bytes": peak[relay],
+                "torch_peak_bytes": peak[partner], "ratio_to_plain": median[relay] / median["torch_plain"]}
+        if contention:
+            pair.update(relay_slowdown=slowed[relay], torch_slowdown=slowed[partner],
+                        slowdown_ratio=slowed[relay] / slowed[partner])
+        report["pairs"][policy] = pair
+    report["torch_plain_peak_bytes"] = peak["torch_plain"]
+    if budgets:
+        report["planned"] = planned(x, y, dev, steps)
     return report
 
 
 def format_report(r: dict) -> str:
     m = r["model"]
     lines = [f"relay vs PyTorch on {r['device']}: {m['n_layer']} layers x {m['n_embd']}, context {m['block_size']}, "
-             f"batch {m['batch_size']} ({m['params'] / 1e6:.1f} M params), median of {r['steps']} steps",
-             f"  {'':<24}{'step s':>10}{'tokens/s':>12}{'ratio':>8}",
-             f"  {'pytorch':<24}{r['torch_step_s']:>10.3f}{r['torch_tokens_per_s']:>12,.0f}{1.0:>8.2f}"]
-    for name, label in [(f"u{u}", f"relay u={u}") for u in MICRO_BATCHES] + [(NO_RECOMPUTE, "relay u=4, no recompute")]:
-        v = r[name]
-        lines.append(f"  {label:<24}{v['step_s']:>10.3f}{v['tokens_per_s']:>12,.0f}{v['ratio']:>8.2f}")
+             f"batch {m['batch_size']}, relay in {m['micro_batches']} micro-batches ({m['params'] / 1e6:.1f} M params), "
+             f"median of {r['steps']} steps",
+             f"  {'relay':<12}{'PyTorch':<14}{'relay s':>9}{'torch s':>9}{'ratio':>7}{'/plain':>8}"
+             f"{'relay MB':>10}{'torch MB':>10}"]
+    contention = "slowdown_ratio" in next(iter(r["pairs"].values()))
+    if contention:
+        lines[-1] += f"{'slowed':>8}{'torch':>7}{'ratio':>7}"
+    for policy, p in r["pairs"].items():
+        line = (f"  {policy:<12}{p['partner']:<14}{p['relay_step_s']:>9.3f}{p['torch_step_s']:>9.3f}{p['ratio']:>7.2f}"
+                f"{p['ratio_to_plain']:>8.2f}{p['relay_peak_bytes'] / 1e6:>10.1f}{p['torch_peak_bytes'] / 1e6:>10.1f}")
+        if contention:
+            line += f"{p['relay_slowdown']:>8.2f}{p['torch_slowdown']:>7.2f}{p['slowdown_ratio']:>7.2f}"
+        lines.append(line)
+    for name, p in r.get("planned", {}).items():
+        plan = "" if p["plan"] is None else " ".join(f"{i}:{v}" for i, v in p["plan"].items())
+        lines.append(f"  planned {name:<18}{p['step_s']:>9.3f} s, kept {p['kept_peak_bytes'] / 1e6:.1f} MB  {plan}")
     return "\n".join(lines)
 
 
@@ -100,7 +217,12 @@ def add_arguments(p) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--steps", type=int, default=5, help="timed steps per variant, after warm-up (default 5)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument("--contention", action="store_true",
+                   help="also run every variant beside one busy process and report the slowdowns")
+    p.add_argument("--budgets", action="store_true",
+                   help="also time the relay under three activation budgets (planned recompute)")
 
 
 def run_from_args(args) -> int:
-    return print_report(run(steps=args.steps, device=args.device), args.json, format_report)
+    return print_report(run(steps=args.steps, device=args.device, contention=args.contention, budgets=args.budgets),
+                        args.json, format_report)

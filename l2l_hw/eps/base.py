@@ -31,13 +31,22 @@ import torch
 
 from l2l_hw.options import OptionError
 
-OPTIMIZERS = ("adamw", "adam", "sgd")
+OPTIMIZERS = ("adamw", "adam", "sgd", "lamb", "lars")
+# The layer-wise optimizers: each tensor's step is scaled by a trust ratio of its whole norms
+# (docs/NUMERICS.md, "LAMB and LARS"), so an update sees the whole tensor, never a slice.
+LAYERWISE = ("lamb", "lars")
 SCHEDULES = ("constant", "cosine", "linear")
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 WORKING_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-# Optimizer state slots per optimizer: m is Adam's exp_avg or SGD's momentum buffer,
-# v is Adam's exp_avg_sq.
-STATE_SLOTS = {"adamw": ("m", "v"), "adam": ("m", "v"), "sgd": ("m",)}
+# Optimizer state slots per optimizer: m is Adam's (LAMB's) exp_avg or SGD's (LARS's) momentum
+# buffer, v is Adam's exp_avg_sq.
+STATE_SLOTS = {"adamw": ("m", "v"), "adam": ("m", "v"), "sgd": ("m",), "lamb": ("m", "v"), "lars": ("m",)}
+MOMENTUM_OPTIMIZERS = ("sgd", "lars")  # take momentum=; without it they keep no state
+
+
+def updated_slots(optimizer: str, momentum: float) -> tuple[str, ...]:
+    """The state slots an update reads and writes: SGD and LARS without momentum keep none."""
+    return () if optimizer in MOMENTUM_OPTIMIZERS and momentum == 0 else STATE_SLOTS[optimizer]
 
 
 def check_number(name: str, value, low=None, high=None, integer: bool = False, high_open: bool = False):
@@ -65,30 +74,34 @@ class OptimConfig:
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
-    weight_decay: float | None = None  # None: torch's default (AdamW 1e-2, Adam/SGD 0)
-    momentum: float = 0.0
+    weight_decay: float | None = None  # None: torch's default (AdamW 1e-2, Adam/SGD 0); LAMB 1e-2, LARS 0
+    momentum: float = 0.0  # SGD and LARS
     dampening: float = 0.0
     nesterov: bool = False
     schedule: str = "constant"
     warmup_steps: int = 0
     total_steps: int | None = None
     min_lr: float = 0.0
+    # LARS's eta: the trust ratio is eta ||p|| / (||g|| + weight_decay ||p||) (You et al., arXiv 1708.03888)
+    trust_coefficient: float = 1e-3
 
     def __post_init__(self):
         if self.optimizer not in OPTIMIZERS:
             raise OptionError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}",
                               "optimizer", self.optimizer, f"must be one of {', '.join(OPTIMIZERS)}")
         if self.weight_decay is None:
-            object.__setattr__(self, "weight_decay", 1e-2 if self.optimizer == "adamw" else 0.0)
-        for name in ("lr", "eps", "weight_decay", "min_lr"):  # finite: an infinite one trains to NaN
+            object.__setattr__(self, "weight_decay", 1e-2 if self.optimizer in ("adamw", "lamb") else 0.0)
+        # finite: an infinite one trains to NaN
+        for name in ("lr", "eps", "weight_decay", "min_lr", "trust_coefficient"):
             object.__setattr__(self, name, check_number(name, getattr(self, name), low=0.0))
         # momentum >= 1 grows the buffer without bound (torch.optim.SGD takes it and diverges)
         object.__setattr__(self, "momentum", check_number("momentum", self.momentum, low=0.0, high=1.0,
                                                           high_open=True))
-        if self.momentum and self.optimizer != "sgd":
-            raise OptionError(f"momentum is SGD's; {self.optimizer} takes none (its betas play that part), got "
-                              f"momentum={self.momentum!r}", "momentum", self.momentum,
-                              f"is for the sgd optimizer; {self.optimizer} takes none (its betas play that part)")
+        if self.momentum and self.optimizer not in MOMENTUM_OPTIMIZERS:
+            raise OptionError(f"momentum is SGD's; {self.optimizer} takes none (its betas play that part; lars "
+                              f"takes momentum too), got momentum={self.momentum!r}", "momentum", self.momentum,
+                              f"is for the sgd and lars optimizers; {self.optimizer} takes none (its betas play "
+                              "that part)")
         object.__setattr__(self, "dampening", check_number("dampening", self.dampening, low=0.0, high=1.0))
         betas = self.betas
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
@@ -208,8 +221,12 @@ class EPS(ABC):
 
     @abstractmethod
     def configure(self, working_dtype: str | None = None, double_buffer: bool | None = None,
-                  defer_updates: bool | None = None, device: str | torch.device | None = None) -> None:
-        """What the relay needs of the EPS, said once before the first register()."""
+                  defer_updates: bool | None = None, device: str | torch.device | None = None,
+                  threads: int | None = None, inline: bool | None = None) -> None:
+        """What the relay needs of the EPS, said once before the first register(). The relay's
+        thread policy: `threads`, the host threads an update may compute with; `inline`, whether
+        the layers compute on the caller's thread on the host's cores, so that an update computing
+        there too runs between layers rather than beside them (l2l_hw/eps/worker.py)."""
 
     @abstractmethod
     def register(self, key: str, params: dict[str, torch.Tensor], no_decay: frozenset[str] = frozenset()) -> None:
@@ -347,7 +364,8 @@ class LocalEps(EPS):
         self.pin_fetched = False  # the working copy crosses to a CUDA device: pin it (nothing else)
 
     def configure(self, working_dtype: str | None = None, double_buffer: bool | None = None,
-                  defer_updates: bool | None = None, device: str | torch.device | None = None) -> None:
+                  defer_updates: bool | None = None, device: str | torch.device | None = None,
+                  threads: int | None = None, inline: bool | None = None) -> None:
         """What the relay needs of the EPS, said once at construction: the working copy's dtype
         (what the layers compute in), double buffering (a step can be discarded whole, or the
         previous version is read), whether updates wait for the end of the step, and the

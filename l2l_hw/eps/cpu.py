@@ -24,6 +24,7 @@ from l2l_hw.eps.registry import register_backend
 @register_backend("cpu")
 class CpuEps(AsyncEps):
     in_place = True
+    computes_on_host = True
 
     def __init__(self, config: OptimConfig, working_dtype: str = "fp32", double_buffer: bool = False,
                  threads: int | None = None, isa: str | None = None, state: str = "fp32"):
@@ -33,6 +34,12 @@ class CpuEps(AsyncEps):
         self.threads = host_kernel.default_threads() if threads is None else threads
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
             raise ValueError(f"threads must be an integer >= 1, got {self.threads!r}")
+
+    def configure(self, working_dtype=None, double_buffer=None, defer_updates=None, device=None, threads=None,
+                  inline=None) -> None:
+        super().configure(working_dtype, double_buffer, defer_updates, device, threads, inline)
+        if threads is not None:
+            self.threads = threads
 
     def _allocate(self, shape, dtype, fetched):
         # Pinned memory lets the relay's copy stream move the working copy asynchronously.

@@ -42,6 +42,7 @@ ENCODE_CHUNK = golden.QUANT_BLOCK << 14  # elements encoded at a time (whole blo
 
 @register_backend("cpu", state_dir=True)
 class DiskEps(CpuEps):
+    computes_on_host = False  # an update waits on the disk: on its thread, the relay computes meanwhile
     def __init__(self, config: OptimConfig, working_dtype: str = "fp32", double_buffer: bool = False,
                  threads: int | None = None, isa: str | None = None, state: str = "fp32", *, state_dir,
                  groups_in_flight: int = GROUPS_IN_FLIGHT):

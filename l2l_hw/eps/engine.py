@@ -29,14 +29,13 @@ layer i overlaps the backward of layer i-1 on the caller's thread.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from l2l_hw.eps import golden
-from l2l_hw.eps.base import STATE_SLOTS, WORKING_DTYPES, LocalEps, OptimConfig, landed, release
+from l2l_hw.eps.base import WORKING_DTYPES, LocalEps, OptimConfig, landed, release, updated_slots
 from l2l_hw.eps.golden import step_scalars
 from l2l_hw.eps.worker import UpdateWorker
 
@@ -65,6 +64,9 @@ class AsyncEps(LocalEps):
 
     # False where an update can fail halfway through a tensor: updates then write spare buffers.
     in_place = True
+    # True where an update is computation on the host's cores (not I/O, not another device's):
+    # with the layers on the CPU too, it then runs inline (l2l_hw/eps/worker.py).
+    computes_on_host = False
 
     def __init__(self, config: OptimConfig, working_dtype: str = "fp32", double_buffer: bool = False,
                  worker_name: str = "l2l-eps-update", state: str = "fp32"):
@@ -76,6 +78,12 @@ class AsyncEps(LocalEps):
         self.buffers: dict[str, dict[str, TensorBuffers]] = {}
         self._worker = UpdateWorker(worker_name)
         self._written: dict[str, set[str]] = {}  # double buffering: tensors updated in the step, per group
+
+    def configure(self, working_dtype=None, double_buffer=None, defer_updates=None, device=None, threads=None,
+                  inline=None) -> None:
+        super().configure(working_dtype, double_buffer, defer_updates, device, threads, inline)
+        if inline is not None:
+            self._worker.inline = inline and self.computes_on_host
 
     # -- what a backend provides ---------------------------------------------------
     def _allocate(self, shape: torch.Size, dtype: torch.dtype, fetched: bool) -> Buffer:
@@ -105,9 +113,8 @@ class AsyncEps(LocalEps):
         return "param" if self.working_dtype == "fp32" else "working"
 
     def _slots_written(self) -> tuple[str, ...]:
-        """What an update writes: SGD without momentum leaves m as it is."""
-        cfg = self.config
-        state = () if cfg.optimizer == "sgd" and cfg.momentum == 0 else STATE_SLOTS[cfg.optimizer]
+        """What an update writes: SGD and LARS without momentum leave m as it is."""
+        state = updated_slots(self.config.optimizer, self.config.momentum)
         return ("param",) + state + (("working",) if self.working_dtype != "fp32" else ())
 
     @property
@@ -196,7 +203,7 @@ class AsyncEps(LocalEps):
     # -- the step ---------------------------------------------------------------------
     def _push(self, key, grads, inv_scale):
         s = step_scalars(self.config, self.step + 1, inv_scale)
-        plain = dataclasses.replace(s, weight_decay=golden.f32(0.0), decay=golden.f32(1.0))  # no_decay's tensors
+        plain = golden.without_weight_decay(s)  # no_decay's tensors
         self._worker.submit(key, self._update, key, grads, {n: plain if n in self.no_decay[key] else s for n in grads})
 
     def _update(self, key: str, grads: dict[str, torch.Tensor], scalars: dict) -> bool:

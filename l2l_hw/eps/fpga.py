@@ -46,6 +46,14 @@ class FpgaEps(AsyncEps):
     STATE_FORMATS = ("fp32", "8bit")
 
     @classmethod
+    def check_optimizer(cls, config: OptimConfig) -> None:
+        """Refuse an optimizer the RTL lacks (LAMB and LARS need a norm pass it does not have)."""
+        if config.optimizer not in regs.MODE_OPTIMIZER_VALUES:
+            raise ValueError(f"the {cls.name} EPS runs optimizer {', '.join(regs.MODE_OPTIMIZER_VALUES)} only (the RTL "
+                             f"kernel has no trust-ratio pass), not optimizer={config.optimizer!r}; use the cpu or "
+                             f"golden EPS for it")
+
+    @classmethod
     def check_state(cls, state: str) -> None:
         """Refuse an optimizer state format the RTL lacks (before any transport is built)."""
         if state not in cls.STATE_FORMATS:
@@ -55,6 +63,7 @@ class FpgaEps(AsyncEps):
 
     def __init__(self, config: OptimConfig, working_dtype: str = "fp32", double_buffer: bool = False,
                  transport=None, timeout_s: float | None = None, max_cycles: int | None = None, state: str = "fp32"):
+        self.check_optimizer(config)
         self.check_state(state)
         super().__init__(config, working_dtype, double_buffer, "l2l-fpga-update", state=state)
         from l2l_hw.hw.driver import DEFAULT_TIMEOUT_S, L2lOptimDriver
@@ -122,6 +131,7 @@ class FpgaSimEps(FpgaEps):
     def __init__(self, config: OptimConfig, working_dtype: str = "fp32", double_buffer: bool = False,
                  data_width: int | None = None, dram_bytes: int | None = None, read_latency: int = 0,
                  transport=None, lanes: int | None = None, compute_units: int | None = None, **driver_options):
+        self.check_optimizer(config)
         self.check_state(driver_options.get("state", "fp32"))
         if transport is None:
             from l2l_hw.hw import verilator
@@ -138,6 +148,7 @@ class FpgaPynqEps(FpgaEps):
 
     def __init__(self, config: OptimConfig, working_dtype: str = "fp32", double_buffer: bool = False,
                  overlay=None, kernel: str | None = None, transport=None, **driver_options):
+        self.check_optimizer(config)
         self.check_state(driver_options.get("state", "fp32"))
         if transport is None:
             if overlay is None:

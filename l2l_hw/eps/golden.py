@@ -10,16 +10,19 @@ computes (value*t1)/t2, lerp computes m + (g - m)*w) so that the rule stays with
 Per-step scalars are computed once per step in float64 and rounded to float32; they
 are handed to the rule as Python floats holding those exact float32 values, so the
 same rule runs on numpy float32 arrays (golden) and torch float32 tensors (CPU EPS).
+LAMB and LARS add one per-tensor scalar, the trust ratio's (`layerwise_scalars`: pass 1,
+sums of squares in float64 in one fixed order, `sum_of_squares`), before the rule runs.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from l2l_hw.eps.base import OptimConfig
+from l2l_hw.eps.base import LAYERWISE, MOMENTUM_OPTIMIZERS, OptimConfig
 from l2l_hw.hw import regs
 
 CANONICAL_NAN32 = 0x7FC00000
@@ -34,7 +37,8 @@ def f32(x: float) -> float:
 
 @dataclass(frozen=True)
 class StepScalars:
-    """Host-side scalars of one step, each an exact float32 value."""
+    """Host-side scalars of one step, each an exact float32 value (but LAMB's and LARS's float64
+    exact_lr, exact_weight_decay and trust_coefficient, inputs of the per-tensor trust scalar)."""
 
     inv_scale: float
     lr: float
@@ -50,6 +54,18 @@ class StepScalars:
     momentum: float
     dampening_complement: float  # SGD: 1 - dampening; 1 at step 1 (torch clones the first gradient)
     nesterov: bool
+    bias_correction1: float = 1.0  # LAMB: 1 - beta1^t (m_hat = m / it, as the paper writes it)
+    # LAMB and LARS: the float64 hyper-parameters the per-tensor trust scalar is computed from
+    # (layerwise_scalars, on the host, once per tensor and step), and that scalar: LAMB lr x
+    # the tensor's trust ratio, LARS the ratio (1 until layerwise_scalars sets it)
+    exact_lr: float = 0.0
+    exact_weight_decay: float = 0.0
+    trust_coefficient: float = 0.0
+    trust: float = 1.0
+
+
+# The scalars only LAMB and LARS read (the host kernel's, not the RTL's: its registers are the rest).
+LAYERWISE_SCALARS = ("bias_correction1", "exact_lr", "exact_weight_decay", "trust_coefficient", "trust")
 
 
 def step_scalars(cfg: OptimConfig, step: int, inv_scale: float = 1.0) -> StepScalars:
@@ -72,30 +88,127 @@ def step_scalars(cfg: OptimConfig, step: int, inv_scale: float = 1.0) -> StepSca
         momentum=f32(cfg.momentum),
         dampening_complement=1.0 if first_or_plain else f32(1.0 - cfg.dampening),
         nesterov=cfg.nesterov,
+        bias_correction1=f32(1.0 - b1 ** step),
+        exact_lr=lr,
+        exact_weight_decay=cfg.weight_decay,
+        trust_coefficient=cfg.trust_coefficient,
     )
+
+
+def without_weight_decay(s: StepScalars) -> StepScalars:
+    """The scalars of a tensor updated without weight decay (EPS.register's no_decay)."""
+    return dataclasses.replace(s, weight_decay=f32(0.0), decay=f32(1.0), exact_weight_decay=0.0)
 
 
 def apply_rule(optimizer: str, s: StepScalars, p, m, v, g, sqrt):
     """One step of the update rule on float32 arrays; returns new (p, m, v).
 
     `g` is the gradient already converted to float32 (exact from bf16/fp16). Each
-    statement is one rounding. `v` is None for SGD."""
+    statement is one rounding. `v` is None for SGD and LARS. LAMB and LARS take the
+    tensor's trust scalar `s.trust` from layerwise_scalars."""
     g = g * s.inv_scale
-    if optimizer == "sgd":
+    if optimizer in MOMENTUM_OPTIMIZERS:  # SGD and LARS
         if s.weight_decay != 0:
             g = g + p * s.weight_decay
+        if optimizer == "lars":
+            g = g * s.trust
         if s.momentum != 0:
             m = m * s.momentum + g * s.dampening_complement
             g = g + m * s.momentum if s.nesterov else m
         return p - g * s.lr, m, v
+    if optimizer == "lamb":
+        u, m, v = lamb_update(s, p, m, v, g, sqrt)
+        return p - u * s.trust, m, v
     if optimizer == "adam" and s.weight_decay != 0:
         g = g + p * s.weight_decay
     if optimizer == "adamw" and s.weight_decay != 0:
         p = p * s.decay
+    m, v, denom = adam_moments(s, m, v, g, sqrt)
+    return p - (m * s.step_size) / denom, m, v
+
+
+def adam_moments(s: StepScalars, m, v, g, sqrt):
+    """Adam's (and LAMB's) moments and the denominator of its step: new (m, v, denom)."""
     m = m + (g - m) * s.one_minus_beta1  # torch's lerp_, unfused
     v = v * s.beta2 + (g * s.one_minus_beta2) * g  # torch's mul_ then addcmul_, unfused
     denom = sqrt(v) / s.bias_correction2_sqrt + s.eps
-    return p - (m * s.step_size) / denom, m, v
+    return m, v, denom
+
+
+def lamb_update(s: StepScalars, p, m, v, g, sqrt):
+    """LAMB's update direction before the trust ratio, u = m_hat / (sqrt(v_hat) + eps) + wd p,
+    with Adam's moments and denominator; returns (u, m, v). g is unscaled already."""
+    m, v, denom = adam_moments(s, m, v, g, sqrt)
+    u = (m / s.bias_correction1) / denom
+    if s.weight_decay != 0:
+        u = u + p * s.weight_decay
+    return u, m, v
+
+
+# ---------------------------------------------------------------------------- LAMB and LARS
+# The trust ratio of a tensor needs two whole-tensor norms: ||p|| and ||u|| (LAMB's update
+# direction) or ||g|| (LARS). Sums of squares are taken in float64 (each square of a float32
+# is exact there) in one fixed order that every implementation reproduces bit for bit
+# (docs/NUMERICS.md, "LAMB and LARS"): blocks of NORM_BLOCK elements; in a block, 16 lane
+# sums (element i goes to lane i % 16, rows added in order), folded by a fixed tree
+# (lane l + lane l + 8, then + 4, + 2, + 1); the block sums added in block order.
+NORM_BLOCK = regs.QUANT_BLOCK  # the 8-bit state's block: the kernel's tiles hold whole ones
+NORM_LANES = 16  # one AVX-512 vector of float32; AVX2 takes two vectors a row, the scalar path 16 steps
+
+
+def sum_of_squares(x: np.ndarray) -> float:
+    """The sum of x^2 over a float32 array, in float64, in the order above."""
+    x = np.asarray(x, np.float32).reshape(-1)
+    blocks = -(-x.size // NORM_BLOCK)
+    if blocks == 0:
+        return 0.0
+    padded = np.zeros(blocks * NORM_BLOCK, np.float64)  # +0 pads: adding +0 changes no sum
+    with np.errstate(invalid="ignore"):  # a signalling NaN widens to a NaN: the sum is NaN
+        padded[: x.size] = x
+    squares = (padded * padded).reshape(blocks, NORM_BLOCK // NORM_LANES, NORM_LANES)
+    lanes = np.add.accumulate(squares, axis=1)[:, -1, :]  # accumulate: strictly in order, row by row
+    width = NORM_LANES
+    while width > 1:
+        width //= 2
+        lanes = lanes[:, :width] + lanes[:, width: 2 * width]
+    return float(np.add.accumulate(lanes[:, 0])[-1])
+
+
+def trust_ratio(optimizer: str, s: StepScalars, p_squares: float, x_squares: float) -> float:
+    """The trust ratio, in float64, from the sums of squares of p and of LAMB's u or LARS's g:
+    LAMB ||p|| / ||u||, LARS eta ||p|| / (||g|| + wd ||p||); 1 where either norm is 0 (no
+    clamping: phi is the identity)."""
+    p_norm, x_norm = math.sqrt(p_squares), math.sqrt(x_squares)
+    if p_norm == 0 or x_norm == 0:
+        return 1.0
+    if optimizer == "lamb":
+        return p_norm / x_norm
+    return s.trust_coefficient * p_norm / (x_norm + s.exact_weight_decay * p_norm)
+
+
+def layerwise_scalars(optimizer: str, s: StepScalars, p, m, v, g) -> StepScalars:
+    """Pass 1 of a LAMB or LARS step of one whole tensor: the scalars with its trust set, from
+    the sums of squares of p and of u (LAMB: the rule's statements, state unchanged) or of the
+    unscaled g (LARS), then with_trust. Other optimizers: s as it is."""
+    if optimizer not in LAYERWISE:
+        return s
+    return with_trust(optimizer, s, *layerwise_sums(optimizer, s, p, m, v, g))
+
+
+def layerwise_sums(optimizer: str, s: StepScalars, p, m, v, g) -> tuple[float, float]:
+    """Pass 1's two sums of squares: of p, and of LAMB's u or LARS's unscaled g."""
+    with np.errstate(all="ignore"):  # a non-finite gradient makes the ratio NaN: the flag says so
+        g = g * np.float32(s.inv_scale)
+        x = lamb_update(s, p, m, v, g, np.sqrt)[0] if optimizer == "lamb" else g
+    return sum_of_squares(p), sum_of_squares(x)
+
+
+def with_trust(optimizer: str, s: StepScalars, p_squares: float, x_squares: float) -> StepScalars:
+    """s with the tensor's trust scalar: LAMB f32(lr x ratio), LARS f32(ratio), in float64 from the
+    float64 lr, weight decay and eta, as every per-step scalar."""
+    ratio = trust_ratio(optimizer, s, p_squares, x_squares)
+    with np.errstate(over="ignore"):  # a ratio beyond float32 is Inf, as the rule would make it
+        return dataclasses.replace(s, trust=f32(s.exact_lr * ratio if optimizer == "lamb" else ratio))
 
 
 def canonicalize_nan(x: np.ndarray) -> np.ndarray:
@@ -319,6 +432,7 @@ def apply_rule_stored(optimizer: str, s: StepScalars, p: np.ndarray, stored: dic
     encode. Returns the new fp32 param (canonical NaNs) and the new stored state."""
     slots = [slot for slot in ("m", "v") if slot in stored]
     old = {slot: decode_state(stored, state, slot) for slot in slots}
+    s = layerwise_scalars(optimizer, s, p, old.get("m"), old.get("v"), g)
     with np.errstate(all="ignore"):
         p, m, v = apply_rule(optimizer, s, p, old.get("m"), old.get("v"), g, np.sqrt)
     new = {}

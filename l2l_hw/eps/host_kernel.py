@@ -6,7 +6,9 @@
 
 One pass reads the gradient (fp32, bf16 or fp16), unscales it, flags non-finite values,
 updates fp32 param, m and v by `golden.apply_rule` bit for bit, and writes the bf16/fp16
-working copy. m and v may be kept compressed (`state=`, golden.STATE_FORMATS): "bf16"
+working copy. LAMB and LARS take a pass before it (`l2l_host_norms`: the tensor's sums of
+squares, golden.sum_of_squares' order, nothing written), whose sums make the tensor's trust
+scalar by golden.with_trust. m and v may be kept compressed (`state=`, golden.STATE_FORMATS): "bf16"
 (torch.bfloat16 tensors) or "8bit" (torch.uint8 codes, golden.M_CODE / V_CODE, plus one
 float32 scale per golden.QUANT_BLOCK elements in m_scale / v_scale, the last block
 possibly short: `golden.stored_pieces` gives the shapes); the update is then
@@ -32,11 +34,12 @@ from pathlib import Path
 import torch
 
 from l2l_hw.eps import golden
+from l2l_hw.eps.base import LAYERWISE, MOMENTUM_OPTIMIZERS
 from l2l_hw.eps.golden import StepScalars
 
 ISAS = ("scalar", "avx2", "avx512")  # codes 0, 1, 2 in C
 ISA_ENV = "L2L_HOST_ISA"
-OPTIMIZER_CODES = {"adamw": 0, "adam": 1, "sgd": 2}
+OPTIMIZER_CODES = {"adamw": 0, "adam": 1, "sgd": 2, "lamb": 3, "lars": 4}
 GRAD_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 WORKING_CODES = {torch.bfloat16: 1, torch.float16: 2}
 STATE_CODES = {"fp32": 0, "bf16": 1, "8bit": 2}  # golden.STATE_FORMATS, in C's order
@@ -54,7 +57,8 @@ class _Scalars(ctypes.Structure):
     _fields_ = [("optimizer", ctypes.c_int32), ("nesterov", ctypes.c_int32)] + [
         (name, ctypes.c_float) for name in (
             "inv_scale", "lr", "weight_decay", "decay", "beta1", "one_minus_beta1", "beta2", "one_minus_beta2",
-            "step_size", "bias_correction2_sqrt", "eps", "momentum", "dampening_complement")]
+            "step_size", "bias_correction2_sqrt", "eps", "momentum", "dampening_complement", "bias_correction1",
+            "trust")]
 
 
 class _Buffers(ctypes.Structure):
@@ -106,6 +110,9 @@ def library() -> ctypes.CDLL:
     lib.l2l_host_step.argtypes = [ctypes.POINTER(_Scalars), c_i64, ctypes.POINTER(_Buffers), c_int, c_int,
                                   ctypes.POINTER(_Codebooks), c_int, c_int, c_int]
     lib.l2l_host_step.restype = c_int
+    lib.l2l_host_norms.argtypes = [ctypes.POINTER(_Scalars), c_i64, ctypes.POINTER(_Buffers), c_int, c_int,
+                                   ctypes.POINTER(_Codebooks), c_int, c_int, ctypes.POINTER(ctypes.c_double)]
+    lib.l2l_host_norms.restype = c_int
     lib.l2l_host_stream.argtypes = [c_i64, ctypes.POINTER(_Stream), c_int, c_int]
     lib.l2l_host_stream.restype = c_int
     for name in ("l2l_host_tile", "l2l_host_block", "l2l_host_best_isa"):
@@ -203,68 +210,115 @@ def step(optimizer: str, scalars: StepScalars, grad: torch.Tensor, param: torch.
          isa: str | None = None, threads: int | None = None) -> bool:
     """One update of one tensor; returns whether any gradient value times inv_scale is not finite.
 
-    Outputs default to the inputs (in place). `m` is needed by Adam/AdamW and by SGD with
-    momentum, `v` by Adam/AdamW; `working_out` (bf16 or fp16) receives the working copy.
+    Outputs default to the inputs (in place). `m` is needed by Adam/AdamW/LAMB and by SGD/LARS
+    with momentum, `v` by Adam/AdamW/LAMB; `working_out` (bf16 or fp16) receives the working copy.
+    LAMB and LARS take two passes: the tensor's sums of squares (`sums_of_squares`, nothing
+    written), then the step with the trust scalar golden.with_trust makes of them.
     `state` is the format of m and v (see the module docstring); with "8bit", m_scale and
     v_scale (and their outputs) hold the block scales."""
-    if optimizer not in OPTIMIZER_CODES:
-        raise ValueError(f"host kernel: unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZER_CODES)}")
-    if not isinstance(param, torch.Tensor):
-        raise TypeError(f"host kernel: param must be a torch.Tensor, got {type(param).__name__}")
-    n = param.numel()
-    pieces = golden.stored_pieces(state, "m", n)
-    adam = optimizer != "sgd"
-    uses_m, uses_v = adam or scalars.momentum != 0, adam
-    quantized = state == "8bit"
-    for name, t, needed in (("m", m, uses_m), ("v", v, uses_v), ("m_scale", m_scale, uses_m and quantized),
-                            ("v_scale", v_scale, uses_v and quantized)):
-        if needed and t is None:
-            raise ValueError(f"host kernel: {optimizer} needs the state tensor {name} ({state} state)")
-    m, v = (m if uses_m else None), (v if uses_v else None)
-    m_scale, v_scale = (m_scale if uses_m and quantized else None), (v_scale if uses_v and quantized else None)
-    param_out = param if param_out is None else param_out
-    m_out = (m if m_out is None else m_out) if uses_m else None
-    v_out = (v if v_out is None else v_out) if uses_v else None
-    m_scale_out = (m_scale if m_scale_out is None else m_scale_out) if m_scale is not None else None
-    v_scale_out = (v_scale if v_scale_out is None else v_scale_out) if v_scale is not None else None
-    buffers = {"grad": grad, "param": param, "m": m, "v": v, "m_scale": m_scale, "v_scale": v_scale,
-               "param_out": param_out, "m_out": m_out, "v_out": v_out, "m_scale_out": m_scale_out,
-               "v_scale_out": v_scale_out, "working_out": working_out}
-    blocks = pieces.get("m_scale", (None, n))[1]
-    _check_buffers(buffers, n, {name: blocks for name in ("m_scale", "v_scale", "m_scale_out", "v_scale_out")})
-    if grad.dtype not in GRAD_CODES:
-        raise TypeError(f"host kernel: grad has dtype {grad.dtype}; it takes float32, bfloat16 or float16")
-    want = {"param": torch.float32, "param_out": torch.float32}
-    for name in ("m", "v", "m_out", "v_out"):
-        want[name] = golden.STORED_DTYPES[state]
-    for name in ("m_scale", "v_scale", "m_scale_out", "v_scale_out"):
-        want[name] = torch.float32
-    for name, dtype in want.items():
-        if buffers[name] is not None and buffers[name].dtype != dtype:
-            raise TypeError(f"host kernel: {name} has dtype {buffers[name].dtype}; with {state} state it is {dtype}")
-    if working_out is not None and working_out.dtype not in WORKING_CODES:
-        raise TypeError(f"host kernel: working_out has dtype {working_out.dtype}; it takes bfloat16 or float16 "
-                        f"(an fp32 working copy is param itself)")
-    sources = {k: buffers[k] for k in ("grad", "param", "m", "v", "m_scale", "v_scale") if buffers[k] is not None}
-    destinations = {k: (buffers[k], src) for k, src in (
-        ("param_out", "param"), ("m_out", "m"), ("v_out", "v"), ("m_scale_out", "m_scale"),
-        ("v_scale_out", "v_scale"), ("working_out", None)) if buffers[k] is not None}
-    _check_overlap(sources, destinations)
-    threads = default_threads() if threads is None else threads
-    if threads < 1:
-        raise ValueError(f"host kernel: threads must be >= 1, got {threads}")
+    call = _Call(optimizer, scalars, grad, param, m, v, param_out=param_out, m_out=m_out, v_out=v_out,
+                 working_out=working_out, state=state, m_scale=m_scale, v_scale=v_scale, m_scale_out=m_scale_out,
+                 v_scale_out=v_scale_out, isa=isa, threads=threads)
+    if optimizer in LAYERWISE:
+        scalars = golden.with_trust(optimizer, scalars, *call.sums_of_squares(scalars))
+    return call.step(scalars)
 
-    s = _Scalars(OPTIMIZER_CODES[optimizer], int(scalars.nesterov), *(
-        getattr(scalars, name) for name, _ in _Scalars._fields_[2:]))
-    b = _Buffers(*(None if buffers[name] is None else buffers[name].data_ptr() for name in (
-        "grad", "param", "param_out", "m", "v", "m_out", "v_out", "m_scale", "v_scale", "m_scale_out",
-        "v_scale_out", "working_out")))
-    rc = library().l2l_host_step(
-        ctypes.byref(s), n, ctypes.byref(b), GRAD_CODES[grad.dtype], STATE_CODES[state], ctypes.byref(_CODEBOOKS),
-        -1 if working_out is None else WORKING_CODES[working_out.dtype], ISAS.index(resolve_isa(isa)), threads)
-    if rc < 0:
-        raise RuntimeError(f"host kernel failed with code {rc}")
-    return bool(rc)
+
+def sums_of_squares(optimizer: str, scalars: StepScalars, grad: torch.Tensor, param: torch.Tensor,
+                    m: torch.Tensor | None = None, v: torch.Tensor | None = None, *, state: str = "fp32",
+                    m_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                    isa: str | None = None, threads: int | None = None) -> tuple[float, float]:
+    """Pass 1 of a LAMB or LARS step alone (nothing is written): the float64 sums of squares of
+    param and of LAMB's update direction or LARS's unscaled gradient, as golden.layerwise_sums."""
+    if optimizer not in LAYERWISE:
+        raise ValueError(f"host kernel: sums of squares are LAMB's and LARS's pass 1, not {optimizer!r}'s")
+    call = _Call(optimizer, scalars, grad, param, m, v, state=state, m_scale=m_scale, v_scale=v_scale, isa=isa,
+                 threads=threads)
+    return call.sums_of_squares(scalars)
+
+
+class _Call:
+    """One call's buffers, checked (contiguous CPU tensors of the right dtypes and sizes, no
+    overlap but a destination on its own source), as the C entry points take them."""
+
+    def __init__(self, optimizer, scalars, grad, param, m, v, *, param_out=None, m_out=None, v_out=None,
+                 working_out=None, state="fp32", m_scale=None, v_scale=None, m_scale_out=None, v_scale_out=None,
+                 isa=None, threads=None):
+        if optimizer not in OPTIMIZER_CODES:
+            raise ValueError(f"host kernel: unknown optimizer {optimizer!r}; choose one of "
+                             f"{', '.join(OPTIMIZER_CODES)}")
+        if not isinstance(param, torch.Tensor):
+            raise TypeError(f"host kernel: param must be a torch.Tensor, got {type(param).__name__}")
+        n = param.numel()
+        pieces = golden.stored_pieces(state, "m", n)
+        adam = optimizer not in MOMENTUM_OPTIMIZERS  # Adam, AdamW, LAMB: m and v
+        uses_m, uses_v = adam or scalars.momentum != 0, adam
+        quantized = state == "8bit"
+        for name, t, needed in (("m", m, uses_m), ("v", v, uses_v), ("m_scale", m_scale, uses_m and quantized),
+                                ("v_scale", v_scale, uses_v and quantized)):
+            if needed and t is None:
+                raise ValueError(f"host kernel: {optimizer} needs the state tensor {name} ({state} state)")
+        m, v = (m if uses_m else None), (v if uses_v else None)
+        m_scale, v_scale = (m_scale if uses_m and quantized else None), (v_scale if uses_v and quantized else None)
+        param_out = param if param_out is None else param_out
+        m_out = (m if m_out is None else m_out) if uses_m else None
+        v_out = (v if v_out is None else v_out) if uses_v else None
+        m_scale_out = (m_scale if m_scale_out is None else m_scale_out) if m_scale is not None else None
+        v_scale_out = (v_scale if v_scale_out is None else v_scale_out) if v_scale is not None else None
+        buffers = {"grad": grad, "param": param, "m": m, "v": v, "m_scale": m_scale, "v_scale": v_scale,
+                   "param_out": param_out, "m_out": m_out, "v_out": v_out, "m_scale_out": m_scale_out,
+                   "v_scale_out": v_scale_out, "working_out": working_out}
+        blocks = pieces.get("m_scale", (None, n))[1]
+        _check_buffers(buffers, n, {name: blocks for name in ("m_scale", "v_scale", "m_scale_out", "v_scale_out")})
+        if grad.dtype not in GRAD_CODES:
+            raise TypeError(f"host kernel: grad has dtype {grad.dtype}; it takes float32, bfloat16 or float16")
+        want = {"param": torch.float32, "param_out": torch.float32}
+        for name in ("m", "v", "m_out", "v_out"):
+            want[name] = golden.STORED_DTYPES[state]
+        for name in ("m_scale", "v_scale", "m_scale_out", "v_scale_out"):
+            want[name] = torch.float32
+        for name, dtype in want.items():
+            if buffers[name] is not None and buffers[name].dtype != dtype:
+                raise TypeError(f"host kernel: {name} has dtype {buffers[name].dtype}; with {state} state it is "
+                                f"{dtype}")
+        if working_out is not None and working_out.dtype not in WORKING_CODES:
+            raise TypeError(f"host kernel: working_out has dtype {working_out.dtype}; it takes bfloat16 or float16 "
+                            f"(an fp32 working copy is param itself)")
+        sources = {k: buffers[k] for k in ("grad", "param", "m", "v", "m_scale", "v_scale") if buffers[k] is not None}
+        destinations = {k: (buffers[k], src) for k, src in (
+            ("param_out", "param"), ("m_out", "m"), ("v_out", "v"), ("m_scale_out", "m_scale"),
+            ("v_scale_out", "v_scale"), ("working_out", None)) if buffers[k] is not None}
+        _check_overlap(sources, destinations)
+        threads = default_threads() if threads is None else threads
+        if threads < 1:
+            raise ValueError(f"host kernel: threads must be >= 1, got {threads}")
+        self.optimizer, self.n, self.threads = optimizer, n, threads
+        self.tensors = buffers  # the C side gets their addresses: they live as long as the call
+        self.buffers = _Buffers(*(None if buffers[name] is None else buffers[name].data_ptr() for name in (
+            "grad", "param", "param_out", "m", "v", "m_out", "v_out", "m_scale", "v_scale", "m_scale_out",
+            "v_scale_out", "working_out")))
+        self.formats = (GRAD_CODES[grad.dtype], STATE_CODES[state], ctypes.byref(_CODEBOOKS))
+        self.working = -1 if working_out is None else WORKING_CODES[working_out.dtype]
+        self.isa = ISAS.index(resolve_isa(isa))
+
+    def _scalars(self, scalars: StepScalars):
+        return ctypes.byref(_Scalars(OPTIMIZER_CODES[self.optimizer], int(scalars.nesterov), *(
+            getattr(scalars, name) for name, _ in _Scalars._fields_[2:])))
+
+    def sums_of_squares(self, scalars: StepScalars) -> tuple[float, float]:
+        sums = (ctypes.c_double * 2)()
+        rc = library().l2l_host_norms(self._scalars(scalars), self.n, ctypes.byref(self.buffers), *self.formats,
+                                      self.isa, self.threads, sums)
+        if rc < 0:
+            raise RuntimeError(f"host kernel failed with code {rc}")
+        return sums[0], sums[1]
+
+    def step(self, scalars: StepScalars) -> bool:
+        rc = library().l2l_host_step(self._scalars(scalars), self.n, ctypes.byref(self.buffers), *self.formats,
+                                     self.working, self.isa, self.threads)
+        if rc < 0:
+            raise RuntimeError(f"host kernel failed with code {rc}")
+        return bool(rc)
 
 
 def stream(reads: list[torch.Tensor], updates: list[torch.Tensor], writes: list[torch.Tensor], *,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from l2l_hw.eps.base import OPTIMIZERS, SCHEDULES, OptimConfig
+from l2l_hw.eps.base import LAYERWISE, OPTIMIZERS, SCHEDULES, OptimConfig
 from l2l_hw.eps.golden import STATE_FORMATS
 from l2l_hw.eps.registry import known_backends
 from l2l_hw.options import OptionError, check_options, fail, option
@@ -56,7 +56,8 @@ class ScheduleOptions:
 
 
 OPTIMIZER_ARGUMENTS = {"optimizer": "optimizer", "lr": "lr", "weight_decay": "weight_decay",  # EpsOptions field
-                       "momentum": "momentum", "adam_eps": "eps"}  # -> the OptimConfig argument it is
+                       "momentum": "momentum", "adam_eps": "eps",  # -> the OptimConfig argument it is
+                       "trust_coefficient": "trust_coefficient"}
 
 
 @dataclass(frozen=True)
@@ -65,10 +66,13 @@ class EpsOptions:
 
     eps_backend: str = option("cpu", "EPS backend", kind="choice", choices=lambda: tuple(known_backends()),
                               flag="--eps", aliases=("--eps-backend",))
-    optimizer: str = option("adamw", "the update rule (as torch.optim's)", kind="choice", choices=OPTIMIZERS)
+    optimizer: str = option("adamw", "the update rule: adamw, adam, sgd as torch.optim's; lamb, lars: layer-wise "
+                            "trust ratios for large batches (docs/NUMERICS.md)", kind="choice", choices=OPTIMIZERS)
     # lr, momentum, weight_decay: their ranges and rules are OptimConfig's (OPTIMIZER_ARGUMENTS)
     lr: float = option(2e-3, "peak learning rate", kind="float", command_defaults={"finetune": 5e-5})
-    momentum: float = option(0.0, "SGD momentum, in [0, 1)", kind="float")
+    momentum: float = option(0.0, "SGD and LARS momentum, in [0, 1)", kind="float")
+    trust_coefficient: float = option(1e-3, "LARS's eta: the trust ratio is eta ||w|| / (||g|| + weight decay ||w||)",
+                                      kind="float")
     weight_decay: float = option(0.1, "decoupled weight decay (AdamW), L2 (Adam, SGD)", kind="float",
                                  command_defaults={"finetune": 0.0})
     adam_beta1: float = option(0.9, "Adam's beta1", kind="float", low=0.0, high=1.0, high_open=True)
@@ -92,6 +96,9 @@ class EpsOptions:
             OptimConfig(**self.optimizer_arguments())
         except OptionError as e:  # named as here
             fail(next(f for f, a in OPTIMIZER_ARGUMENTS.items() if a == e.field), e.value, e.rule)
+        if self.shard_state and self.optimizer in LAYERWISE:
+            fail("optimizer", self.optimizer, "needs each tensor's whole norms; shard_state keeps slices: drop "
+                 "--shard-state or use adamw, adam or sgd")
         if self.shard_state and self.optimizer_state != "fp32":
             fail("optimizer_state", self.optimizer_state, "shard_state keeps fp32 optimizer state only; drop one "
                  "of them")

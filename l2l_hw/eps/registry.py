@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 from typing import Callable
 
-from l2l_hw.eps.base import EPS, OptimConfig
+from l2l_hw.eps.base import EPS, LAYERWISE, OptimConfig
 from l2l_hw.eps.sharded import ShardedEps
 
 _BACKENDS: dict[str, Callable[..., EPS]] = {}
@@ -52,6 +52,9 @@ def make_eps(name: str, working_dtype: str = "fp32", shard_state: bool = False, 
         backend = _DISK_TIERS[name]
     else:
         backend_options.pop("state_dir", None)
+    if shard_state and options.get("optimizer") in LAYERWISE:
+        raise ValueError(f"optimizer={options['optimizer']!r} needs each tensor's whole norms (its trust ratio); "
+                         "shard_state=True keeps slices: use an unsharded EPS or adamw, adam or sgd")
     if shard_state and backend_options.get("state", "fp32") != "fp32":
         raise ValueError(f"shard_state=True keeps fp32 optimizer state only, not state={backend_options['state']!r} "
                          f"(its checkpoints gather fp32 tensors); use an unsharded EPS for bf16 or 8-bit state")

@@ -82,8 +82,10 @@ class ShardedEps(EPS):
     working_dtype = property(lambda self: self.inner.working_dtype)
     double_buffer = property(lambda self: self.inner.double_buffer)
 
-    def configure(self, working_dtype=None, double_buffer=None, defer_updates=None, device=None) -> None:
-        self.inner.configure(working_dtype=working_dtype, double_buffer=double_buffer, device=device)
+    def configure(self, working_dtype=None, double_buffer=None, defer_updates=None, device=None, threads=None,
+                  inline=None) -> None:
+        self.inner.configure(working_dtype=working_dtype, double_buffer=double_buffer, device=device, threads=threads,
+                             inline=inline)
         if device is not None:  # NCCL's tensors on the relay's own GPU
             self.comm_device = comm_device(self.process_group, device)
         if defer_updates is not None:  # deferred here; the backend gets them at commit

@@ -6,8 +6,9 @@
     backward  for layer i = L-2..0: fetch w_i, recompute layer i per micro-batch with
               its forward RNG state replayed, backprop, accumulate dW_i over
               micro-batches, push dW_i to the EPS (its update overlaps layer i-1)
-              (recompute=False keeps each layer's forward graph instead: one forward
-              less per step, at the memory cost of every layer's intermediates)
+              (what the forward keeps for the backward is the recompute policy,
+              l2l_hw/relay/recompute.py: "full" as above, "selective" also keeps the
+              matmuls' outputs, "none" keeps each layer's forward graph)
     commit    the EPS finishes the step's updates
 
 Data parallel (torch.distributed initialized, or process_group given): each rank runs
@@ -21,9 +22,12 @@ once, after its last use in the backward sweep.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import numbers
+import os
+from functools import partial
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Mapping, NamedTuple, Sequence
 
@@ -32,11 +36,12 @@ from torch import nn
 from torch.func import functional_call
 
 from l2l_hw.eps.base import EPS, Landing, StateEntry, check_number, tensor_of
-from l2l_hw.relay.data_parallel import GradReducer
+from l2l_hw.relay.data_parallel import GradReducer, check_compression
 from l2l_hw.relay.memory import DeviceMemory
 from l2l_hw.relay.options import RelayOptions
 from l2l_hw.relay.precision import LossScaler, compute_dtype
 from l2l_hw.relay.prefetch import WeightStream
+from l2l_hw.relay.recompute import grad_leaf, recompute_policy
 from l2l_hw.relay.stash import ActivationStash
 from l2l_hw.relay.transport import Transport
 
@@ -89,17 +94,6 @@ def _unflatten(like: Activation, items: list) -> Activation:
 def _to_float(x: Activation) -> Activation:
     """Low-precision outputs go to the loss in fp32."""
     return _unflatten(x, [t.float() if t.is_floating_point() else t for t in _flatten(x)])
-
-
-def _rng_state(device: torch.device):
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
-
-
-def _set_rng_state(device: torch.device, state) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1], device)
 
 
 def _replace_tensors(module: nn.Module, make: Callable[[str, torch.Tensor], torch.Tensor],
@@ -178,6 +172,7 @@ class Relay:
         self.micro_batches = options.micro_batches
         self.recompute = options.recompute
         self.stash = ActivationStash(options.activations, self.transport)
+        self.keep = recompute_policy(options.recompute, self.stash, self.device, options.activation_budget)
         self.memory = DeviceMemory(self.device)
         self.layer_drop = options.layer_drop
         self.layer_drop_seed = check_number("layer_drop_seed", layer_drop_seed, integer=True)
@@ -201,7 +196,8 @@ class Relay:
         # The EPS rounds its fp32 masters to what the layers compute in; discarding a step after
         # eager updates ran, or reading the version one step back, needs its double buffers.
         eps.configure(working_dtype=precision, double_buffer=self.skip_nonfinite or self.pipedream_2bw,
-                      defer_updates=self.clip_mode == "global", device=self.device)
+                      defer_updates=self.clip_mode == "global", device=self.device,
+                      threads=self._thread_policy(options.threads), inline=not self.transport.asynchronous)
         self.dp = self._data_parallel(process_group)
         self._pending = []  # gradient reductions under way, oldest first
         self.plans = self._plan(init, no_decay or (lambda i, name: False))
@@ -209,6 +205,19 @@ class Relay:
         self.groups = sorted({key for plan in self.plans for key in plan.groups})
 
     # -- set-up ---------------------------------------------------------------
+    def _thread_policy(self, threads: int | None) -> int | None:
+        """Never more busy threads than cores: on the CPU the layers compute on `threads` of torch's
+        and the EPS updates run between layers on as many of the host kernel's (an update beside
+        the layers would only slow both); with a device computing, the updates run beside it on
+        the cores left to the thread that drives the device. The host kernel's threads (None:
+        the EPS's own)."""
+        if threads is not None:
+            torch.set_num_threads(threads)
+        self.threads = threads or len(os.sched_getaffinity(0))
+        if self.transport.asynchronous:
+            return max(1, self.threads - 1)
+        return threads
+
     def _data_parallel(self, group) -> GradReducer | None:
         """The gradient reducer when running data parallel; every rank starts from rank 0's weights."""
         import torch.distributed as dist
@@ -219,8 +228,10 @@ class Relay:
             group = self.eps.process_group
         elif group is None:
             if not (dist.is_available() and dist.is_initialized()):
+                check_compression(self.options, self.precision, data_parallel=False)
                 return None
-        dp = GradReducer(group, self.eps, self.device)
+        check_compression(self.options, self.precision, data_parallel=True)
+        dp = GradReducer(group, self.eps, self.device, options=self.options)
         if dp.world > 1:
             dp.broadcast_([t for m in self.layers for t in (*m.parameters(), *m.buffers()) if not t.is_meta],
                           "broadcasting rank 0's initial weights")
@@ -271,10 +282,31 @@ class Relay:
         return self.eps.step
 
     # -- one layer on one micro-batch -------------------------------------------
-    def _call(self, i: int, x: Activation, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]):
+    @contextlib.contextmanager
+    def _visit(self, i: int, params: dict[str, torch.Tensor]):
+        """Layer i's module holding its device parameters and buffers in place of its meta
+        parameters, for one visit of the layer (every micro-batch calls it as it is)."""
+        module, bound = self.plans[i].module, {**params, **self.plans[i].buffers}
+        device = {id(t): bound[name] for name, t in (*module.named_parameters(), *module.named_buffers())
+                  if name in bound}  # a tied tensor: one id, every place it is registered
+        slots = [(table, name, t) for _, sub in module.named_modules(remove_duplicate=False)
+                 for table in (sub._parameters, sub._buffers) for name, t in table.items() if id(t) in device]
+        for table, name, t in slots:
+            table[name] = device[id(t)]
+        try:
+            yield
+        finally:
+            for table, name, t in slots:
+                table[name] = t
+
+    def _call(self, i: int, x: Activation, buffers: dict[str, torch.Tensor]):
+        """Layer i (inside its visit) on one micro-batch; `buffers`: its live ones, or a snapshot."""
         plan = self.plans[i]
         try:
-            out = functional_call(plan.module, {**params, **buffers}, (x,))
+            if buffers is plan.buffers or not buffers:
+                out = plan.module(x)
+            else:  # the buffers the forward saw, for its recompute
+                out = functional_call(plan.module, buffers, (x,))
         except Exception as exc:
             raise RelayError(f"layer {i} ({type(plan.module).__name__}) failed on an input of "
                              f"{_describe(x)}: {exc}") from exc
@@ -307,9 +339,6 @@ class Relay:
             live[frozen] = dict(zip(plan.frozen, self.transport.up(list(plan.frozen.values())).wait()))
         return {**{name: live[key][gname] for name, (key, gname) in plan.bindings.items()}, **live.get(frozen, {})}
 
-    def _device_buffers(self, i: int, snapshot: dict | None = None) -> dict[str, torch.Tensor]:
-        """Layer i's buffers (on the device): the live ones, or a snapshot the recompute replays."""
-        return snapshot if snapshot is not None else self.plans[i].buffers
 
     # -- the batch --------------------------------------------------------------
     def _split(self, inputs, targets):
@@ -374,94 +403,78 @@ class Relay:
                 users.setdefault(key, []).append(i)
         u = self.micro_batches
         live: dict[str, dict[str, torch.Tensor]] = {}  # EPS groups on the device now
-        # Per layer and micro-batch: the RNG state and buffers the forward saw (for the
-        # recompute), or the forward graph (without recompute).
-        rng, buffer_snapshots, graphs = {}, {}, {}
+        keep = self.keep  # what the backward gets of the forward: the recompute policy
         self._sq_norm = torch.zeros((), dtype=torch.float32, device=self.device)  # for global-norm clipping
         meter = self.memory
         acts = xs
         try:
             # Forward, layer-major.
             for n, i in enumerate(order[:-1]):
-                params = self._params(i, live)
+                run = partial(self._call, i)
+                visit = self._visit(i, self._params(i, live))
                 self._prefetch(order[n + 1], live)
-                if self.recompute:
-                    self.stash.put(i, acts)
-                rng[i], buffer_snapshots[i], graphs[i] = [], [], []
+                keep.begin_forward(i, acts)
                 outs = []
-                with torch.set_grad_enabled(not self.recompute), meter.saving(i):
+                with visit, meter.saving(i):
                     for j in range(u):
-                        if self.recompute:
-                            rng[i].append(_rng_state(self.device))
-                            buffer_snapshots[i].append({n_: b.clone() for n_, b in self.plans[i].buffers.items()})
-                        x = acts[j] if self.recompute else self._grad_leaf(acts[j])
-                        out = self._call(i, x, params, self._device_buffers(i))
-                        if not self.recompute:
-                            graphs[i].append((x, out))
-                            out = _unflatten(out, [t.detach() for t in _flatten(out)])
-                        outs.append(out)
+                        outs.append(keep.forward(i, j, acts[j], run, self.plans[i].buffers))
                         self._sample(live, acts, outs)
-                if self.recompute:
+                keep.end_forward(i)
+                if keep.recomputes(i):
                     self._release(i, live, users, backward=False)
-                    meter.drop_saved(i)  # nothing was saved: no graph
                 acts = outs
 
             # Last layer: forward, loss and backward together, micro-batch by micro-batch.
             last = order[-1]
             total = torch.zeros((), dtype=torch.float32, device=self.device)
-            params = self._params(last, live)
+            visit = self._visit(last, self._params(last, live))
             if len(order) > 1:
                 self._prefetch(order[-2], live)
             grads_in = []
-            for j in range(u):
-                x = self._grad_leaf(acts[j])
-                with meter.saving(last):
-                    loss = self._loss(_to_float(self._call(last, x, params, self._device_buffers(last))), ts[j])
-                self._sample(live, acts, grads_in)
-                (loss * (weights[j] * self.loss_scale)).backward()
-                total += loss.detach().float() * weights[j]
-                grads_in.append(self._input_grads(x))
-                meter.drop_saved(last)  # its graph is consumed
+            with visit:
+                for j in range(u):
+                    x = grad_leaf(acts[j])
+                    with meter.saving(last):
+                        loss = self._loss(_to_float(self._call(last, x, self.plans[last].buffers)), ts[j])
+                    self._sample(live, acts, grads_in)
+                    (loss * (weights[j] * self.loss_scale)).backward()
+                    total += loss.detach().float() * weights[j]
+                    grads_in.append(self._input_grads(x))
+                    meter.drop_saved(last)  # its graph is consumed
             acts = None  # the last layer's inputs are done with
             self._release(last, live, users, backward=True)
 
-            # Backward, reverse layer order, recomputing each layer per micro-batch.
+            # Backward, reverse layer order: each micro-batch's graph kept or recomputed, then backprop.
             for n in range(len(order) - 2, -1, -1):
                 i = order[n]
-                params = self._params(i, live)
+                run = partial(self._call, i)
+                visit = self._visit(i, self._params(i, live))
                 if n > 0:
                     self._prefetch(order[n - 1], live)
-                inputs_i = self.stash.take(i) if self.recompute else None
+                keep.begin_backward(i)
                 grads_out, grads_in = grads_in, []
-                for j in range(u):
-                    if self.recompute:
-                        x = self._grad_leaf(inputs_i[j])
-                        saved = _rng_state(self.device)
-                        _set_rng_state(self.device, rng[i][j])
-                        try:
-                            with meter.saving(i):
-                                out = self._call(i, x, params, self._device_buffers(i, buffer_snapshots[i][j]))
-                        finally:
-                            _set_rng_state(self.device, saved)
-                    else:
-                        x, out = graphs[i][j]
-                    self._sample(live, inputs_i, grads_out, grads_in)
-                    pairs = [(o, g) for o, g in zip(_flatten(out), grads_out[j]) if g is not None and o.requires_grad]
-                    if pairs:
-                        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-                    grads_in.append(self._input_grads(x))
-                    grads_out[j] = None  # micro-batch j of this layer is done with
-                    if self.recompute:
-                        inputs_i[j] = None
-                        meter.drop_saved(i)
-                graphs[i] = inputs_i = None  # this layer's inputs are done with
+                with visit:
+                    for j in range(u):
+                        with meter.saving(i):
+                            x, out = keep.backward(i, j, run)
+                        self._sample(live, grads_out, grads_in)
+                        pairs = [(o, g) for o, g in zip(_flatten(out), grads_out[j])
+                                 if g is not None and o.requires_grad]
+                        if pairs:
+                            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                        grads_in.append(self._input_grads(x))
+                        grads_out[j] = None  # micro-batch j of this layer is done with
+                        if keep.recomputes(i):
+                            meter.drop_saved(i)
                 meter.drop_saved(i)  # without recompute: what its forward graph saved
                 self._release(i, live, users, backward=True)
             self._push_reduced()
+            keep.end_step()
         except BaseException as exc:
             self._pending.clear()
             self.weights.clear()
             self.stash.clear()
+            keep.clear()
             meter.drop_saved()
             try:  # let scheduled updates finish, then forget the step; the first error stays the one raised
                 self.eps.wait()
@@ -487,15 +500,11 @@ class Relay:
     def _prefetch(self, i: int, live: dict) -> None:
         """Start moving layer i's weights (and, in the backward, its stashed inputs) to the device."""
         self.weights.prefetch([k for k in self.plans[i].groups if k not in live])
-        self.stash.prefetch(i)  # a no-op until layer i's inputs are stashed
+        self.keep.prefetch(i)  # a no-op until layer i's forward has stashed something
 
     def _sample(self, *held) -> None:
-        """Account what is on the device now: `held` plus stashed inputs and weights in flight."""
-        self.memory.sample(*held, self.stash.on_device(), self.weights.on_device())
-
-    @staticmethod
-    def _grad_leaf(x: Activation) -> Activation:
-        return _unflatten(x, [t.detach().requires_grad_(t.is_floating_point()) for t in _flatten(x)])
+        """Account what is on the device now: `held` plus what is kept for the backward and weights in flight."""
+        self.memory.sample(*held, self.weights.on_device(), kept=[self.stash.on_device(), self.keep.held()])
 
     @staticmethod
     def _input_grads(x: Activation) -> list[torch.Tensor | None]:
@@ -504,7 +513,7 @@ class Relay:
 
     def _release(self, i: int, live: dict, users: dict[str, list[int]], backward: bool) -> None:
         """Drop device weights layer i no longer needs; after its last backward use, push the gradients."""
-        if self.recompute or backward:  # without recompute, the forward graph holds them until the backward
+        if self.keep.recomputes(i) or backward:  # without recompute, the forward graph holds them until the backward
             live.pop(f"frozen:{i}", None)
         for key in self.plans[i].groups:
             if backward and i == users[key][0]:
@@ -586,10 +595,11 @@ class Relay:
             with self.weights.newest():
                 acts = xs
                 for i in range(len(self.layers)):
-                    params = self._params(i, live)
+                    visit = self._visit(i, self._params(i, live))
                     if i + 1 < len(self.layers):
                         self._prefetch(i + 1, live)
-                    acts = [self._call(i, a, params, self._device_buffers(i)) for a in acts]
+                    with visit:
+                        acts = [self._call(i, a, self.plans[i].buffers) for a in acts]
                     self._sample(live, acts)
                     live.pop(f"frozen:{i}", None)
                     for key in self.plans[i].groups:  # as in training, a layer's weights leave after their last use
@@ -648,6 +658,8 @@ class Relay:
         """The same, read one tensor at a time: what a checkpoint streams to its file
         (`save_checkpoint(path, relay.state_entries(), meta)`) without a copy of the state."""
         state = {f"eps/{k}": v for k, v in self.eps.state_entries().items()}
+        if self.dp is not None:  # gradient compression's state (a collective, as the sharded EPS's)
+            state.update({f"dp/{k}": v for k, v in self.dp.state_entries().items()})
         for i, plan in enumerate(self.plans):
             state.update({f"buffers/{i}/{n}": StateEntry(b.shape, b.dtype, lambda b=b: b.detach().cpu())
                           for n, b in plan.buffers.items()})
@@ -660,7 +672,8 @@ class Relay:
             raise TypeError(f"a relay state must be a mapping of name -> tensor (relay.state_dict()), "
                             f"got {type(state).__name__}")
         buffers = {f"buffers/{i}/{n}": b for i, plan in enumerate(self.plans) for n, b in plan.buffers.items()}
-        strays = sorted(k for k in state if not k.startswith("eps/") and k not in buffers)
+        strays = sorted(k for k in state if not k.startswith(("eps/", "dp/")) and k not in buffers)
+        strays += sorted(k for k in state if k.startswith("dp/") and self.dp is None)
         if strays:
             raise ValueError(f"the relay state has {len(strays)} entries this relay does not hold, e.g. "
                              f"{strays[:3]}; was it saved from another model?")
@@ -670,6 +683,8 @@ class Relay:
             if state[name].shape != b.shape or state[name].dtype != b.dtype:
                 raise ValueError(f"the relay state's buffer {name} is {state[name].dtype} {tuple(state[name].shape)}; "
                                  f"this relay's is {b.dtype} {tuple(b.shape)}")
+        if self.dp is not None:
+            self.dp.load_state_dict({k[3:]: v for k, v in state.items() if k.startswith("dp/")})
         self.eps.load_state_dict({k[4:]: v for k, v in state.items() if k.startswith("eps/")})
         for name, b in buffers.items():
             b.copy_(tensor_of(state[name]))

@@ -36,20 +36,24 @@ class DeviceMemory:
     def __init__(self, device: torch.device):
         self.device = device
         self.peak_bytes = 0
+        self.kept_peak_bytes = 0  # activations kept for the backward: the stash, graphs, cached op outputs
         self._saved: dict[object, list[torch.Tensor]] = {}  # tensors autograd saved, by layer
 
     def reset(self) -> None:
-        self.peak_bytes = 0
+        self.peak_bytes = self.kept_peak_bytes = 0
         self._saved = {}
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
-    def sample(self, *held) -> None:
-        """Record the bytes of `held` plus autograd's saved tensors as a candidate peak."""
+    def sample(self, *held, kept=()) -> None:
+        """Record the bytes of `held`, `kept` and autograd's saved tensors as a candidate peak, and
+        of `kept` (what the relay keeps of the forward for the backward) and the saved tensors as
+        a candidate peak of the activations kept."""
         if self.device.type == "cuda":
             return  # the allocator keeps its own peak
-        storages = _storages(list(held) + [t for saved in self._saved.values() for t in saved], {})
-        self.peak_bytes = max(self.peak_bytes, sum(storages.values()))
+        activations = _storages([list(kept), [t for saved in self._saved.values() for t in saved]], {})
+        self.kept_peak_bytes = max(self.kept_peak_bytes, sum(activations.values()))
+        self.peak_bytes = max(self.peak_bytes, sum(_storages(list(held), activations).values()))
 
     @contextlib.contextmanager
     def saving(self, layer=None):
@@ -78,4 +82,5 @@ class DeviceMemory:
         if self.device.type == "cuda":
             return {"device": str(self.device), "source": "cuda allocator",
                     "peak_bytes": torch.cuda.max_memory_allocated(self.device)}
-        return {"device": str(self.device), "source": "relay accounting", "peak_bytes": self.peak_bytes}
+        return {"device": str(self.device), "source": "relay accounting", "peak_bytes": self.peak_bytes,
+                "kept_activation_peak_bytes": self.kept_peak_bytes}

@@ -10,7 +10,9 @@ from typing import Callable
 import torch
 
 from l2l_hw.options import check_options, fail, option
+from l2l_hw.relay.data_parallel import DataParallelOptions
 from l2l_hw.relay.precision import COMPUTE_DTYPES
+from l2l_hw.relay.recompute import RECOMPUTE
 from l2l_hw.relay.stash import POLICIES
 
 CLIP_MODES = ("layer", "global")
@@ -34,15 +36,21 @@ def device_problem(device) -> str | None:
 
 
 @dataclass(frozen=True)
-class RelayOptions:
+class RelayOptions(DataParallelOptions):
     """How the relay runs a step. The defaults are plain fp32 training, equal to PyTorch."""
 
     device: str = option("cpu", "where layers run: cpu, cuda, cuda:N; under torchrun, cuda means each rank's "
                          "own GPU (LOCAL_RANK)", kind="text", check=device_problem)
     micro_batches: int = option(1, "micro-batches per minibatch", kind="int", low=1)
-    recompute: bool = option(True, "recompute each layer's forward in the backward (off: keep the forward graphs, "
-                             "one forward less per step, memory grows with depth)", kind="bool",
-                             flag="--no-recompute")
+    recompute: str | Callable = option(
+        "full", "what the backward gets of each layer's forward: full (its inputs; the forward runs again), "
+        "selective (also the matmul and attention outputs; only the cheap ops run again), none (the forward graphs: "
+        "no recompute, memory grows with depth); Python: also a torch SAC policy function", kind="choice",
+        choices=RECOMPUTE, function_ok=True)
+    activation_budget: int | None = option(
+        None, "bytes of activations the relay may keep on the device for the backward: each layer keeps its "
+        "forward graph, its matmul outputs (selective) or its input (full), as the plan that recomputes least "
+        "within it picks (planned from the first step, which runs full)", kind="int", low=1, metavar="BYTES")
     activations: str = option("device", "where stashed layer inputs live; host = constant device memory",
                               kind="choice", choices=POLICIES)
     precision: str = option("fp32", "compute dtype; fp16 uses dynamic loss scaling", kind="choice",
@@ -56,13 +64,80 @@ class RelayOptions:
                                           low=0.0, low_open=True)
     clip_mode: str = option("layer", "per-layer norms, or one global norm with updates deferred to the step's end",
                             kind="choice", choices=CLIP_MODES)
+    threads: int | None = option(None, "threads this process computes with: torch's intra-op threads and the "
+                                 "host kernel's (default: every core it may use); on the CPU the EPS updates run "
+                                 "between layers on them, never beside them", kind="int", low=1)
     skip_nonfinite: bool = option(False, "discard a step whose gradients are not finite and go on (default: a "
                                   "non-finite loss stops l2l train, keeping the last checkpoint)", kind="bool")
 
     def __post_init__(self):
         check_options(self)
-        if self.activations == "host" and not self.recompute:
+        if self.activation_budget is not None and self.recompute != "full":
+            fail("recompute", self.recompute, "is planned per layer under activation_budget: leave it at full")
+        if self.activations == "host" and self.recompute == "none":
             fail("activations", self.activations, "needs recompute (without it the forward graphs keep every layer's "
                  "intermediates on the device)")
         if self.clip_mode == "global" and self.clip_grad_norm is None:
             fail("clip_mode", self.clip_mode, "clips the gradients to a norm: give clip_grad_norm (the norm) too")
+
+
+# -- pipeline parallelism (l2l_hw/relay/pipeline.py) ---------------------------------------
+PIPELINE_SCHEDULES = ("flush", "2bw")
+
+
+def _boundaries_problem(value) -> str | None:
+    if value is None:
+        return None
+    parts = value.split(",") if isinstance(value, str) else None
+    if not parts or not all(p.strip().isdigit() for p in parts):
+        return "must be the first layer of each stage after the first, ascending, e.g. '3,6'"
+    numbers_ = [int(p) for p in parts]
+    if numbers_[0] < 1 or any(b <= a for a, b in zip(numbers_, numbers_[1:])):
+        return "must be ascending layer indices >= 1 (the first layer of stages 1, 2, ...)"
+    return None
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """The relay as a pipeline: contiguous stages of layers, one per rank of a process group."""
+
+    stages: int = option(1, "pipeline stages, one per rank (torchrun --nproc-per-node S)", kind="int", low=1)
+    schedule: str = option("2bw", "flush: 1F1B with a flush each minibatch (exact); 2bw: PipeDream-2BW, weights one "
+                           "step back, never wait for an update", kind="choice", choices=PIPELINE_SCHEDULES)
+    boundaries: str | None = option(None, "first layer of each stage after the first, e.g. '3,6' (default: the "
+                                    "planner's split, or even by layer count)", kind="text", optional=True,
+                                    check=_boundaries_problem)
+    timeout_s: float = option(300.0, "seconds a stage waits for a neighbour before it stops with an error",
+                              kind="float", low=0.0, low_open=True)
+
+    def __post_init__(self):
+        check_options(self)
+        if self.boundaries is not None and len(self.boundaries.split(",")) != self.stages - 1:
+            fail("boundaries", self.boundaries, f"must name {self.stages - 1} layer(s) for {self.stages} stages")
+
+    def split(self) -> list[int] | None:
+        """The explicit boundaries as ints (None: not given)."""
+        return None if self.boundaries is None else [int(p) for p in self.boundaries.split(",")]
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """`l2l train --pipeline-stages S` (under torchrun --nproc-per-node S): the pipeline's options
+    as TrainConfig composes them (prefixed: TrainConfig has a schedule of its own)."""
+
+    pipeline_stages: int = option(1, "pipeline stages, one per rank (run under torchrun --nproc-per-node S); each "
+                                  "rank trains the whole minibatch through its stage (1: no pipeline)", kind="int",
+                                  low=1, commands=("train",))
+    pipeline_schedule: str = option("2bw", "flush: 1F1B with a flush each minibatch (exact); 2bw: PipeDream-2BW, "
+                                    "weights one step back", kind="choice", choices=PIPELINE_SCHEDULES,
+                                    commands=("train",))
+    pipeline_boundaries: str | None = option(None, "first layer of each stage after the first, e.g. '3,6' "
+                                             "(default: even by layer count)", kind="text", optional=True,
+                                             check=_boundaries_problem, commands=("train",))
+
+    def __post_init__(self):
+        check_options(self)
+
+    def pipeline_config(self) -> PipelineConfig:
+        return PipelineConfig(stages=self.pipeline_stages, schedule=self.pipeline_schedule,
+                              boundaries=self.pipeline_boundaries)

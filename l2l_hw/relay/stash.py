@@ -1,4 +1,5 @@
-"""Activation stash: each layer's per-micro-batch inputs, kept for the backward.
+"""Activation stash: what the backward needs of each layer's forward, per micro-batch: its
+inputs (key i), and with selective recompute the kept ops' outputs (l2l_hw/relay/recompute.py).
 
 "device" keeps them where they were computed: device memory grows with depth.
 "host" sends each layer's inputs down to pinned host memory as soon as they are produced
@@ -22,26 +23,29 @@ class ActivationStash:
             raise ValueError(f"unknown activations policy {policy!r}; choose one of {', '.join(POLICIES)}")
         self.policy = policy
         self.transport = transport
-        self._layers: dict[int, list] = {}  # "device": the inputs; "host": (their structure, the transfer down)
-        self._coming_back: dict[int, tuple[list, Transfer]] = {}
+        self._layers: dict = {}  # key -> "device": the tensors; "host": (their structure, the transfer down)
+        self._coming_back: dict = {}
 
-    def put(self, i: int, acts: list) -> None:
-        """Keep layer i's inputs (a list over micro-batches of tensors or tuples of tensors)."""
+    def put(self, i, acts: list) -> None:
+        """Keep `acts` under key i (a list over micro-batches of tensors or tuples of tensors)."""
         if self.policy == "device":
             self._layers[i] = acts
             return
         structure = [None if isinstance(a, torch.Tensor) else len(a) for a in acts]  # not the tensors: they go
         self._layers[i] = (structure, self.transport.down([t for a in acts for t in _items(a)]))
 
-    def prefetch(self, i: int) -> None:
-        """Start bringing layer i's inputs back to the device (once they have landed on the host)."""
+    def holds(self, i) -> bool:
+        return i in self._layers or i in self._coming_back
+
+    def prefetch(self, i) -> None:
+        """Start bringing key i's tensors back to the device (once they have landed on the host)."""
         if self.policy == "device" or i in self._coming_back or i not in self._layers:
             return
         structure, down = self._layers.pop(i)
         self._coming_back[i] = (structure, self.transport.up(down.tensors, after=down))
 
-    def take(self, i: int) -> list:
-        """Layer i's inputs on the device; the stash forgets them."""
+    def take(self, i) -> list:
+        """Key i's tensors on the device; the stash forgets them."""
         if self.policy == "device":
             return self._layers.pop(i)
         self.prefetch(i)

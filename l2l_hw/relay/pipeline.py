@@ -1,0 +1,754 @@
+"""The relay as a pipeline: contiguous stages of layers on the ranks of a process group.
+
+    stage s      layers [b_s, b_{s+1}) on rank s of the group, relayed from its own EPS (any
+                 backend, eager updates): a single-device Relay over those layers does the
+                 registration, fetching, pushing, checkpoints and export
+    schedule     a list of actions per stage (F j: forward of micro-batch j through the
+                 stage, B j: its backward), 1F1B: S - s - 1 forwards to fill the pipe, then
+                 one forward and one backward in turn, then the backwards left
+    neighbours   activations go to stage s + 1, their gradients come back, by point-to-point
+                 isend / irecv posted ahead of use, so transfers overlap compute; receive
+                 buffers are sized from a meta-device trace of the model (no shape handshake)
+    step end     each group's gradients, accumulated over the minibatch, are pushed once,
+                 right after the layer's backward on the last micro-batch (the update runs
+                 while the earlier layers' backward goes on); then the stage commits
+
+Schedules ("flush" and "2bw") differ in the weights a step computes on:
+
+    flush   every micro-batch of step t on W(t-1), the step's updates committed before the
+            next step's first forward: ordinary minibatch training, equal to the
+            single-process relay
+    2bw     PipeDream-2BW (Narayanan et al., arXiv 2006.09503): step t computes on the version
+            one commit back, W(t+1) = W(t) - lr * grad(W(t-1)), from the EPS's double buffer;
+            the commit does not wait for the updates. Equal to the single-process relay with
+            pipedream_2bw=True, whatever the split
+
+Dropout: the single process draws its random numbers layer-major (layer 0 on every
+micro-batch, then layer 1, ...). Every stage traces the random ops of the whole model once
+per input shape (on the meta device: op, shape, dtype; no compute), replays the other layers'
+draws on its own generator, and so sets the generator to the single process's state before
+each of its own (layer, micro-batch) calls; after each call the state is checked against the
+trace's prediction, so a layer drawing numbers the trace missed fails loudly.
+
+Failure: every wait polls its transfer with a deadline (PipelineConfig.timeout_s) and a shared
+error slot in the process group's store. A stage that fails writes its error there first and
+raises PipelineError; its neighbours see it (or see the connection drop, for a killed rank) and
+raise a PipelineError naming the stage that failed, so every rank stops with one clear error.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import dataclasses
+import itertools
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, NamedTuple, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.func import functional_call
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from l2l_hw.relay.executor import Relay, RelayError
+from l2l_hw.relay.options import PipelineConfig, RelayOptions
+from l2l_hw.relay.recompute import grad_leaf, rng_state, set_rng_state
+
+STORE_POLL_S = 0.05  # how often a waiting stage looks for another stage's error in the store
+ERROR_LINGER_S = 3.0  # how long rank 0 (the store's host) waits for every rank to read an error
+
+
+def flatten(x) -> list[torch.Tensor]:
+    """An activation (a tensor or a tuple of tensors) as a list of tensors."""
+    return [x] if isinstance(x, torch.Tensor) else list(x)
+
+
+def unflatten(like, items: list):
+    """`items` in the structure of `like`: one tensor, or a tuple."""
+    return items[0] if isinstance(like, torch.Tensor) else tuple(items)
+
+
+def to_float(x):
+    """Low-precision outputs go to the loss in fp32 (as the relay does)."""
+    return unflatten(x, [t.float() if t.is_floating_point() else t for t in flatten(x)])
+
+
+class PipelineError(RuntimeError):
+    """A stage failed or stopped answering; every stage of the pipeline raises it. (A pipeline
+    that cannot be built as asked, a bad input, raises ValueError.)"""
+
+
+# -- schedules ------------------------------------------------------------------------------
+class Action(NamedTuple):
+    kind: str  # "F": forward of micro-batch `mb` through the stage; "B": its backward
+    mb: int
+
+
+@dataclass(frozen=True)
+class OneFOneB:
+    """1F1B (PipeDream-Flush's order): fill with S - s - 1 forwards, then alternate one forward
+    and one backward, then drain. At most S - s micro-batches in flight on stage s."""
+
+    name: str
+    pipedream_2bw: bool  # compute on the weights one commit back (2bw) or on the newest (flush)
+
+    def actions(self, stage: int, stages: int, micro_batches: int) -> list[Action]:
+        fill = min(stages - stage - 1, micro_batches)
+        out = [Action("F", j) for j in range(fill)]
+        for j in range(micro_batches - fill):
+            out += [Action("F", fill + j), Action("B", j)]
+        out += [Action("B", j) for j in range(micro_batches - fill, micro_batches)]
+        return out
+
+    @staticmethod
+    def bubble(stages: int, micro_batches: int) -> float:
+        """The idle fraction of a step with equal stages and free transfers: (S - 1) / (M + S - 1)."""
+        return (stages - 1) / (micro_batches + stages - 1)
+
+
+SCHEDULES = {"flush": OneFOneB("flush", pipedream_2bw=False), "2bw": OneFOneB("2bw", pipedream_2bw=True)}
+
+
+def even_split(n_layers: int, stages: int) -> list[int]:
+    """Boundaries [0, b_1, ..., L] of `stages` contiguous stages with layer counts differing by at most one."""
+    return [round(s * n_layers / stages) for s in range(stages + 1)]
+
+
+# -- the random ops of the model, traced on the meta device ------------------------------------
+class RandomOp(NamedTuple):
+    func: object  # an aten OpOverload tagged nondeterministic_seeded
+    args: tuple  # tensors as (shape, dtype) specs
+    kwargs: dict
+
+
+class _Spec(NamedTuple):
+    shape: torch.Size
+    dtype: torch.dtype
+
+
+def _specs(x):
+    if isinstance(x, torch.Tensor):
+        return _Spec(x.shape, x.dtype)
+    if isinstance(x, (tuple, list)):
+        return type(x)(_specs(t) for t in x)
+    return x
+
+
+def _real(x, device):
+    if isinstance(x, _Spec):
+        return torch.empty(x.shape, dtype=x.dtype, device=device)
+    if isinstance(x, (tuple, list)):
+        return type(x)(_real(t, device) for t in x)
+    return x
+
+
+class _RandomOpRecorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: list[RandomOp] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            self.ops.append(RandomOp(func, _specs(args), {k: _specs(v) for k, v in kwargs.items()}))
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
+            # A value read on the meta device (Hugging Face's mask helpers test `mask.all()` for a
+            # fast path): there is none; zero takes the general path, whose shapes do not depend
+            # on the values. A wrong guess shows: a receive of the wrong size fails, a draw the
+            # trace missed fails the generator check.
+            return args[0].dtype.is_floating_point and 0.0 or (False if args[0].dtype == torch.bool else 0)
+        return func(*args, **kwargs)
+
+
+@dataclass
+class Trace:
+    """What one minibatch shape does, per layer i and micro-batch j: the random ops it runs
+    (`ops[i][j]`) and the shapes and dtypes of what it returns (`outputs[i][j]`)."""
+
+    ops: list[list[list[RandomOp]]]
+    outputs: list[list[list[_Spec]]]
+    single: list[list[bool]]  # the output is one tensor (not a tuple)
+
+    def like(self, i: int, j: int):
+        """Something with the structure of layer i's output on micro-batch j, for unflatten."""
+        return torch.empty(0) if self.single[i][j] else ()
+
+    @property
+    def random(self) -> bool:
+        return any(ops for layer in self.ops for ops in layer)
+
+
+def trace_model(layers: Sequence[nn.Module], xs: list) -> Trace:
+    """Run meta copies of `layers` on meta micro-batches `xs`, recording random ops and output shapes."""
+    ops, outputs, single = [[] for _ in layers], [[] for _ in layers], [[] for _ in layers]
+    for x in xs:
+        x = unflatten(x, [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in flatten(x)])
+        for i, layer in enumerate(layers):
+            recorder = _RandomOpRecorder()
+            try:
+                with torch.no_grad(), recorder:
+                    out = layer(x)
+            except Exception as exc:
+                raise PipelineError(f"layer {i} ({type(layer).__name__}) cannot run on the meta device, which the "
+                                    f"pipeline uses to size its transfers and replay random draws: {exc}") from exc
+            out = out if isinstance(out, torch.Tensor) else tuple(out)
+            ops[i].append(recorder.ops)
+            outputs[i].append([_Spec(t.shape, t.dtype) for t in flatten(out)])
+            single[i].append(isinstance(out, torch.Tensor))
+            x = out
+    return Trace(ops, outputs, single)
+
+
+def replay(ops: list[RandomOp], device: torch.device) -> None:
+    """Draw what `ops` draw, on fresh tensors of the same shapes: the generator advances as the layer's would."""
+    for op in ops:
+        op.func(*_real(op.args, device), **{k: _real(v, device) for k, v in op.kwargs.items()})
+
+
+def _shapes(x) -> str:
+    return ", ".join(f"{t.dtype} {tuple(t.shape)}" for t in flatten(x))
+
+
+def _same_rng(a, b) -> bool:
+    return torch.equal(a[0], b[0]) and (a[1] is None or torch.equal(a[1], b[1]))
+
+
+class _Waiter:
+    """One daemon thread that runs blocking waits (a wait stuck on a failed peer never holds up
+    the interpreter's exit, as a ThreadPoolExecutor's worker would)."""
+
+    def __init__(self):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="l2l-pipeline-wait", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            fn, future = self._queue.get()
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # handed to the waiting thread
+                future.set_exception(exc)
+
+    def submit(self, fn) -> concurrent.futures.Future:
+        future = concurrent.futures.Future()
+        self._queue.put((fn, future))
+        return future
+
+
+# -- point-to-point transfers with a deadline ---------------------------------------------------
+class Links:
+    """This stage's transfers to and from its neighbours, each wait polled against a deadline
+    and the shared error slot, so no rank waits for a rank that has failed."""
+
+    _instances = itertools.count()  # one error slot per pipeline built (the same count on every rank)
+
+    def __init__(self, group, stage: int, stages: int, timeout_s: float):
+        self.group, self.stage, self.stages, self.timeout_s = group, stage, stages, timeout_s
+        self.store = dist.distributed_c10d._get_default_store()
+        self.slot = f"l2l_pipeline/{next(self._instances)}"
+        self.sends: list = []
+        self._waiter = _Waiter()
+
+    def _peer(self, stage: int) -> int:
+        return dist.get_global_rank(self.group, stage)
+
+    def recv(self, specs: list[_Spec], stage: int, tag: int, device) -> tuple[list[torch.Tensor], list]:
+        """Post receives of tensors shaped `specs` from `stage`; (buffers, works)."""
+        bufs = [torch.empty(s.shape, dtype=s.dtype, device=device) for s in specs]
+        works = [self._guard(f"posting a receive from stage {stage}",
+                             dist.irecv, b, self._peer(stage), group=self.group, tag=tag + k)
+                 for k, b in enumerate(bufs)]
+        return bufs, works
+
+    def send(self, tensors: list[torch.Tensor], stage: int, tag: int) -> None:
+        for k, t in enumerate(tensors):
+            t = t.detach().contiguous()
+            self.sends.append((t, self._guard(f"sending to stage {stage}", dist.isend, t, self._peer(stage),
+                                              group=self.group, tag=tag + k), stage))
+
+    def _guard(self, what: str, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            raise self.lost(what, exc) from exc
+
+    def wait(self, works: list, what: str) -> None:
+        """Wait for transfers against a deadline, the error slot and a dropped connection.
+        gloo's point-to-point works report completion only through a blocking wait(), so a
+        helper thread blocks in it while this thread looks at the error slot and the clock."""
+        deadline = time.monotonic() + self.timeout_s
+        for work in works:
+            waiting = self._waiter.submit(work.wait)
+            while True:
+                try:
+                    waiting.result(timeout=STORE_POLL_S)
+                    break
+                except concurrent.futures.TimeoutError:
+                    self._raise_if_failed()
+                    if time.monotonic() >= deadline:
+                        raise self.lost(what, f"nothing within {self.timeout_s:g} s (PipelineConfig.timeout_s)")
+                except Exception as exc:
+                    raise self.lost(what, exc) from exc
+
+    def finish_sends(self) -> None:
+        sends, self.sends = self.sends, []
+        for _, work, stage in sends:
+            self.wait([work], f"sending to stage {stage}")
+
+    def _raise_if_failed(self) -> None:
+        try:
+            failed = self.store.check([f"{self.slot}/error"])
+            message = self.store.get(f"{self.slot}/error").decode() if failed else None
+        except Exception as exc:  # the store lives on rank 0's process: it has gone
+            raise PipelineError(f"pipeline stage {self.stage}: rank 0's process has gone (its store does not "
+                                f"answer: {exc})") from None
+        if message is not None:
+            self._seen()
+            raise PipelineError(message)
+
+    def _seen(self) -> None:
+        """Count this rank as having read the error. Rank 0 holds the store: it waits (a little)
+        for every rank to read it before raising, so its exit does not hide the message."""
+        try:
+            self.store.add(f"{self.slot}/seen", 1)
+            if dist.get_rank() != 0:
+                return
+            deadline = time.monotonic() + ERROR_LINGER_S
+            while self.store.add(f"{self.slot}/seen", 0) < dist.get_world_size() and time.monotonic() < deadline:
+                time.sleep(STORE_POLL_S)
+        except Exception:
+            pass
+
+    def lost(self, what: str, cause) -> PipelineError:
+        """The error of a wait that failed: another stage's reported error, else a lost neighbour."""
+        try:
+            self._raise_if_failed()
+        except PipelineError as reported:
+            return reported
+        return PipelineError(self.report(f"pipeline stage {self.stage} (rank {dist.get_rank()}): {what} failed; a "
+                                         f"neighbouring stage died or stopped answering ({cause})"))
+
+    def report(self, message: str) -> str:
+        """Make `message` the pipeline's error unless another stage's came first; the one to raise."""
+        try:
+            if self.store.add(f"{self.slot}/failures", 1) == 1:
+                self.store.set(f"{self.slot}/error", message)
+            else:
+                message = self.store.get(f"{self.slot}/error").decode()
+        except Exception:
+            return message
+        self._seen()
+        return message
+
+
+# -- the pipeline -------------------------------------------------------------------------------
+class PipelineRelay:
+    """Relay `layers` as a pipeline: this rank runs stage `group rank` of `pipeline.stages`.
+
+    Every rank builds it with the whole model (layers of other stages may be on the meta
+    device; they are moved there) and calls train_step with the same minibatch: the first
+    stage reads the inputs, the last the targets. train_step returns the minibatch's mean
+    loss on every rank."""
+
+    def __init__(self, layers: nn.Sequential | Sequence[nn.Module], loss_fn: Callable, eps,
+                 options: RelayOptions | None = None, *, pipeline: PipelineConfig, group=None,
+                 boundaries: Sequence[int] | None = None,
+                 init: Callable[[int, nn.Module], dict[str, torch.Tensor]] | None = None,
+                 no_decay: Callable[[int, str], bool] | None = None, **option_values):
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("a pipeline runs on the ranks of a torch.distributed process group; none is "
+                                "initialized (start it under torchrun --nproc-per-node S)")
+        self.group = group or dist.group.WORLD
+        self.stages = dist.get_world_size(self.group)
+        if self.stages != pipeline.stages:
+            raise ValueError(f"pipeline.stages={pipeline.stages} but the process group has {self.stages} ranks; "
+                                f"a pipeline runs one stage per rank")
+        self.stage = dist.get_rank(self.group)
+        self.config = pipeline
+        self.schedule = SCHEDULES[pipeline.schedule]
+        options = dataclasses.replace(options or RelayOptions(), **option_values)
+        if options.pipedream_2bw and not self.schedule.pipedream_2bw:
+            raise ValueError("pipedream_2bw=True asks for weights one step back: use schedule '2bw', not 'flush'")
+        options = dataclasses.replace(options, pipedream_2bw=self.schedule.pipedream_2bw)
+        unsupported = [(options.layer_drop != 0.0, "layer_drop (every stage would have to draw the same layers)"),
+                       (options.clip_grad_norm is not None and options.clip_mode == "global",
+                        "clip_mode='global' (the norm spans stages); use clip_mode='layer'"),
+                       (options.precision == "fp16" or options.skip_nonfinite,
+                        "fp16 or skip_nonfinite (a step skipped on one stage must be skipped on all)")]
+        for bad, what in unsupported:
+            if bad:
+                raise ValueError(f"the pipeline does not support {what} yet")
+        self.layers = list(layers)
+        L = len(self.layers)
+        if L < self.stages:
+            raise ValueError(f"{self.stages} stages need at least {self.stages} layers; the model has {L}")
+        bounds = list(boundaries) if boundaries is not None else pipeline.split()
+        if bounds is None:
+            self.bounds = even_split(L, self.stages)
+        else:
+            self.bounds = [0, *bounds, L] if len(bounds) == self.stages - 1 else list(bounds)
+            ok = (len(self.bounds) == self.stages + 1 and self.bounds[0] == 0 and self.bounds[-1] == L
+                  and all(a < b for a, b in zip(self.bounds, self.bounds[1:])))
+            if not ok:
+                raise ValueError(f"boundaries {list(bounds)} do not split {L} layers into {self.stages} non-empty "
+                                    f"contiguous stages (give the first layer of stages 1..{self.stages - 1})")
+        self.first, self.end = self.bounds[self.stage], self.bounds[self.stage + 1]
+        self._check_no_shared_parameters()
+        # Every rank joins one single-rank group per rank (new_group is collective): the stage's
+        # Relay then runs without data parallelism over the pipeline's ranks.
+        solo = [dist.new_group([r]) for r in range(dist.get_world_size())]
+        own = self.layers[self.first:self.end]
+        shift = self.first
+        self.relay = Relay(own, loss_fn, eps, options, process_group=solo[dist.get_rank()],
+                           init=(lambda i, m: init(i + shift, m)) if init is not None else None,
+                           no_decay=(lambda i, n: no_decay(i + shift, n)) if no_decay is not None else None)
+        self.device = self.relay.device
+        self.micro_batches = options.micro_batches
+        for i, layer in enumerate(self.layers):  # other stages' weights: not held here
+            if not self.first <= i < self.end:
+                layer.to("meta")
+        self._meta = [copy.deepcopy(m).to("meta") for m in self.layers]  # for the trace
+        self._traces: dict[tuple, Trace] = {}
+        self.links = Links(self.group, self.stage, self.stages, pipeline.timeout_s)
+        self.last_step_s = 0.0  # wall time of the last train_step
+        self.busy_s = 0.0  # of which computing (not waiting for a neighbour)
+
+    def __getattr__(self, name: str):
+        """What the pipeline does not say itself, its stage's Relay says (transport, threads,
+        loss_scale, memory_report, ...: the training loop reads them)."""
+        if name == "relay":
+            raise AttributeError(name)
+        return getattr(self.relay, name)
+
+    def _check_no_shared_parameters(self) -> None:
+        where: dict[int, int] = {}
+        for i, layer in enumerate(self.layers):
+            for p in layer.parameters():
+                j = where.setdefault(id(p), i)
+                if self._stage_of(j) != self._stage_of(i):
+                    raise ValueError(f"layers {j} and {i} share a parameter (tied weights) but fall in different "
+                                        f"stages ({self.bounds}); untie them or choose boundaries that keep them together")
+
+    def _stage_of(self, i: int) -> int:
+        return next(s for s in range(self.stages) if self.bounds[s] <= i < self.bounds[s + 1])
+
+    @property
+    def step(self) -> int:
+        return self.relay.step
+
+    @property
+    def eps(self):
+        return self.relay.eps
+
+    # -- one step -----------------------------------------------------------------------
+    def _trace(self, xs: list) -> Trace:
+        key = tuple((t.shape, t.dtype) for x in xs for t in flatten(x))
+        if key not in self._traces:
+            self._traces[key] = trace_model(self._meta, xs)
+        return self._traces[key]
+
+    def _rng_plan(self, trace: Trace) -> tuple[dict, object] | None:
+        """The generator's state before each of this stage's (layer, micro-batch) calls, and at
+        the step's end, as the single process (layer-major draws) would have them."""
+        if not trace.random:
+            return None
+        states = {}  # (layer, micro-batch) -> (before the call, after it)
+        for i in range(len(self.layers)):
+            for j in range(self.micro_batches):
+                before = rng_state(self.device) if self.first <= i < self.end else None
+                replay(trace.ops[i][j], self.device)
+                if before is not None:
+                    states[(i, j)] = (before, rng_state(self.device))
+        return states, rng_state(self.device)
+
+    def train_step(self, inputs, targets) -> float:
+        """One optimizer step of the whole pipeline on the minibatch; its mean loss (every rank)."""
+        t0 = time.perf_counter()
+        relay, links, u = self.relay, self.links, self.micro_batches
+        first_stage, last_stage = self.stage == 0, self.stage == self.stages - 1
+        try:
+            xs, ts, weights, _ = relay._split(inputs, targets)
+            trace = self._trace(xs)
+            plan = self._rng_plan(trace)
+        except PipelineError as exc:
+            raise PipelineError(links.report(f"pipeline stage {self.stage}: {exc}")) from exc
+        own = range(self.first, self.end)
+        users: dict[str, list[int]] = {}
+        for i in own:
+            for key in relay.plans[i - self.first].groups:
+                users.setdefault(key, []).append(i)
+        live: dict[str, dict[str, torch.Tensor]] = {}
+        graphs: dict[int, list] = {}  # micro-batch -> per layer (input leaf, output)
+        losses: dict[int, torch.Tensor] = {}
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        recv_acts, recv_grads = {}, {}
+        tag_of = (lambda kind, j: (2 * j + kind) * 64)  # up to 64 tensors per activation
+        busy = 0.0
+        try:
+            # Post every receive of the step now: transfers land while this stage computes.
+            if not first_stage:
+                specs = trace.outputs[self.first - 1]
+                for j in range(u):
+                    recv_acts[j] = links.recv(specs[j], self.stage - 1, tag_of(0, j), self.device)
+            if not last_stage:
+                specs = trace.outputs[self.end - 1]
+                for j in range(u):
+                    floating = [s for s in specs[j] if s.dtype.is_floating_point]
+                    recv_grads[j] = links.recv(floating, self.stage + 1, tag_of(1, j), self.device)
+            params = {i: relay._params(i - self.first, live) for i in own}
+            for action in self.schedule.actions(self.stage, self.stages, u):
+                j = action.mb
+                if action.kind == "F":
+                    if first_stage:
+                        x = xs[j]
+                    else:
+                        bufs, works = recv_acts.pop(j)
+                        links.wait(works, f"receiving micro-batch {j}'s activations from stage {self.stage - 1}")
+                        x = unflatten(trace.like(self.first - 1, j), bufs)
+                    c0 = time.perf_counter()
+                    graphs[j] = []
+                    for i in own:
+                        x = grad_leaf(x) if (i > self.first or not first_stage) else x
+                        out = self._call(i, j, x, params[i], plan)
+                        graphs[j].append((x, out))
+                        x = unflatten(out, [t.detach() for t in flatten(out)])
+                    if last_stage:
+                        losses[j] = relay._loss(to_float(graphs[j][-1][1]), ts[j])
+                    else:
+                        links.send(flatten(x), self.stage + 1, tag_of(0, j))
+                    busy += time.perf_counter() - c0
+                else:
+                    if last_stage:
+                        c0 = time.perf_counter()
+                        loss = losses.pop(j)
+                        (loss * (weights[j] * relay.loss_scale)).backward()
+                        total += loss.detach().float() * weights[j]
+                        grads = None
+                    else:
+                        bufs, works = recv_grads.pop(j)
+                        links.wait(works, f"receiving micro-batch {j}'s gradients from stage {self.stage + 1}")
+                        c0 = time.perf_counter()
+                        outs = flatten(graphs[j][-1][1])
+                        it = iter(bufs)
+                        grads = [next(it) if o.is_floating_point() else None for o in outs]
+                    self._backward(j, graphs.pop(j), grads, users, live, last=j == u - 1)
+                    busy += time.perf_counter() - c0
+            links.finish_sends()
+        except PipelineError:
+            self._abandon()
+            raise
+        except Exception as exc:
+            self._abandon()
+            raise PipelineError(links.report(f"pipeline stage {self.stage} (rank {dist.get_rank()}) failed: "
+                                             f"{exc}")) from exc
+        if plan is not None:
+            set_rng_state(self.device, plan[1])
+        relay.eps.commit_step(grad_scale=1.0, skip_nonfinite=False, wait=not self.schedule.pipedream_2bw)
+        loss = self._share_loss(total)
+        self.last_step_s, self.busy_s = time.perf_counter() - t0, busy
+        return loss
+
+    def _call(self, i: int, j: int, x, params, plan):
+        """Layer i on micro-batch j, with the generator where the single process has it."""
+        relay, k = self.relay, i - self.first
+        if plan is not None:
+            before, expected = plan[0][(i, j)]
+            set_rng_state(self.device, before)
+        else:
+            expected = rng_state(self.device)  # no layer draws: the generator must not move
+        out = self._run_layer(k, x, params)
+        if not _same_rng(rng_state(self.device), expected):
+            raise PipelineError(f"layer {i} drew random numbers that its meta-device trace did not predict; the "
+                                f"pipeline cannot replay its draws as the single process makes them")
+        return out
+
+    def _run_layer(self, k: int, x, params: dict[str, torch.Tensor]):
+        """The stage's layer k on one micro-batch, its device parameters and buffers bound by
+        functional_call (the module itself keeps meta parameters, as in the relay)."""
+        plan = self.relay.plans[k]
+        try:
+            out = functional_call(plan.module, {**params, **plan.buffers}, (x,))
+        except Exception as exc:
+            raise RelayError(f"layer {self.first + k} ({type(plan.module).__name__}) failed on an input of "
+                             f"{_shapes(x)}: {exc}") from exc
+        if not (isinstance(out, torch.Tensor) or
+                (isinstance(out, (tuple, list)) and out and all(isinstance(t, torch.Tensor) for t in out))):
+            raise RelayError(f"layer {self.first + k} ({type(plan.module).__name__}) returned {type(out).__name__}; "
+                             f"a layer must return a tensor or a tuple of tensors")
+        return out if isinstance(out, torch.Tensor) else tuple(out)
+
+    def _backward(self, j: int, graph: list, grads, users: dict, live: dict, last: bool) -> None:
+        """Backward of micro-batch j through this stage's layers, last to first; on the last
+        micro-batch, push each group as soon as its first layer's backward is done."""
+        relay = self.relay
+        for k in range(len(graph) - 1, -1, -1):
+            x, out = graph[k]
+            if grads is not None:
+                pairs = [(o, g) for o, g in zip(flatten(out), grads) if g is not None and o.requires_grad]
+                if pairs:
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            i = self.first + k
+            if k > 0 or self.stage > 0:
+                grads = relay._input_grads(x)
+            graph[k] = None
+            inputs = x
+            if last:
+                for key in relay.plans[k].groups:
+                    if users[key][0] == i:
+                        tensors = live.pop(key)
+                        relay.eps.push_grads(key, relay._to_host(relay._clip(
+                            {n: t.grad for n, t in tensors.items() if t.grad is not None})),
+                            inv_scale=1.0 / relay.loss_scale)
+        if self.stage > 0:  # the gradients of the stage's floating-point inputs go back
+            floating = [g for g, t in zip(grads, flatten(inputs)) if t.is_floating_point()]
+            self.links.send(floating, self.stage - 1, (2 * j + 1) * 64)
+
+    def _abandon(self) -> None:
+        relay = self.relay
+        relay.weights.clear()
+        try:  # let scheduled updates finish, then forget the step
+            relay.eps.wait()
+            relay.eps.discard_step()
+        except Exception:
+            pass
+
+    @torch.no_grad()
+    def evaluate(self, inputs, targets) -> float:
+        """Mean loss on a minibatch through the pipeline, in eval mode, on the newest committed
+        weights (under 2BW too, as Relay.evaluate); no update. Every rank, the same minibatch."""
+        relay, links = self.relay, self.links
+        first_stage, last_stage = self.stage == 0, self.stage == self.stages - 1
+        modes = [m.training for m in relay.layers]
+        for m in relay.layers:
+            m.train(False)
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        try:
+            xs, ts, weights, _ = relay._split(inputs, targets)
+            trace = self._trace(xs)
+            live: dict[str, dict[str, torch.Tensor]] = {}
+            with relay.weights.newest():
+                params = {i: relay._params(i - self.first, live) for i in range(self.first, self.end)}
+                for j in range(self.micro_batches):
+                    if first_stage:
+                        x = xs[j]
+                    else:
+                        bufs, works = links.recv(trace.outputs[self.first - 1][j], self.stage - 1, (2 * j) * 64,
+                                                 self.device)
+                        links.wait(works, f"receiving micro-batch {j}'s activations from stage {self.stage - 1}")
+                        x = unflatten(trace.like(self.first - 1, j), bufs)
+                    for i in range(self.first, self.end):
+                        k = i - self.first
+                        x = self._run_layer(k, x, params[i])
+                    if last_stage:
+                        total += relay._loss(to_float(x), ts[j]).float() * weights[j]
+                    else:
+                        links.send(flatten(x), self.stage + 1, (2 * j) * 64)
+            links.finish_sends()
+        except PipelineError:
+            raise
+        except Exception as exc:
+            raise PipelineError(links.report(f"pipeline stage {self.stage} (rank {dist.get_rank()}) failed in "
+                                             f"evaluation: {exc}")) from exc
+        finally:
+            for m, mode in zip(relay.layers, modes):
+                m.train(mode)
+        return self._share_loss(total)
+
+    def _share_loss(self, total: torch.Tensor) -> float:
+        """The last stage's loss, sent to every other stage."""
+        last = self.stages - 1
+        tag = 1 << 30
+        if self.stage == last:
+            value = total.detach().float().cpu().reshape(1)
+            for s in range(last):
+                self.links.send([value], s, tag)
+            self.links.finish_sends()
+            return float(value)
+        bufs, works = self.links.recv([_Spec(torch.Size([1]), torch.float32)], last, tag, "cpu")
+        self.links.wait(works, f"receiving the step's loss from stage {last}")
+        return float(bufs[0])
+
+    # -- state, evaluation and export -------------------------------------------------------
+    def _to_global(self, name: str) -> str:
+        for prefix in ("eps/layer", "buffers/"):
+            if name.startswith(prefix):
+                rest = name[len(prefix):]
+                i, sep, tail = rest.partition("/")
+                return f"{prefix}{int(i) + self.first}{sep}{tail}"
+        return name
+
+    def _to_local(self, name: str) -> str | None:
+        for prefix in ("eps/layer", "buffers/"):
+            if name.startswith(prefix):
+                i, sep, tail = name[len(prefix):].partition("/")
+                if not self.first <= int(i) < self.end:
+                    return None
+                return f"{prefix}{int(i) - self.first}{sep}{tail}"
+        return name
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This stage's state under the whole model's layer indices: the union over the stages
+        is a single-process relay's state_dict (and loads into one)."""
+        return {self._to_global(k): v for k, v in self.relay.state_dict().items()}
+
+    def load_state_dict(self, state) -> None:
+        """Load this stage's part of a whole-model state (a single-process relay's, or the union
+        of the stages' state_dicts); entries of other stages are skipped."""
+        mine = {}
+        for k, v in state.items():
+            local = self._to_local(k)
+            if local is not None:
+                mine[local] = v
+        self.relay.load_state_dict(mine)
+
+    def state_entries(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint writes (l2l_hw.train): the whole model's state, gathered on every rank."""
+        return self.full_state_dict()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state, gathered on every rank (small models: tests, export)."""
+        parts = [None] * self.stages
+        dist.all_gather_object(parts, self.state_dict(), group=self.group)
+        out = {}
+        for part in parts:
+            out.update(part)
+        return out
+
+    def gather(self) -> "GatheredModel":
+        """The whole trained model, gathered from every stage (collective: every rank calls it):
+        what `export()` gives, with the model's layers; `hf.save_pretrained(relay.gather(), path)`
+        on one rank writes a transformers folder."""
+        from l2l_hw.relay.executor import Exported
+
+        mine = [Exported(e.layer + self.first, e.name, e.tensor, (e.first[0] + self.first, e.first[1]))
+                for e in self.relay.export()]
+        parts = [None] * self.stages
+        dist.all_gather_object(parts, mine, group=self.group)
+        return GatheredModel(self.layers, [e for part in parts for e in part], self._meta)
+
+    def materialize(self) -> nn.Sequential:
+        """The trained model as an nn.Sequential on the CPU with fp32 master weights (collective)."""
+        return self.gather().materialize()
+
+
+class GatheredModel:
+    """A pipeline's whole model on one rank: its layers (structure) and exported tensors."""
+
+    def __init__(self, layers: list[nn.Module], exported: list, meta: list[nn.Module]):
+        self.layers, self._exported, self._meta = layers, exported, meta
+
+    def export(self):
+        return iter(self._exported)
+
+    def materialize(self) -> nn.Sequential:
+        model = copy.deepcopy(nn.Sequential(*self._meta))
+        values = {}
+        for e in self._exported:
+            values[(e.layer, e.name)] = values[e.first] if e.tensor is None else e.tensor
+        for i, layer in enumerate(model):
+            state = {name: values[(i, name)] for name, _ in (*layer.named_parameters(), *layer.named_buffers())}
+            layer.load_state_dict(state, assign=True, strict=False)
+        return model

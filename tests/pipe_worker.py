@@ -1,0 +1,109 @@
+"""One rank of a pipeline test run (tests/test_pipeline.py starts S of these).
+
+    python -m tests.pipe_worker '<json>'    with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set
+
+The json: model (a key of tests.test_pipeline.MODELS), optimizer, steps, batch, micro_batches,
+schedule (flush | 2bw), boundaries, start (first step index), load (a whole-model relay state to
+resume from), save (rank 0 writes the whole model's relay state there at the end), out (rank 0
+writes the trained parameters and per-step losses there), fail_at_step (the last stage's last
+layer raises in that step), die_at_step (the last rank exits abruptly), timeout (seconds).
+A PipelineError is printed as one line on stderr, exit code 2.
+"""
+import datetime
+import json
+import os
+import sys
+
+import safetensors.torch
+import torch
+import torch.distributed as dist
+
+import l2l_hw
+from l2l_hw.relay.options import PipelineConfig
+from l2l_hw.relay.pipeline import PipelineError, PipelineRelay
+from tests.test_pipeline import EPS_BACKEND, MODELS, OPTIMIZERS, RNG_SEED
+
+
+class Boom(torch.nn.Module):
+    def __init__(self, layer, step_of):
+        super().__init__()
+        self.layer, self.step_of = layer, step_of
+
+    def forward(self, x):
+        if self.step_of():
+            raise RuntimeError("boom: this layer fails on purpose")
+        return self.layer(x)
+
+
+def finetune_hf(cfg: dict) -> None:
+    """A Hugging Face model (cfg["hf"], a local folder) fine-tuned by the pipeline; rank 0 saves it
+    as a transformers folder (cfg["save_hf"])."""
+    from l2l_hw import hf
+    from tests.test_pipeline import hf_batches
+
+    folder = hf.model_folder(cfg["hf"])
+    model = hf.skeleton(folder)
+    layers, loss_fn = hf.split(model)
+    relay = PipelineRelay(layers, loss_fn, l2l_hw.make_eps(EPS_BACKEND, **OPTIMIZERS["adamw"][0]),
+                          pipeline=PipelineConfig(stages=dist.get_world_size(), schedule=cfg.get("schedule", "flush")),
+                          init=hf.LayerInit(folder, model, layers), no_decay=hf.no_decay_rule(model, layers),
+                          micro_batches=2)
+    for inputs, targets in hf_batches(loss_fn, cfg["steps"]):
+        relay.train_step(inputs, targets)
+    whole = relay.gather()
+    if dist.get_rank() == 0:
+        hf.save_pretrained(whole, cfg["save_hf"])
+
+
+def main(cfg: dict) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=cfg.get("timeout", 60)))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if cfg.get("hf"):
+        finetune_hf(cfg)
+        dist.destroy_process_group()
+        return
+    make_model, make_batches, loss_fn = MODELS[cfg["model"]]
+    layers = list(make_model())
+    current = {"step": -1}
+    if cfg.get("fail_at_step") is not None:
+        layers[-1] = Boom(layers[-1], lambda: current["step"] == cfg["fail_at_step"])
+    eps = l2l_hw.make_eps(EPS_BACKEND, **OPTIMIZERS[cfg["optimizer"]][0])
+    pipeline = PipelineConfig(stages=world, schedule=cfg.get("schedule", "flush"), boundaries=cfg.get("boundaries"),
+                              timeout_s=cfg.get("timeout", 60))
+    relay = PipelineRelay(layers, loss_fn, eps, pipeline=pipeline, micro_batches=cfg.get("micro_batches", 4))
+    if cfg.get("load"):
+        relay.load_state_dict(safetensors.torch.load_file(cfg["load"]))
+    start = cfg.get("start", 0)
+    torch.manual_seed(RNG_SEED + start)
+    losses = []
+    try:
+        for step, (x, y) in enumerate(make_batches(cfg["steps"], batch=cfg["batch"])[start:], start=start):
+            current["step"] = step
+            if step == cfg.get("die_at_step") and rank == world - 1:
+                os._exit(3)  # no clean-up, no goodbye: as a killed or crashed process
+            losses.append(relay.train_step(x, y))
+    except PipelineError as exc:
+        print(f"rank {rank}: PipelineError: {exc}", file=sys.stderr, flush=True)
+        if cfg.get("clean_exit"):  # the interpreter's own exit, process group torn down
+            dist.destroy_process_group()
+            sys.exit(2)
+        os._exit(2)
+    x, y = make_batches(1, batch=cfg["batch"])[0]
+    evaluated = relay.evaluate(x, y)
+    state = relay.full_state_dict() if cfg.get("save") else None
+    model = relay.materialize()
+    if rank == 0:
+        if cfg.get("save"):
+            safetensors.torch.save_file(state, cfg["save"])
+        if cfg.get("out"):
+            out = {f"{i}.{n}": t.detach().contiguous() for i, layer in enumerate(model)
+                   for n, t in layer.state_dict().items()}
+            out["losses"] = torch.tensor(losses, dtype=torch.float64)
+            out["eval"] = torch.tensor([evaluated], dtype=torch.float64)
+            safetensors.torch.save_file(out, cfg["out"])
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))

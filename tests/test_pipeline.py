@@ -1,0 +1,268 @@
+"""The relay as a pipeline (l2l_hw/relay/pipeline.py) on gloo ranks: "flush" equals the
+single-process relay, "2bw" equals the single-process relay in its PipeDream-2BW mode (dropout
+included), at 1e-5 over 10 steps, with 2 and 3 stages; resume is bit-exact; a failing or killed
+stage stops every rank with one clear error. Every rank is a real process (tests/pipe_worker.py)."""
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+from torch import nn
+
+import l2l_hw
+from l2l_hw.distributed import run_local_ranks
+from l2l_hw.models.gpt import GPTConfig, build_gpt, lm_loss
+from l2l_hw.relay.pipeline import OneFOneB, even_split
+from tests.helpers import mlp_layers, rel_diff
+from tests.test_relay_equivalence import OPTIMIZERS, gpt_batches, mlp_batches
+
+ROOT = Path(__file__).resolve().parents[1]
+TOL = 1e-5
+STEPS = 10
+RNG_SEED = 1234  # the torch generator's seed at the first step, in every process
+EPS_BACKEND = os.environ.get("L2L_PIPELINE_TEST_EPS", "cpu")  # golden: while the host kernel is rebuilt
+LAUNCH_TIMEOUT = 120  # seconds for a whole multi-process run; a hang fails the test instead of CI
+
+
+def gpt(dropout=0.0):
+    torch.manual_seed(0)
+    return build_gpt(GPTConfig(n_layer=3, n_embd=32, n_head=4, block_size=16, bias=False, dropout=dropout))
+
+
+MODELS = {
+    "gpt": (gpt, gpt_batches, lm_loss),
+    "gpt-dropout": (lambda: gpt(dropout=0.2), gpt_batches, lm_loss),
+    "mlp": (lambda: mlp_layers(depth=4), mlp_batches, nn.functional.mse_loss),
+}
+
+
+def launch(world: int, **cfg) -> list[subprocess.CompletedProcess]:
+    try:
+        return run_local_ranks(["-m", "tests.pipe_worker", json.dumps(cfg)], world, timeout_s=LAUNCH_TIMEOUT, cwd=ROOT,
+                               env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"a rank did not finish within {LAUNCH_TIMEOUT} s (hang)")
+
+
+def run_ok(world: int, **cfg) -> dict:
+    for r, res in enumerate(launch(world, **cfg)):
+        assert res.returncode == 0, f"rank {r} failed:\n{res.stderr[-3000:]}"
+    return safetensors.torch.load_file(cfg["out"])
+
+
+def single_process(model: str, optimizer: str, steps: int, batch: int, micro_batches: int, pipedream_2bw: bool):
+    """The reference: the single-process relay on the same minibatches, same generator seed."""
+    make_model, make_batches, loss_fn = MODELS[model]
+    relay = l2l_hw.Relay(make_model(), loss_fn, eps=l2l_hw.make_eps(EPS_BACKEND, **OPTIMIZERS[optimizer][0]),
+                         micro_batches=micro_batches, pipedream_2bw=pipedream_2bw)
+    torch.manual_seed(RNG_SEED)
+    losses = [relay.train_step(x, y) for x, y in make_batches(steps, batch=batch)]
+    model = relay.materialize()
+    want = {f"{i}.{n}": t for i, layer in enumerate(model) for n, t in layer.state_dict().items()}
+    want["eval"] = torch.tensor([relay.evaluate(*make_batches(1, batch=batch)[0])], dtype=torch.float64)
+    return want, losses
+
+
+def assert_same(got: dict, want: dict, losses: list, what: str):
+    for name, w in want.items():
+        assert rel_diff(got[name], w) <= TOL, f"{what}: {name} differs by {rel_diff(got[name], w):.2e}"
+    assert torch.allclose(got["losses"], torch.tensor(losses, dtype=torch.float64), rtol=TOL), \
+        f"{what}: losses {got['losses'].tolist()} vs {losses}"
+
+
+def test_1f1b_runs_each_micro_batch_forward_then_backward_once_with_at_most_s_minus_s_in_flight():
+    for stages in (1, 2, 3, 4):
+        for m in (1, 2, 3, 5, 8):
+            for s in range(stages):
+                acts = OneFOneB("flush", False).actions(s, stages, m)
+                assert sorted(a for a in acts if a.kind == "F") == [("F", j) for j in range(m)]
+                assert [a for a in acts if a.kind == "B"] == [("B", j) for j in range(m)]
+                in_flight = peak = 0
+                for a in acts:
+                    in_flight += 1 if a.kind == "F" else -1
+                    peak = max(peak, in_flight)
+                assert peak == min(stages - s, m)
+    assert even_split(7, 3) == [0, 2, 5, 7]
+    assert OneFOneB.bubble(2, 8) == pytest.approx(1 / 9)
+
+
+SLOW = pytest.mark.slow  # each multi-process run costs seconds of start-up: CI runs one of each kind
+
+
+@pytest.mark.parametrize("stages,model,optimizer,schedule", [
+    pytest.param(2, "gpt", "adamw", "flush", marks=SLOW), (3, "mlp", "sgd-momentum", "flush"),
+    pytest.param(2, "gpt-dropout", "adamw", "2bw", marks=SLOW), (3, "gpt-dropout", "adamw", "2bw"),
+    pytest.param(3, "mlp", "adamw", "2bw", marks=SLOW)])
+def test_pipeline_equals_the_single_process_relay_over_10_steps_and_evaluates_alike(tmp_path, stages, model, optimizer, schedule):
+    # batch 13 in 4 micro-batches: 4, 3, 3, 3 samples, weighted by their share
+    got = run_ok(stages, model=model, optimizer=optimizer, steps=STEPS, batch=13, micro_batches=4,
+                 schedule=schedule, out=str(tmp_path / "out.safetensors"))
+    want, losses = single_process(model, optimizer, STEPS, 13, 4, pipedream_2bw=schedule == "2bw")
+    assert_same(got, want, losses, f"{model}, {stages} stages, {schedule}")
+
+
+@SLOW
+def test_resume_5_plus_5_steps_is_bit_identical_to_10_straight_and_loads_into_the_single_process_relay(tmp_path):
+    cfg = dict(model="mlp", optimizer="adamw", steps=STEPS, batch=12, micro_batches=3, schedule="2bw")
+    straight = run_ok(2, **cfg, out=str(tmp_path / "straight.safetensors"))
+    run_ok(2, **dict(cfg, steps=5), out=str(tmp_path / "half.safetensors"), save=str(tmp_path / "state.safetensors"))
+    resumed = run_ok(2, **cfg, start=5, load=str(tmp_path / "state.safetensors"), out=str(tmp_path / "resumed.safetensors"))
+    for name, t in straight.items():
+        want = t[5:] if name == "losses" else t
+        assert torch.equal(resumed[name], want), f"{name} differs after resuming"
+    # the stages' states together are a single-process relay's state (2BW's previous version included)
+    state = safetensors.torch.load_file(tmp_path / "state.safetensors")
+    make_model, _, loss_fn = MODELS["mlp"]
+    single = l2l_hw.Relay(make_model(), loss_fn, eps=l2l_hw.make_eps(EPS_BACKEND, **OPTIMIZERS["adamw"][0]),
+                          micro_batches=3, pipedream_2bw=True)
+    single.load_state_dict(state)
+    assert int(state["eps/step"]) == 5
+
+
+@pytest.mark.parametrize("stages,how", [(2, "fail_at_step"), pytest.param(3, "fail_at_step", marks=SLOW),
+                                        pytest.param(2, "die_at_step", marks=SLOW), (3, "die_at_step")])
+def test_a_failing_or_killed_stage_stops_every_rank_with_one_clear_error(stages, how):
+    results = launch(stages, model="mlp", optimizer="adamw", steps=6, batch=12, micro_batches=3, schedule="2bw",
+                     timeout=30, clean_exit=how == "die_at_step", **{how: 2})
+    for r, res in enumerate(results):
+        if how == "die_at_step" and r == stages - 1:
+            assert res.returncode == 3
+            continue
+        assert res.returncode == 2, f"rank {r} exited {res.returncode}:\n{res.stderr[-2000:]}"
+        lines = [line for line in res.stderr.splitlines() if "PipelineError" in line]
+        assert len(lines) == 1, res.stderr[-2000:]
+        if how == "fail_at_step":
+            assert "boom: this layer fails on purpose" in lines[0] and f"stage {stages - 1}" in lines[0], lines[0]
+        else:
+            assert "died or stopped answering" in lines[0] or "has gone" in lines[0], lines[0]
+
+
+# -- the planner ------------------------------------------------------------------------------
+def uneven_mlp(wide: int = 1, depth: int = 6, width: int = 128, hidden: int = 256):
+    """Residual MLP blocks, block `wide` with a 4x wider hidden layer."""
+    from tests.helpers import ResidualMLP
+    torch.manual_seed(0)
+    return nn.Sequential(*[ResidualMLP(width, hidden * (4 if i == wide else 1)) for i in range(depth)])
+
+
+def test_planner_on_one_4x_wider_layer_is_within_15_percent_of_brute_force_and_beats_the_even_split():
+    from l2l_hw.relay.planner import brute_force_split, plan_pipeline, profile_layers, stage_time_s
+    layers = uneven_mlp()
+    x, y = torch.randn(64, 32, 128), torch.randn(64, 32, 128)
+    costs = profile_layers(layers, nn.functional.mse_loss, x, y, sizes=(8, 32), repeats=5, threads=1)
+    assert costs[1].time_s(8) > 1.5 * max(c.time_s(8) for i, c in enumerate(costs) if i != 1), \
+        f"the profile does not see the wide layer: {costs}"
+    for stages in (2, 3):
+        plan = plan_pipeline(costs, stages, batch=64, micro_batches=8)
+        size = 64 / 8
+        slowest = max(plan.stage_s) / 8
+        _, brute = brute_force_split(costs, stages, size)
+        even = even_split(len(costs), stages)
+        even_slowest = max(stage_time_s(costs, a, b, size) for a, b in zip(even, even[1:]))
+        assert slowest <= 1.15 * brute, (plan.describe(), brute)
+        assert slowest < even_slowest, (plan.describe(), even, even_slowest)
+        assert plan.describe().startswith(f"pipeline plan: {stages} stages")
+
+
+def test_planner_respects_the_memory_limit_and_says_when_nothing_fits():
+    from l2l_hw.relay.planner import LayerCost, best_split, plan_pipeline, stage_bytes
+    # layer 0 is slow but small; layers 1..3 are fast and hold 1 MiB of weights each
+    costs = [LayerCost(0.0, 4.0, 0.0, 0.0, 0, 0.0, 0.0)] + [LayerCost(0.0, 1.0, 0.0, 0.0, 2**19, 0.0, 0.0)] * 3
+    free, _ = best_split(costs, 2, 1, 1.0)
+    assert free == [0, 1, 4]  # 4 vs 3: the fastest split holds 3 MiB in stage 1
+    limited, t = best_split(costs, 2, 1, 1.0, memory_limit=2 * 2**20)
+    assert limited == [0, 2, 4] and t == 5.0
+    assert all(stage_bytes(costs, a, b, s, 2, 1, 1.0) <= 2 * 2**20 for s, (a, b) in enumerate(zip(limited, limited[1:])))
+    with pytest.raises(ValueError, match="no split of 4 layers into 2 stages fits"):
+        plan_pipeline(costs, 2, batch=8, micro_batches=[2, 4], memory_limit=2**19)
+    # the micro-batch count: a fixed cost per call favours fewer, the bubble favours more
+    fixed = [LayerCost(1.0, 1.0, 0.0, 0.0, 0, 0.0, 0.0)] * 4
+    assert plan_pipeline(fixed, 2, batch=64, micro_batches=[1, 2, 4, 8, 16, 64]).micro_batches == 8
+
+
+# -- Hugging Face -----------------------------------------------------------------------------
+def hf_batches(loss_fn, steps: int):
+    from l2l_hw import hf
+    from tests.test_hf import VOCAB
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(0, VOCAB, (4, 8), generator=g)
+        out.append(hf.batch(loss_fn, ids, ids.clone()))
+    return out
+
+
+@SLOW
+def test_a_2_stage_pipeline_finetunes_a_llama_model_and_saves_a_folder_transformers_loads(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from l2l_hw import hf
+    from tests.test_hf import tiny
+    tiny("llama-untied").save_pretrained(tmp_path / "llama")
+    steps = 3
+    for r, res in enumerate(launch(2, hf=str(tmp_path / "llama"), steps=steps, save_hf=str(tmp_path / "tuned"))):
+        assert res.returncode == 0, f"rank {r} failed:\n{res.stderr[-3000:]}"
+    # the reference: the single-process relay on the same folder and batches
+    relay = hf.from_pretrained(tmp_path / "llama", eps=l2l_hw.make_eps(EPS_BACKEND, **OPTIMIZERS["adamw"][0]),
+                               micro_batches=2)
+    for inputs, targets in hf_batches(relay.loss_fn, steps):
+        relay.train_step(inputs, targets)
+    hf.save_pretrained(relay, tmp_path / "single")
+    tuned = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "tuned")
+    single = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "single")
+    start = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "llama")
+    moved = False
+    for (name, p), q, p0 in zip(tuned.named_parameters(), single.parameters(), start.parameters()):
+        assert rel_diff(p, q) <= TOL, f"{name}: {rel_diff(p, q):.2e}"
+        moved |= not torch.equal(p, p0)
+    assert moved, "fine-tuning changed nothing"
+
+
+# -- l2l train --pipeline-stages ------------------------------------------------------------------
+TINY_RUN = ["--layers", "2", "--width", "32", "--heads", "2", "--context", "16", "--batch-size", "4",
+            "--micro-batches", "2", "--eval-every", "3", "--dropout", "0.1", "--seed", "7", "--schedule", "constant",
+            "--warmup", "2"]
+
+
+def l2l_train(world: int, *args) -> None:
+    results = run_local_ranks(["-m", "l2l_hw.cli", "train", *TINY_RUN, *args], world, timeout_s=LAUNCH_TIMEOUT,
+                              cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE)
+    for r, res in enumerate(results):
+        assert res.returncode == 0, f"rank {r} failed:\n{res.stderr[-3000:]}"
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@SLOW
+def test_l2l_train_pipeline_stages_equals_one_process_in_2bw_and_resumes_bit_exactly(tmp_path):
+    l2l_train(1, "--steps", "6", "--pipedream-2bw", "--out", str(tmp_path / "single"))
+    l2l_train(2, "--steps", "6", "--pipeline-stages", "2", "--out", str(tmp_path / "straight"))
+    l2l_train(2, "--steps", "3", "--pipeline-stages", "2", "--out", str(tmp_path / "split"))
+    l2l_train(2, "--steps", "6", "--pipeline-stages", "2", "--resume", "--out", str(tmp_path / "split"))
+    single, straight, split = (metrics(tmp_path / name) for name in ("single", "straight", "split"))
+    for a, b, c in zip(single, straight, split):
+        assert a["loss"] == pytest.approx(b["loss"], rel=TOL) and b["loss"] == c["loss"], (a, b, c)
+        if "val_loss" in a:
+            assert a["val_loss"] == pytest.approx(b["val_loss"], rel=TOL) and b["val_loss"] == c["val_loss"]
+    want = safetensors.torch.load_file(tmp_path / "straight" / "checkpoint.safetensors")
+    got = safetensors.torch.load_file(tmp_path / "split" / "checkpoint.safetensors")
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_bad_pipeline_input_is_one_clear_error():
+    from l2l_hw.options import OptionError
+    from l2l_hw.relay.options import PipelineConfig
+    from l2l_hw.relay.pipeline import PipelineRelay
+    with pytest.raises(OptionError, match="must name 2 layer"):
+        PipelineConfig(stages=3, boundaries="4")
+    with pytest.raises(OptionError, match="ascending"):
+        PipelineConfig(stages=3, boundaries="4,2")
+    with pytest.raises(ValueError, match="none is initialized"):
+        PipelineRelay(mlp_layers(), nn.functional.mse_loss, l2l_hw.make_eps(EPS_BACKEND),
+                      pipeline=PipelineConfig(stages=2))
