@@ -553,7 +553,7 @@ class PipelineRelay:
 
     def _call(self, i: int, j: int, x, params, plan):
         """Layer i on micro-batch j, with the generator where the single process has it."""
-        relay, k = self.relay, i - self.first
+        k = i - self.first
         if plan is not None:
             before, expected = plan[0][(i, j)]
             set_rng_state(self.device, before)

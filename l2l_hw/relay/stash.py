@@ -24,7 +24,7 @@ class ActivationStash:
         self.policy = policy
         self.transport = transport
         self._layers: dict = {}  # key -> "device": the tensors; "host": (their structure, the transfer down)
-        self._coming_back: dict = {}
+        self._coming_back: dict[object, tuple[list, Transfer]] = {}  # key -> (structure, the transfer up)
 
     def put(self, i, acts: list) -> None:
         """Keep `acts` under key i (a list over micro-batches of tensors or tuples of tensors)."""
