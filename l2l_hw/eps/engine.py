@@ -25,7 +25,9 @@ waits for the group's pending update. With it, they are swapped in for every gro
 commit_step (`_swap`), so `fetch` never waits and a step can be discarded whole.
 
 Updates run on one worker thread in the order the relay pushes them, so the update of
-layer i overlaps the backward of layer i-1 on the caller's thread.
+layer i overlaps the backward of layer i-1 on the caller's thread; or inline, between
+layers, where the layers and the update would compute on the same host cores (the relay on
+the CPU; `configure(inline=...)`, l2l_hw/eps/worker.py).
 """
 from __future__ import annotations
 
