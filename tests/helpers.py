@@ -42,3 +42,28 @@ def mlp_layers(seed=0, width=19, hidden=45, depth=3, n_in=11, n_out=7, dropout=0
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(n_in, width), *[ResidualMLP(width, hidden, dropout) for _ in range(depth)],
                          nn.Sequential(nn.LayerNorm(width), nn.Linear(width, n_out)))
+
+
+def launch_ranks(worker: str, world: int, cfg: dict, timeout_s: float) -> list:
+    """Run the module `worker` (tests.dp_worker, tests.pipe_worker) as `world` local ranks with the
+    JSON of `cfg`; their CompletedProcesses once all have exited. A hang fails the test."""
+    import json
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from l2l_hw.distributed import run_local_ranks
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        return run_local_ranks(["-m", worker, json.dumps(cfg)], world, timeout_s=timeout_s, cwd=root,
+                               env=dict(os.environ, PYTHONPATH=str(root)), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"a rank did not finish within {timeout_s} s (hang)")
+
+
+def ranks_ok(worker: str, world: int, cfg: dict, timeout_s: float) -> None:
+    """launch_ranks, every rank exiting 0."""
+    for r, res in enumerate(launch_ranks(worker, world, cfg, timeout_s)):
+        assert res.returncode == 0, f"rank {r} failed:\n{res.stderr[-3000:]}"

@@ -1,7 +1,6 @@
 """Data-parallel relay on torch.distributed (gloo, CPU): N ranks on shards of the
 minibatch equal one process on the whole minibatch; resume across world sizes; a dead
 rank makes the others fail, never hang. Every rank is a real process (tests/dp_worker.py)."""
-import json
 import os
 import subprocess
 import sys
@@ -12,8 +11,8 @@ import pytest
 import safetensors.torch
 import torch
 
-from l2l_hw.distributed import free_port, run_local_ranks
-from tests.helpers import rel_diff
+from l2l_hw.distributed import free_port
+from tests.helpers import launch_ranks, ranks_ok, rel_diff
 from tests.test_relay_equivalence import MODELS, OPTIMIZERS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,18 +21,11 @@ LAUNCH_TIMEOUT = 180  # seconds for a whole multi-process run; a hang fails the 
 
 
 def launch(world: int, **cfg) -> list[subprocess.CompletedProcess]:
-    """Run tests/dp_worker.py as `world` processes; their results once all have exited."""
-    try:
-        return run_local_ranks(["-m", "tests.dp_worker", json.dumps(cfg)], world, timeout_s=LAUNCH_TIMEOUT, cwd=ROOT,
-                               env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"a rank did not finish within {LAUNCH_TIMEOUT} s (hang)")
+    return launch_ranks("tests.dp_worker", world, cfg, LAUNCH_TIMEOUT)
 
 
 def run_ok(world: int, **cfg) -> dict:
-    for r, res in enumerate(launch(world, **cfg)):
-        assert res.returncode == 0, f"rank {r} failed:\n{res.stderr[-3000:]}"
+    ranks_ok("tests.dp_worker", world, cfg, LAUNCH_TIMEOUT)
     return safetensors.torch.load_file(cfg["out"]) if cfg.get("out") else {}
 
 

@@ -16,7 +16,7 @@ import l2l_hw
 from l2l_hw.distributed import run_local_ranks
 from l2l_hw.models.gpt import GPTConfig, build_gpt, lm_loss
 from l2l_hw.relay.pipeline import OneFOneB, even_split
-from tests.helpers import mlp_layers, rel_diff
+from tests.helpers import launch_ranks, mlp_layers, ranks_ok, rel_diff
 from tests.test_relay_equivalence import OPTIMIZERS, gpt_batches, mlp_batches
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,17 +40,11 @@ MODELS = {
 
 
 def launch(world: int, **cfg) -> list[subprocess.CompletedProcess]:
-    try:
-        return run_local_ranks(["-m", "tests.pipe_worker", json.dumps(cfg)], world, timeout_s=LAUNCH_TIMEOUT, cwd=ROOT,
-                               env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"a rank did not finish within {LAUNCH_TIMEOUT} s (hang)")
+    return launch_ranks("tests.pipe_worker", world, cfg, LAUNCH_TIMEOUT)
 
 
 def run_ok(world: int, **cfg) -> dict:
-    for r, res in enumerate(launch(world, **cfg)):
-        assert res.returncode == 0, f"rank {r} failed:\n{res.stderr[-3000:]}"
+    ranks_ok("tests.pipe_worker", world, cfg, LAUNCH_TIMEOUT)
     return safetensors.torch.load_file(cfg["out"])
 
 

@@ -17,6 +17,8 @@ import pytest
 import safetensors.torch
 import torch
 
+from tests.helpers import ranks_ok
+
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT = 180  # seconds for a whole multi-process run; a hang fails the test instead of CI
 TOL = 1e-5
@@ -96,16 +98,7 @@ def main(cfg: dict) -> None:
 
 
 def run_ok(**cfg) -> None:
-    from l2l_hw.distributed import run_local_ranks
-
-    try:
-        results = run_local_ranks(["-m", "tests.test_powersgd", json.dumps(cfg)], 2, timeout_s=LAUNCH_TIMEOUT,
-                                  cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"a rank did not finish within {LAUNCH_TIMEOUT} s (hang)")
-    for r, res in enumerate(results):
-        assert res.returncode == 0, f"rank {r} failed:\n{res.stderr[-3000:]}"
+    ranks_ok("tests.test_powersgd", 2, cfg, LAUNCH_TIMEOUT)
 
 
 # -- the reference: Vogels et al. 2019, Algorithm 1 + error feedback, in plain torch ----

@@ -35,7 +35,7 @@ def test_every_policy_trains_as_pytorch(recompute, device):
     assert_same_training(plain_losses, plain, relay_losses, relay)
 
 
-@pytest.mark.parametrize("recompute", POLICIES)
+@pytest.mark.parametrize("recompute", ["none", "selective"])  # full: test_relay_equivalence's dropout test
 @pytest.mark.parametrize("device", DEVICES)
 def test_dropout_with_every_policy_matches_pytorch(recompute, device):
     # One micro-batch draws the masks in plain PyTorch's order; the recompute replays them,
