@@ -726,43 +726,43 @@ class _Loop:
                     if self.saved_step != relay.step:
                         self.save()
                     raise TrainingInterrupted(signals.received, relay.step, saved=self.out is not None)
-                batch = next(batches, None)
-                if batch is None:  # a finite iterable ran out: validate and checkpoint where it ended
+                chunk = list(itertools.islice(batches, self.chunk(stop)))
+                if not chunk:  # a finite iterable ran out: validate and checkpoint where it ended
                     if self.history and "val_loss" not in self.history[-1]:
                         val_loss = self.validate(self.history[-1])
                         if self.files:  # the last row again, with its val_loss
                             self.write_rows(metrics, self.history, rewrite=True)
                         self.save()
                     break
-                before = relay.step
-                row = self.step(batch)
-                discarded = discarded + 1 if relay.step == before else 0
-                if not math.isfinite(row["loss"]) and relay.step > before:
-                    raise NonFiniteLoss(
-                        f"the loss is {row['loss']} at step {relay.step} and the step was taken, so the weights are "
-                        f"not finite now; stopped before any checkpoint of them ({self._last_checkpoint()}). "
-                        "Lower the learning rate, or set skip_nonfinite to discard such steps")
-                if discarded >= MAX_DISCARDED:
-                    raise NonFiniteLoss(f"{discarded} steps in a row after step {relay.step} had non-finite gradients "
-                                        f"and were discarded; stopped ({self._last_checkpoint()})")
-                if not math.isfinite(row["loss"]):  # discarded: the weights are as they were
-                    continue
-                evaluate = relay.step % cfg.eval_interval == 0 or relay.step == stop
-                if evaluate:
-                    val_loss = self.validate(row)
-                if self.files:
-                    self.write_rows(metrics, [row])
-                if evaluate:  # after the row: a checkpoint never runs ahead of its metrics
-                    self.save()
-                self.history.append(row)
-                for callback in self.callbacks:
-                    callback(row)
-                if board is not None:
-                    for name, value in row.items():
-                        if name != "step" and value is not None:
-                            board.add_scalar(name, value, row["step"])
-                bar.update(1)
-                bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}")
+                rows = self.steps(chunk)
+                for row in rows:
+                    discarded = 0 if row.pop("taken") else discarded + 1
+                    if not math.isfinite(row["loss"]) and discarded == 0:
+                        raise NonFiniteLoss(
+                            f"the loss is {row['loss']} at step {row['step']} and the step was taken, so the weights "
+                            f"are not finite now; stopped before any checkpoint of them ({self._last_checkpoint()}). "
+                            "Lower the learning rate, or set skip_nonfinite to discard such steps")
+                    if discarded >= MAX_DISCARDED:
+                        raise NonFiniteLoss(f"{discarded} steps in a row after step {row['step']} had non-finite "
+                                            f"gradients and were discarded; stopped ({self._last_checkpoint()})")
+                    if not math.isfinite(row["loss"]):  # discarded: the weights are as they were
+                        continue
+                    evaluate = row["step"] % cfg.eval_interval == 0 or row["step"] == stop
+                    if evaluate:
+                        val_loss = self.validate(row)
+                    if self.files:
+                        self.write_rows(metrics, [row])
+                    if evaluate:  # after the row: a checkpoint never runs ahead of its metrics
+                        self.save()
+                    self.history.append(row)
+                    for callback in self.callbacks:
+                        callback(row)
+                    if board is not None:
+                        for name, value in row.items():
+                            if name != "step" and value is not None:
+                                board.add_scalar(name, value, row["step"])
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}")
         if board is not None:
             board.close()
         if val_loss is None:  # nothing left to train: report the checkpoint as it is
@@ -778,16 +778,31 @@ class _Loop:
             return "no checkpoint was written yet"
         return f"{self.out / CHECKPOINT} keeps step {self.saved_step}"
 
-    def step(self, batch) -> dict:
-        inputs, targets = rank_shard(batch, *self.shard)
-        lr = self.relay.eps.lr_at(self.relay.step + 1)  # 1-based: the step about to run
+    def chunk(self, stop: int) -> int:
+        """How many minibatches the next call trains on: one, or where the relay runs several
+        steps as one schedule (a 2BW pipeline: relay.streams), those up to the next validation."""
+        step = self.relay.step
+        if not getattr(self.relay, "streams", False):
+            return 1
+        return min(stop, (step // self.cfg.eval_interval + 1) * self.cfg.eval_interval) - step
+
+    def steps(self, chunk: list) -> list[dict]:
+        """Train on each minibatch of `chunk` (one relay call); a metrics row per step, with
+        `taken`: whether the step was taken (not discarded for a non-finite gradient)."""
+        relay, first = self.relay, self.relay.step
+        shards = [rank_shard(batch, *self.shard) for batch in chunk]
         t0 = time.perf_counter()
-        loss = self.relay.train_step(inputs, targets)
-        dt = time.perf_counter() - t0
-        self.elapsed += dt
-        targets = batch[1][0] if isinstance(batch[1], (tuple, list)) else batch[1]  # HF: (labels, counts)
-        tokens = targets.numel()  # the global minibatch's targets: B x T for a language model
-        return {"step": self.relay.step, "loss": loss, "lr": lr, "tokens_per_s": tokens / dt, "elapsed": self.elapsed}
+        losses = relay.train_steps(shards) if len(shards) > 1 else [relay.train_step(*shards[0])]
+        dt = (time.perf_counter() - t0) / len(chunk)
+        rows = []
+        for k, (batch, loss) in enumerate(zip(chunk, losses)):
+            self.elapsed += dt
+            step = relay.step if len(chunk) == 1 else first + k + 1  # several: every step is taken
+            targets = batch[1][0] if isinstance(batch[1], (tuple, list)) else batch[1]  # HF: (labels, counts)
+            tokens = targets.numel()  # the global minibatch's targets: B x T for a language model
+            rows.append({"step": step, "loss": loss, "lr": relay.eps.lr_at(first + k + 1), "tokens_per_s": tokens / dt,
+                         "elapsed": self.elapsed, "taken": step > first + k})
+        return rows
 
     def report(self, result: TrainResult, sample: bool) -> None:
         model = result.relay.materialize()  # every rank: with a sharded EPS the weights are gathered

@@ -6,7 +6,8 @@ The json: model (a key of tests.test_pipeline.MODELS), optimizer, steps, batch, 
 schedule (flush | 2bw), boundaries, start (first step index), load (a whole-model relay state to
 resume from), save (rank 0 writes the whole model's relay state there at the end), out (rank 0
 writes the trained parameters and per-step losses there), fail_at_step (the last stage's last
-layer raises in that step), die_at_step (the last rank exits abruptly), timeout (seconds).
+layer raises in that step), die_at_step (the last rank exits abruptly), timeout (seconds), stream (steps per
+train_steps call: one schedule over their micro-batches; default one train_step a step).
 A PipelineError is printed as one line on stderr, exit code 2.
 """
 import datetime
@@ -77,8 +78,12 @@ def main(cfg: dict) -> None:
     start = cfg.get("start", 0)
     torch.manual_seed(RNG_SEED + start)
     losses = []
+    batches = make_batches(cfg["steps"], batch=cfg["batch"])[start:]
     try:
-        for step, (x, y) in enumerate(make_batches(cfg["steps"], batch=cfg["batch"])[start:], start=start):
+        if cfg.get("stream"):
+            for k in range(0, len(batches), cfg["stream"]):
+                losses += relay.train_steps(batches[k:k + cfg["stream"]])
+        for step, (x, y) in enumerate(batches if not cfg.get("stream") else [], start=start):
             current["step"] = step
             if step == cfg.get("die_at_step") and rank == world - 1:
                 os._exit(3)  # no clean-up, no goodbye: as a killed or crashed process

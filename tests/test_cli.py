@@ -122,6 +122,7 @@ def test_bench_relay_json_pairs_each_policy_with_its_pytorch_partner_and_content
         assert pair["ratio"] == pytest.approx(pair["relay_step_s"] / pair["torch_step_s"])
         assert pair["relay_peak_bytes"] > 0 and pair["torch_peak_bytes"] > 0
         assert pair["slowdown_ratio"] == pytest.approx(pair["relay_slowdown"] / pair["torch_slowdown"])
+        assert pair["ratio_to_accumulating"] == pytest.approx(pair["relay_step_s"] / pair["torch_accumulating_step_s"])
     # checkpointing keeps less than plain PyTorch keeps
     assert report["pairs"]["full"]["torch_peak_bytes"] < report["torch_plain_peak_bytes"]
     planned = report["planned"]

@@ -87,14 +87,16 @@ def test_1f1b_runs_each_micro_batch_forward_then_backward_once_with_at_most_s_mi
 SLOW = pytest.mark.slow  # each multi-process run costs seconds of start-up: CI runs one of each kind
 
 
-@pytest.mark.parametrize("stages,model,optimizer,schedule", [
-    pytest.param(2, "gpt", "adamw", "flush", marks=SLOW), (3, "mlp", "sgd-momentum", "flush"),
-    pytest.param(2, "gpt-dropout", "adamw", "2bw", marks=SLOW), (3, "gpt-dropout", "adamw", "2bw"),
-    pytest.param(3, "mlp", "adamw", "2bw", marks=SLOW)])
-def test_pipeline_equals_the_single_process_relay_over_10_steps_and_evaluates_alike(tmp_path, stages, model, optimizer, schedule):
-    # batch 13 in 4 micro-batches: 4, 3, 3, 3 samples, weighted by their share
+@pytest.mark.parametrize("stages,model,optimizer,schedule,stream", [
+    pytest.param(2, "gpt", "adamw", "flush", 0, marks=SLOW), (3, "mlp", "sgd-momentum", "flush", 0),
+    pytest.param(2, "gpt-dropout", "adamw", "2bw", 0, marks=SLOW), (3, "gpt-dropout", "adamw", "2bw", 5),
+    pytest.param(3, "gpt-dropout", "adamw", "2bw", 0, marks=SLOW), pytest.param(3, "mlp", "adamw", "2bw", 3, marks=SLOW)])
+def test_pipeline_equals_the_single_process_relay_over_10_steps_and_evaluates_alike(tmp_path, stages, model, optimizer,
+                                                                                   schedule, stream):
+    # batch 13 in 4 micro-batches: 4, 3, 3, 3 samples, weighted by their share. stream: 2bw's steps
+    # run as one schedule (train_steps of `stream` steps: the next step's forwards overlap this one's backwards)
     got = run_ok(stages, model=model, optimizer=optimizer, steps=STEPS, batch=13, micro_batches=4,
-                 schedule=schedule, out=str(tmp_path / "out.safetensors"))
+                 schedule=schedule, stream=stream, out=str(tmp_path / "out.safetensors"))
     want, losses = single_process(model, optimizer, STEPS, 13, 4, pipedream_2bw=schedule == "2bw")
     assert_same(got, want, losses, f"{model}, {stages} stages, {schedule}")
 
@@ -260,3 +262,15 @@ def test_bad_pipeline_input_is_one_clear_error():
     with pytest.raises(ValueError, match="none is initialized"):
         PipelineRelay(mlp_layers(), nn.functional.mse_loss, l2l_hw.make_eps(EPS_BACKEND),
                       pipeline=PipelineConfig(stages=2))
+
+
+def test_bench_pipeline_runs_every_variant_and_torch_1f1b_on_a_tiny_gpt():
+    from l2l_hw.bench import pipeline as bench
+
+    r = bench.run(stages=2, steps=2, layers=2, width=32, heads=2, context=16, batch=4, micro_batches=2)
+    assert all(r[k] > 0 for k in ("step_s_relay_1_thread", "step_s_pipeline_2bw", "step_s_pipeline_flush",
+                                  "step_s_torch_1f1b"))
+    assert r["bubble_theoretical"] == pytest.approx(1 / 3, abs=1e-3)  # (S - 1) / (M + S - 1)
+    assert r["bubble_theoretical_2bw"] == pytest.approx(1 / 5, abs=1e-3)  # 2 steps in one schedule
+    assert all(0 <= b < 1 for b in r["bubble_measured_flush"] + r["bubble_measured_2bw"])
+    assert "torch 1F1B" in bench.format_report(r)

@@ -3,15 +3,16 @@
 One GPT, one minibatch, one micro-batch count, in one run, each variant in fresh processes:
   relay, 1 thread       the single-process relay (the reference the pipeline is equal to)
   relay, S threads      the same with every core's threads (the user's alternative here)
-  pipeline 2bw          S ranks, one thread each, PipeDream-2BW (l2l_hw/relay/pipeline.py)
+  pipeline 2bw          S ranks, one thread each, PipeDream-2BW (l2l_hw/relay/pipeline.py),
+                        the timed steps as one schedule (train_steps: the pipe fills once)
   pipeline flush        the same with a flush every minibatch
   torch 1F1B            torch.distributed.pipelining's Schedule1F1B, the same split and
                         micro-batches, torch.optim.AdamW per stage
 The split is the planner's (l2l_hw/relay/planner.py; this process profiles each layer with
 one thread first, and every variant runs that split), printed with its predicted stage
 times and those the flush pipeline measured (each stage's compute per step). The
-bubble: per stage 1 - (time computing) / (step time) of the flush pipeline, against the
-schedule's (S - 1) / (M + S - 1).
+bubble: per stage 1 - (time computing) / (step time), against the schedule's
+(S - 1) / (M + S - 1) for flush and (S - 1) / (K M + S - 1) for 2bw's K steps in one schedule.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import torch
 
 from l2l_hw.bench import print_report
 from l2l_hw.distributed import run_local_ranks
+from l2l_hw.relay.pipeline import OneFOneB
 
 WARMUP = 2
 
@@ -55,18 +57,21 @@ def _plan(bench: dict, stages: int):
     return plan_pipeline(costs, stages, bench["batch"], bench["micro_batches"])
 
 
-def _timed(step, steps: int, sync=None) -> float:
-    """Mean seconds of `steps` calls of step() after WARMUP, the ranks lined up first."""
-    for _ in range(WARMUP):
-        step()
+def _timed(run, steps: int, sync=None) -> float:
+    """Mean seconds a step of run(n) (n steps) after WARMUP steps, the ranks lined up first."""
+    run(WARMUP)
     if sync is not None:
         sync()
     t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
+    run(steps)
     if sync is not None:
         sync()
     return (time.perf_counter() - t0) / steps
+
+
+def _each(step):
+    """run(n) of a step function: n calls."""
+    return lambda n: [step() for _ in range(n)]
 
 
 def _worker(bench: dict) -> dict:
@@ -81,7 +86,7 @@ def _worker(bench: dict) -> dict:
     if bench["kind"] == "relay":
         relay = l2l_hw.Relay(_model(bench), lm_loss, eps=l2l_hw.make_eps("cpu", **eps_options),
                              micro_batches=bench["micro_batches"], pipedream_2bw=True)
-        return {"step_s": _timed(lambda: relay.train_step(*next(batches)), bench["steps"])}
+        return {"step_s": _timed(_each(lambda: relay.train_step(*next(batches))), bench["steps"])}
     dist.init_process_group("gloo")
     stages, stage = dist.get_world_size(), dist.get_rank()
     bounds = bench["bounds"]
@@ -97,13 +102,12 @@ def _worker(bench: dict) -> dict:
                               micro_batches=bench["micro_batches"])
         busy = []
 
-        def step():
-            relay.train_step(*next(batches))
+        def run(n: int):  # 2bw: the n steps as one schedule (relay.train_steps); flush: a schedule a step
+            relay.train_steps([next(batches) for _ in range(n)])
             busy.append((relay.busy_s, relay.last_step_s))
 
-        step_s = _timed(step, bench["steps"], barrier)
-        timed = busy[WARMUP:]
-        mine = [sum(b for b, _ in timed) / len(timed), sum(s for _, s in timed) / len(timed)]
+        step_s = _timed(run, bench["steps"], barrier)
+        mine = busy[-1]  # the timed run's, per step
         every = [None] * stages
         dist.all_gather_object(every, mine)
         out = {"step_s": step_s, "busy_s": [b for b, _ in every], "stage_step_s": [s for _, s in every]}
@@ -137,7 +141,7 @@ def _torch_1f1b(bench: dict, bounds: list[int], batches, barrier) -> float:
             schedule.step()
         optimizer.step()
 
-    return _timed(step, bench["steps"], barrier)
+    return _timed(_each(step), bench["steps"], barrier)
 
 
 def _launch(bench: dict, kind: str, world: int, threads: int) -> dict:
@@ -162,7 +166,8 @@ def run(stages: int = 2, steps: int = 5, layers: int = 8, width: int = 256, head
     twobw = _launch(bench, "2bw", stages, 1)
     flush = _launch(bench, "flush", stages, 1)
     torch_1f1b = _launch(bench, "torch", stages, 1)
-    bubble = [1 - b / s for b, s in zip(flush["busy_s"], flush["stage_step_s"])]
+    bubble = {name: [round(1 - b / s, 3) for b, s in zip(r["busy_s"], r["stage_step_s"])]
+              for name, r in (("flush", flush), ("2bw", twobw))}
     plan.measured_s = flush["busy_s"]
     return {
         "model": {k: v for k, v in bench.items() if k not in ("steps", "bounds")}, "steps": steps, "stages": stages,
@@ -175,8 +180,10 @@ def run(stages: int = 2, steps: int = 5, layers: int = 8, width: int = 256, head
         "speedup_2bw_vs_relay_1_thread": round(one["step_s"] / twobw["step_s"], 3),
         f"speedup_2bw_vs_relay_{stages}_threads": round(many["step_s"] / twobw["step_s"], 3),
         "speedup_2bw_vs_torch_1f1b": round(torch_1f1b["step_s"] / twobw["step_s"], 3),
-        "bubble_measured_flush": [round(b, 3) for b in bubble],
-        "bubble_theoretical": round((stages - 1) / (micro_batches + stages - 1), 3),
+        "bubble_measured_flush": bubble["flush"],
+        "bubble_theoretical": round(OneFOneB.bubble(stages, micro_batches), 3),
+        "bubble_measured_2bw": bubble["2bw"],  # the timed steps as one schedule: the pipe fills once
+        "bubble_theoretical_2bw": round(OneFOneB.bubble(stages, steps * micro_batches), 3),
     }
 
 
@@ -193,7 +200,9 @@ def format_report(r: dict) -> str:
             f"{r['speedup_2bw_vs_torch_1f1b']:.2f}x torch 1F1B)\n"
             f"  pipeline flush         {r['step_s_pipeline_flush']:.3f} s/step\n"
             f"  torch 1F1B             {r['step_s_torch_1f1b']:.3f} s/step\n"
-            f"  bubble (flush) measured {r['bubble_measured_flush']} vs theoretical {r['bubble_theoretical']}")
+            f"  bubble (flush) measured {r['bubble_measured_flush']} vs theoretical {r['bubble_theoretical']}\n"
+            f"  bubble (2bw, {r['steps']} steps in one schedule) measured {r['bubble_measured_2bw']} vs theoretical "
+            f"{r['bubble_theoretical_2bw']}")
 
 
 def add_arguments(p) -> None:

@@ -9,8 +9,9 @@ for its backward, on the same GPT (built with the same seed), minibatch and Adam
                                                               checkpointing of every block, same policy
 
 PyTorch runs the whole minibatch at once with torch.optim.AdamW (fused on CUDA, foreach on
-the CPU); the relay runs it in 4 micro-batches with its CPU EPS, through l2l_hw.train as a
-user would. Warm-up steps are not timed; the six take turns step by step
+the CPU); the relay runs it in 4 micro-batches (--micro-batches) with its CPU EPS, through
+l2l_hw.train as a user would. With more than one micro-batch, plain PyTorch also runs in the
+relay's micro-batches (gradient accumulation): the cost of the smaller GEMMs by themselves. Warm-up steps are not timed; the six take turns step by step
 (l2l_hw/bench/timer.py), and each figure is the median of its timed steps. ratio = relay
 step time / its PyTorch partner's.
 
@@ -59,8 +60,9 @@ def _sync(device: torch.device):
         torch.cuda.synchronize(device)
 
 
-def _torch_trainer(x, y, device: torch.device, keeps: str):
-    """A PyTorch step: `keeps` plain, checkpointed (every block) or selective (every block, SAC)."""
+def _torch_trainer(x, y, device: torch.device, keeps: str, micro_batches: int = 1):
+    """A PyTorch step: `keeps` plain, checkpointed (every block) or selective (every block, SAC);
+    over `micro_batches` with gradient accumulation (the relay's GEMM sizes), or the whole minibatch."""
     torch.manual_seed(SEED)
     model = build_gpt(MODEL).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, **({"fused": True} if device.type == "cuda" else {"foreach": True}))
@@ -79,10 +81,11 @@ def _torch_trainer(x, y, device: torch.device, keeps: str):
         _sync(device)
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        h = embedding(x)
-        for b in blocks:
-            h = block(b, h)
-        lm_loss(head(h), y).backward()
+        for xs, ys in zip(x.chunk(micro_batches), y.chunk(micro_batches)):
+            h = embedding(xs)
+            for b in blocks:
+                h = block(b, h)
+            (lm_loss(head(h), ys) * (len(xs) / len(x))).backward()
         opt.step()
         _sync(device)
         return time.perf_counter() - t0
@@ -90,14 +93,14 @@ def _torch_trainer(x, y, device: torch.device, keeps: str):
     return step
 
 
-def _relay(device: torch.device, **options) -> l2l_hw.Relay:
+def _relay(device: torch.device, micro_batches: int = MICRO_BATCHES, **options) -> l2l_hw.Relay:
     torch.manual_seed(SEED)
     eps = l2l_hw.make_eps("cpu", optimizer="adamw", lr=LR)
-    return l2l_hw.Relay(build_gpt(MODEL), lm_loss, eps=eps, device=str(device), micro_batches=MICRO_BATCHES, **options)
+    return l2l_hw.Relay(build_gpt(MODEL), lm_loss, eps=eps, device=str(device), micro_batches=micro_batches, **options)
 
 
-def _relay_trainer(x, y, device: torch.device, recompute: str):
-    relay = _relay(device, recompute=recompute)
+def _relay_trainer(x, y, device: torch.device, recompute: str, micro_batches: int):
+    relay = _relay(device, micro_batches, recompute=recompute)
     return lambda: train_steps(relay, [(x, y)], 1)[0]  # the float loss waits for the device
 
 
@@ -152,21 +155,24 @@ class _BusyNeighbour:
         self.proc.wait()
 
 
-def run(steps: int = 5, device: str = "cpu", contention: bool = False, budgets: bool = False) -> dict:
+def run(steps: int = 5, device: str = "cpu", contention: bool = False, budgets: bool = False,
+        micro_batches: int = MICRO_BATCHES) -> dict:
     dev = torch.device(device)
     x, y = Corpus.load().batch("train", BATCH_SIZE, MODEL.block_size, torch.Generator().manual_seed(SEED))
     tokens = BATCH_SIZE * MODEL.block_size
     trainers = {}
     for policy, keeps in PAIRS.items():
         trainers[f"torch_{keeps}"] = _torch_trainer(x, y, dev, keeps)
-        trainers[f"relay_{policy}"] = _relay_trainer(x, y, dev, policy)
+        trainers[f"relay_{policy}"] = _relay_trainer(x, y, dev, policy, micro_batches)
+        if micro_batches > 1:  # the partner at the relay's GEMM sizes: what the micro-batches cost by themselves
+            trainers[f"torch_{keeps}_accumulating"] = _torch_trainer(x, y, dev, keeps, micro_batches)
     # each trainer returns its step's own seconds (train()'s, or synchronized with the device)
     quiet = round_robin(trainers, steps, WARMUP_STEPS, self_timed=True)
     median = {name: statistics.median(t) for name, t in quiet.items()}
     report = {
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)",
         "model": {"n_layer": MODEL.n_layer, "n_embd": MODEL.n_embd, "n_head": MODEL.n_head,
-                  "block_size": MODEL.block_size, "batch_size": BATCH_SIZE, "micro_batches": MICRO_BATCHES,
+                  "block_size": MODEL.block_size, "batch_size": BATCH_SIZE, "micro_batches": micro_batches,
                   "params": sum(p.numel() for p in build_gpt(MODEL).parameters())},
         "steps": steps, "warmup_steps": WARMUP_STEPS, "pairs": {},
     }
@@ -185,6 +191,9 @@ def run(steps: int = 5, device: str = "cpu", contention: bool = False, budgets: 
             pair.update(relay_slowdown=slowed[relay], torch_slowdown=slowed[partner],
                         slowdown_ratio=slowed[relay] / slowed[partner])
         report["pairs"][policy] = pair
+        if micro_batches > 1:
+            pair.update(torch_accumulating_step_s=median[f"{partner}_accumulating"],
+                        ratio_to_accumulating=median[relay] / median[f"{partner}_accumulating"])
     report["torch_plain_peak_bytes"] = peak["torch_plain"]
     if budgets:
         report["planned"] = planned(x, y, dev, steps)
@@ -207,6 +216,10 @@ def format_report(r: dict) -> str:
         if contention:
             line += f"{p['relay_slowdown']:>8.2f}{p['torch_slowdown']:>7.2f}{p['slowdown_ratio']:>7.2f}"
         lines.append(line)
+    for policy, p in r["pairs"].items():
+        if "ratio_to_accumulating" in p:
+            lines.append(f"  {policy:<12}{p['partner'] + ', in ' + str(m['micro_batches']) + ' micro-batches':<28}"
+                         f"torch {p['torch_accumulating_step_s']:.3f} s, ratio {p['ratio_to_accumulating']:.2f}")
     for name, p in r.get("planned", {}).items():
         plan = "" if p["plan"] is None else " ".join(f"{i}:{v}" for i, v in p["plan"].items())
         lines.append(f"  planned {name:<18}{p['step_s']:>9.3f} s, kept {p['kept_peak_bytes'] / 1e6:.1f} MB  {plan}")
@@ -221,8 +234,12 @@ def add_arguments(p) -> None:
                    help="also run every variant beside one busy process and report the slowdowns")
     p.add_argument("--budgets", action="store_true",
                    help="also time the relay under three activation budgets (planned recompute)")
+    p.add_argument("--micro-batches", type=int, default=MICRO_BATCHES,
+                   help=f"the relay's micro-batches (default {MICRO_BATCHES}; PyTorch runs the whole minibatch)")
 
 
 def run_from_args(args) -> int:
-    return print_report(run(steps=args.steps, device=args.device, contention=args.contention, budgets=args.budgets),
-                        args.json, format_report)
+    if args.micro_batches < 1 or BATCH_SIZE % args.micro_batches:
+        raise SystemExit(f"l2l bench relay: --micro-batches {args.micro_batches}: must divide the batch of {BATCH_SIZE}")
+    return print_report(run(steps=args.steps, device=args.device, contention=args.contention, budgets=args.budgets,
+                            micro_batches=args.micro_batches), args.json, format_report)

@@ -38,6 +38,7 @@ raise a PipelineError naming the stage that failed, so every rank stops with one
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import copy
 import dataclasses
 import itertools
@@ -345,6 +346,22 @@ class Links:
 
 
 # -- the pipeline -------------------------------------------------------------------------------
+@dataclass
+class _Step:
+    """One optimizer step of a run: its micro-batches, and what the stage keeps of it meanwhile."""
+
+    xs: list
+    ts: list
+    weights: list[float]  # each micro-batch's share of the minibatch
+    trace: Trace
+    plan: tuple | None  # the generator's states (PipelineRelay._rng_plan)
+    total: torch.Tensor  # the last stage's weighted sum of the micro-batches' losses
+    posted: bool = False  # its receives are posted
+    live: dict = dataclasses.field(default_factory=dict)  # group -> its device tensors (gradients accumulate)
+    params: dict = dataclasses.field(default_factory=dict)  # layer -> module name -> tensor
+    losses: dict = dataclasses.field(default_factory=dict)  # micro-batch -> loss (the last stage)
+
+
 class PipelineRelay:
     """Relay `layers` as a pipeline: this rank runs stage `group rank` of `pipeline.stages`.
 
@@ -413,7 +430,7 @@ class PipelineRelay:
         self._meta = [copy.deepcopy(m).to("meta") for m in self.layers]  # for the trace
         self._traces: dict[tuple, Trace] = {}
         self.links = Links(self.group, self.stage, self.stages, pipeline.timeout_s)
-        self.last_step_s = 0.0  # wall time of the last train_step
+        self.last_step_s = 0.0  # wall time a step of the last train_step(s) call
         self.busy_s = 0.0  # of which computing (not waiting for a neighbour)
 
     def __getattr__(self, name: str):
@@ -466,13 +483,41 @@ class PipelineRelay:
 
     def train_step(self, inputs, targets) -> float:
         """One optimizer step of the whole pipeline on the minibatch; its mean loss (every rank)."""
-        t0 = time.perf_counter()
+        return self.train_steps([(inputs, targets)])[0]
+
+    @property
+    def streams(self) -> bool:
+        """Whether train_steps runs its minibatches as one schedule: under 2bw, where a stage's
+        micro-batches in flight (at most S) span at most two weight versions (M >= S)."""
+        return self.schedule.pipedream_2bw and self.micro_batches >= self.stages
+
+    def train_steps(self, batches) -> list[float]:
+        """An optimizer step on each `(inputs, targets)` of `batches` in turn; their mean losses
+        (every rank, every rank the same batches). Under "2bw" (with micro_batches >= stages) the
+        steps run as one 1F1B schedule: the next minibatch's forwards start while this one's
+        backwards drain, each on the weights 2BW gives it (the version one commit back, which is
+        the newest while the step before has not committed here), so the pipeline fills and
+        drains once for all the steps, not once a step. Under "flush" every step fills and drains."""
+        batches, t0, busy, losses = list(batches), time.perf_counter(), 0.0, []
+        if not batches:
+            return losses
+        for run in ([batches] if self.streams else [[batch] for batch in batches]):
+            busy += self._run(run, losses)
+        self.last_step_s, self.busy_s = (time.perf_counter() - t0) / len(batches), busy / len(batches)
+        return losses
+
+    def _run(self, batches: list, losses: list[float]) -> float:
+        """The steps of `batches` as one 1F1B schedule over all their micro-batches; their losses
+        appended to `losses`; returns the seconds this stage computed (not waiting for a neighbour)."""
         relay, links, u = self.relay, self.links, self.micro_batches
         first_stage, last_stage = self.stage == 0, self.stage == self.stages - 1
         try:
-            xs, ts, weights, _ = relay._split(inputs, targets)
-            trace = self._trace(xs)
-            plan = self._rng_plan(trace)
+            steps = []
+            for inputs, targets in batches:
+                xs, ts, weights, _ = relay._split(inputs, targets)
+                trace = self._trace(xs)
+                steps.append(_Step(xs, ts, weights, trace, self._rng_plan(trace),
+                                   torch.zeros((), dtype=torch.float32, device=self.device)))
         except PipelineError as exc:
             raise PipelineError(links.report(f"pipeline stage {self.stage}: {exc}")) from exc
         own = range(self.first, self.end)
@@ -480,61 +525,70 @@ class PipelineRelay:
         for i in own:
             for key in relay.plans[i - self.first].groups:
                 users.setdefault(key, []).append(i)
-        live: dict[str, dict[str, torch.Tensor]] = {}
-        graphs: dict[int, list] = {}  # micro-batch -> per layer (input leaf, output)
-        losses: dict[int, torch.Tensor] = {}
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        graphs: dict[int, list] = {}  # micro-batch of the run -> per layer (input leaf, output)
         recv_acts, recv_grads = {}, {}
-        tag_of = (lambda kind, j: (2 * j + kind) * 64)  # up to 64 tensors per activation
-        busy = 0.0
+        tag_of = (lambda kind, g: (2 * g + kind) * 64)  # up to 64 tensors per activation
+
+        def post(t: int) -> None:
+            """Post the receives of step t's micro-batches: they land while this stage computes."""
+            if t >= len(steps) or steps[t].posted:
+                return
+            steps[t].posted = True
+            for g in range(t * u, (t + 1) * u):
+                if not first_stage:
+                    recv_acts[g] = links.recv(steps[t].trace.outputs[self.first - 1][g % u], self.stage - 1,
+                                              tag_of(0, g), self.device)
+                if not last_stage:
+                    floating = [s for s in steps[t].trace.outputs[self.end - 1][g % u] if s.dtype.is_floating_point]
+                    recv_grads[g] = links.recv(floating, self.stage + 1, tag_of(1, g), self.device)
+
+        base, busy = relay.eps.step, 0.0
         try:
-            # Post every receive of the step now: transfers land while this stage computes.
-            if not first_stage:
-                specs = trace.outputs[self.first - 1]
-                for j in range(u):
-                    recv_acts[j] = links.recv(specs[j], self.stage - 1, tag_of(0, j), self.device)
-            if not last_stage:
-                specs = trace.outputs[self.end - 1]
-                for j in range(u):
-                    floating = [s for s in specs[j] if s.dtype.is_floating_point]
-                    recv_grads[j] = links.recv(floating, self.stage + 1, tag_of(1, j), self.device)
-            params = {i: relay._params(i - self.first, live) for i in own}
-            for action in self.schedule.actions(self.stage, self.stages, u):
-                j = action.mb
+            post(0)
+            for action in self.schedule.actions(self.stage, self.stages, u * len(steps)):
+                g = action.mb
+                t, j = divmod(g, u)
+                step = steps[t]
                 if action.kind == "F":
+                    if j == 0:
+                        step.params = self._fetch(base + t, step.live)
+                        post(t + 1)
                     if first_stage:
-                        x = xs[j]
+                        x = step.xs[j]
                     else:
-                        bufs, works = recv_acts.pop(j)
+                        bufs, works = recv_acts.pop(g)
                         links.wait(works, f"receiving micro-batch {j}'s activations from stage {self.stage - 1}")
-                        x = unflatten(trace.like(self.first - 1, j), bufs)
+                        x = unflatten(step.trace.like(self.first - 1, j), bufs)
                     c0 = time.perf_counter()
-                    graphs[j] = []
+                    graphs[g] = []
                     for i in own:
                         x = grad_leaf(x) if (i > self.first or not first_stage) else x
-                        out = self._call(i, j, x, params[i], plan)
-                        graphs[j].append((x, out))
-                        x = unflatten(out, [t.detach() for t in flatten(out)])
+                        out = self._call(i, j, x, step.params[i], step.plan)
+                        graphs[g].append((x, out))
+                        x = unflatten(out, [o.detach() for o in flatten(out)])
                     if last_stage:
-                        losses[j] = relay._loss(to_float(graphs[j][-1][1]), ts[j])
+                        step.losses[j] = relay._loss(to_float(graphs[g][-1][1]), step.ts[j])
                     else:
-                        links.send(flatten(x), self.stage + 1, tag_of(0, j))
+                        links.send(flatten(x), self.stage + 1, tag_of(0, g))
                     busy += time.perf_counter() - c0
                 else:
                     if last_stage:
                         c0 = time.perf_counter()
-                        loss = losses.pop(j)
-                        (loss * (weights[j] * relay.loss_scale)).backward()
-                        total += loss.detach().float() * weights[j]
+                        loss = step.losses.pop(j)
+                        (loss * (step.weights[j] * relay.loss_scale)).backward()
+                        step.total += loss.detach().float() * step.weights[j]
                         grads = None
                     else:
-                        bufs, works = recv_grads.pop(j)
+                        bufs, works = recv_grads.pop(g)
                         links.wait(works, f"receiving micro-batch {j}'s gradients from stage {self.stage + 1}")
                         c0 = time.perf_counter()
-                        outs = flatten(graphs[j][-1][1])
+                        outs = flatten(graphs[g][-1][1])
                         it = iter(bufs)
                         grads = [next(it) if o.is_floating_point() else None for o in outs]
-                    self._backward(j, graphs.pop(j), grads, users, live, last=j == u - 1)
+                    self._backward(g, graphs.pop(g), grads, users, step.live, last=j == u - 1)
+                    if j == u - 1:  # the step's every group is pushed: commit it (2bw: without waiting)
+                        relay.eps.commit_step(grad_scale=1.0, skip_nonfinite=False,
+                                              wait=not self.schedule.pipedream_2bw)
                     busy += time.perf_counter() - c0
             links.finish_sends()
         except PipelineError:
@@ -544,12 +598,23 @@ class PipelineRelay:
             self._abandon()
             raise PipelineError(links.report(f"pipeline stage {self.stage} (rank {dist.get_rank()}) failed: "
                                              f"{exc}")) from exc
-        if plan is not None:
-            set_rng_state(self.device, plan[1])
-        relay.eps.commit_step(grad_scale=1.0, skip_nonfinite=False, wait=not self.schedule.pipedream_2bw)
-        loss = self._share_loss(total)
-        self.last_step_s, self.busy_s = time.perf_counter() - t0, busy
-        return loss
+        plans = [step.plan for step in steps if step.plan is not None]
+        if plans:
+            set_rng_state(self.device, plans[-1][1])
+        losses += self._share_loss(torch.stack([step.total for step in steps]))
+        return busy
+
+    def _fetch(self, step: int, live: dict) -> dict[int, dict[str, torch.Tensor]]:
+        """The stage's parameters for the step that commits as `step + 1`, by layer. Under 2bw that
+        is the version one commit back: while the step before (`step`) has not committed on this
+        stage, the newest one."""
+        relay = self.relay
+        if relay.eps.step < step - 1:
+            raise PipelineError(f"pipeline stage {self.stage}: step {step + 1} would start two commits ahead; "
+                                f"2bw keeps two weight versions (micro_batches >= stages)")
+        newest = relay.weights.newest() if relay.eps.step < step else contextlib.nullcontext()
+        with newest:
+            return {i: relay._params(i - self.first, live) for i in range(self.first, self.end)}
 
     def _call(self, i: int, j: int, x, params, plan):
         """Layer i on micro-batch j, with the generator where the single process has it."""
@@ -580,9 +645,9 @@ class PipelineRelay:
                              f"a layer must return a tensor or a tuple of tensors")
         return out if isinstance(out, torch.Tensor) else tuple(out)
 
-    def _backward(self, j: int, graph: list, grads, users: dict, live: dict, last: bool) -> None:
-        """Backward of micro-batch j through this stage's layers, last to first; on the last
-        micro-batch, push each group as soon as its first layer's backward is done."""
+    def _backward(self, g: int, graph: list, grads, users: dict, live: dict, last: bool) -> None:
+        """Backward of micro-batch g (of the run) through this stage's layers, last to first; on
+        the step's last micro-batch, push each group as soon as its first layer's backward is done."""
         relay = self.relay
         for k in range(len(graph) - 1, -1, -1):
             x, out = graph[k]
@@ -604,7 +669,7 @@ class PipelineRelay:
                             inv_scale=1.0 / relay.loss_scale)
         if self.stage > 0:  # the gradients of the stage's floating-point inputs go back
             floating = [g for g, t in zip(grads, flatten(inputs)) if t.is_floating_point()]
-            self.links.send(floating, self.stage - 1, (2 * j + 1) * 64)
+            self.links.send(floating, self.stage - 1, (2 * g + 1) * 64)
 
     def _abandon(self) -> None:
         relay = self.relay
@@ -655,21 +720,21 @@ class PipelineRelay:
         finally:
             for m, mode in zip(relay.layers, modes):
                 m.train(mode)
-        return self._share_loss(total)
+        return self._share_loss(total)[0]
 
-    def _share_loss(self, total: torch.Tensor) -> float:
-        """The last stage's loss, sent to every other stage."""
+    def _share_loss(self, totals: torch.Tensor) -> list[float]:
+        """The last stage's losses (one per step), sent to every other stage."""
         last = self.stages - 1
         tag = 1 << 30
         if self.stage == last:
-            value = total.detach().float().cpu().reshape(1)
+            values = totals.detach().float().cpu().reshape(-1)
             for s in range(last):
-                self.links.send([value], s, tag)
+                self.links.send([values], s, tag)
             self.links.finish_sends()
-            return float(value)
-        bufs, works = self.links.recv([_Spec(torch.Size([1]), torch.float32)], last, tag, "cpu")
-        self.links.wait(works, f"receiving the step's loss from stage {last}")
-        return float(bufs[0])
+            return values.tolist()
+        bufs, works = self.links.recv([_Spec(totals.reshape(-1).shape, torch.float32)], last, tag, "cpu")
+        self.links.wait(works, f"receiving the steps' losses from stage {last}")
+        return bufs[0].tolist()
 
     # -- state, evaluation and export -------------------------------------------------------
     def _to_global(self, name: str) -> str:

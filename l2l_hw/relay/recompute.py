@@ -3,7 +3,9 @@
     none       the forward's autograd graph, with every intermediate, until the backward:
                no second forward; device memory grows with depth
     full       each layer's inputs (the activation stash), and the RNG state and buffers the
-               forward saw: the backward runs the forward again with grad, replaying them
+               forward saw: the backward runs the forward again with grad, replaying them,
+               and stops early as torch's checkpoint does: the matmuls after the last op
+               whose output the backward saves give zeros instead (nothing reads them)
     selective  as full, plus the outputs of the costly ops (matmuls and attention): the
                recompute takes those from the cache and runs only the cheap ones (norms,
                activations, dropout, residual adds, views). Megatron-LM's selective
@@ -118,6 +120,87 @@ class _Replay(TorchDispatchMode):
                                f"use recompute='full'")
 
 
+VALUE_READS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default, aten.nonzero.default}
+
+
+class _FindTail(TorchDispatchMode):
+    """A layer's first recompute of an input shape, recorded: each op and the last op to write
+    each storage; then (saved_by) the storages its autograd graph saves. The matmuls after the
+    last write of a saved storage compute values nothing reads: the backward reads only what
+    is saved, and the recompute's output is not used (torch's non-reentrant checkpoint stops
+    there too)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list = []
+        self.outputs: list = []  # per op: (shape, stride, dtype, device) of its one tensor output, or None
+        self.writer: dict[int, int] = {}  # storage -> the last op that returned a tensor on it
+        self.saved: set[int] = set()
+        self.custom = False  # the graph has a custom Function's node
+
+    def __torch_dispatch__(self, op, types, args=(), kwargs=None):
+        out = op(*args, **(kwargs or {}))
+        k = len(self.ops)
+        self.ops.append(op)
+        items = [out] if isinstance(out, torch.Tensor) else [t for t in out if isinstance(t, torch.Tensor)] \
+            if isinstance(out, (tuple, list)) else []
+        for t in items:
+            self.writer[t.untyped_storage().data_ptr()] = k
+        self.outputs.append((out.shape, out.stride(), out.dtype, out.device) if isinstance(out, torch.Tensor) else None)
+        return out
+
+    def saved_by(self, out) -> None:
+        """Collect the storages the graph of `out` saves for its backward (each node's _saved_*).
+        A custom autograd.Function's backward may read anything its ctx holds: none is skipped."""
+        seen, nodes = set(), [o.grad_fn for o in ([out] if isinstance(out, torch.Tensor) else out)
+                               if isinstance(o, torch.Tensor) and o.grad_fn is not None]
+        while nodes:
+            node = nodes.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            if isinstance(node, torch.autograd.function.BackwardCFunction):
+                self.custom = True
+            for name in dir(node):
+                if name.startswith("_saved_"):
+                    value = getattr(node, name)
+                    for t in value if isinstance(value, (tuple, list)) else [value]:
+                        if isinstance(t, torch.Tensor):
+                            self.saved.add(t.untyped_storage().data_ptr())
+            nodes += [next_node for next_node, _ in node.next_functions]
+
+    def skipped(self) -> dict[int, tuple]:
+        """The matmuls the later recomputes of this shape may skip: op index -> output spec."""
+        last = max((self.writer.get(ptr, -1) for ptr in self.saved), default=-1)
+        tail = range(last + 1, len(self.ops))
+        if self.custom or any(self.ops[k] in VALUE_READS for k in tail):  # a value read to Python must be real
+            return {}
+        return {k: (self.ops[k], self.outputs[k]) for k in tail
+                if self.ops[k] in MATMUL_OPS and self.outputs[k] is not None}
+
+
+class _SkipTail(TorchDispatchMode):
+    """A recompute that gives the skippable matmuls (_FindTail.skipped) zeros of their output's shape."""
+
+    def __init__(self, skipped: dict[int, tuple]):
+        super().__init__()
+        self.skipped, self.k = skipped, 0
+
+    def __torch_dispatch__(self, op, types, args=(), kwargs=None):
+        k, self.k = self.k, self.k + 1
+        skip = self.skipped.get(k)
+        if skip is not None and skip[0] is op and tuple(skip[1][0]) == _matmul_shape(op, args):
+            shape, stride, dtype, device = skip[1]
+            return torch.empty_strided(shape, stride, dtype=dtype, device=device).zero_()
+        return op(*args, **(kwargs or {}))
+
+
+def _matmul_shape(op, args) -> tuple:
+    """The output shape of a MATMUL_OPS call: (n, m) for mm / addmm, (b, n, m) for bmm / baddbmm."""
+    a, b = args[-2], args[-1]
+    return (a.shape[0], b.shape[1]) if op in (aten.mm.default, aten.addmm.default) else (a.shape[0], a.shape[1], b.shape[2])
+
+
 def rng_state(device: torch.device):
     """The generators' states a layer's random ops draw from (the CPU's, and the device's)."""
     return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
@@ -191,6 +274,7 @@ class Recompute(KeepGraphs):
         self.stash, self.device = stash, device
         self._replay: dict[tuple[int, int], tuple] = {}  # (RNG state, buffer snapshot) per layer-micro-batch
         self._inputs: list | None = None
+        self._tails: dict[tuple, dict[int, tuple]] = {}  # (layer, input shapes) -> the matmuls it may skip
 
     def recomputes(self, i: int) -> bool:
         return True
@@ -225,7 +309,15 @@ class Recompute(KeepGraphs):
             set_rng_state(self.device, saved)
 
     def _run_recompute(self, i: int, j: int, x, run: Run, buffers):
-        return run(x, buffers)
+        key = (i, tuple((t.shape, t.dtype) for t in ([x] if isinstance(x, torch.Tensor) else x)))
+        if key in self._tails:
+            with _SkipTail(self._tails[key]):
+                return run(x, buffers)
+        with _FindTail() as finder:
+            out = run(x, buffers)
+        finder.saved_by(out)
+        self._tails[key] = finder.skipped()
+        return out
 
     def held(self) -> list:
         return [self._inputs]
