@@ -272,13 +272,21 @@ def build_relay(cfg: TrainConfig, layers=None, loss_fn: Callable | None = None, 
     loss when not given. Seeds torch with cfg.seed first. `init` fills layers on the meta
     device (Relay's init=)."""
     torch.manual_seed(cfg.seed)
-    if layers is None:
+    reference = layers is None
+    if reference:
         layers, loss_fn = build_gpt(cfg.model_config()), lm_loss
     if cfg.pipeline_stages > 1:  # stages on the ranks (docs/PIPELINE.md); every rank trains the whole minibatch
         from l2l_hw.relay.pipeline import PipelineRelay
 
+        sample = None
+        if cfg.pipeline_boundaries == "auto":  # the planner times the layers on random bytes of the batch's shape
+            if not reference:
+                raise ConfigError("--pipeline-boundaries auto profiles the reference GPT of l2l train; give the "
+                                  "boundaries of other models (e.g. --pipeline-boundaries 3)")
+            x = torch.randint(0, 256, (cfg.batch_size, cfg.context), generator=torch.Generator().manual_seed(cfg.seed))
+            sample = (x, torch.roll(x, -1, 1))
         return PipelineRelay(layers, loss_fn, build_eps(cfg, shard_state), relay_options(cfg, device),
-                             pipeline=cfg.pipeline_config(), init=init)
+                             pipeline=cfg.pipeline_config(), init=init, sample=sample)
     return Relay(layers, loss_fn, eps=build_eps(cfg, shard_state), options=relay_options(cfg, device), init=init)
 
 
@@ -602,7 +610,8 @@ def _banner(cfg: TrainConfig, relay, ranks: Ranks, corpus: Corpus | None) -> str
     threads = (f"threads: {relay.threads} (torch intra-op {torch.get_num_threads()}; EPS updates {updates}), "
                f"recompute {cfg.recompute if isinstance(cfg.recompute, str) else 'by a policy function'}, "
                f"OpenMP waits {os.environ.get('OMP_WAIT_POLICY', 'default').lower()}")
-    return "\n".join((run, optimizer, f"{eps}, {data}out {cfg.out}", threads))
+    plan = getattr(relay, "plan", None)  # a pipeline's, with --pipeline-boundaries auto
+    return "\n".join((run, optimizer, f"{eps}, {data}out {cfg.out}", threads, *([plan.describe()] if plan else [])))
 
 
 class _Loop:

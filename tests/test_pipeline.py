@@ -223,12 +223,14 @@ TINY_RUN = ["--layers", "2", "--width", "32", "--heads", "2", "--context", "16",
             "--warmup", "2"]
 
 
-def l2l_train(world: int, *args) -> None:
+def l2l_train(world: int, *args) -> str:
+    """Rank 0's output of `l2l train` on `world` ranks."""
     results = run_local_ranks(["-m", "l2l_hw.cli", "train", *TINY_RUN, *args], world, timeout_s=LAUNCH_TIMEOUT,
                               cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE)
     for r, res in enumerate(results):
         assert res.returncode == 0, f"rank {r} failed:\n{res.stderr[-3000:]}"
+    return results[0].stdout
 
 
 def metrics(out: Path) -> list[dict]:
@@ -251,6 +253,15 @@ def test_l2l_train_pipeline_stages_equals_one_process_in_2bw_and_resumes_bit_exa
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
 
 
+def test_l2l_train_with_the_planners_boundaries_prints_its_plan_and_trains_as_one_process(tmp_path):
+    l2l_train(1, "--steps", "3", "--pipedream-2bw", "--out", str(tmp_path / "single"))
+    out = l2l_train(2, "--steps", "3", "--pipeline-stages", "2", "--pipeline-boundaries", "auto",
+                    "--out", str(tmp_path / "auto"))
+    assert "pipeline plan: 2 stages, 2 micro-batches" in out and "stage 1: layers" in out
+    for a, b in zip(metrics(tmp_path / "single"), metrics(tmp_path / "auto")):
+        assert a["loss"] == pytest.approx(b["loss"], rel=TOL)
+
+
 def test_bad_pipeline_input_is_one_clear_error():
     from l2l_hw.options import OptionError
     from l2l_hw.relay.options import PipelineConfig
@@ -262,6 +273,11 @@ def test_bad_pipeline_input_is_one_clear_error():
     with pytest.raises(ValueError, match="none is initialized"):
         PipelineRelay(mlp_layers(), nn.functional.mse_loss, l2l_hw.make_eps(EPS_BACKEND),
                       pipeline=PipelineConfig(stages=2))
+    with pytest.raises(OptionError, match="or 'auto'"):
+        PipelineConfig(stages=2, boundaries="half")
+    from l2l_hw.train import ConfigError, TrainConfig, build_relay
+    with pytest.raises(ConfigError, match="auto profiles the reference GPT"):
+        build_relay(TrainConfig(pipeline_stages=2, pipeline_boundaries="auto"), mlp_layers(), nn.functional.mse_loss)
 
 
 def test_bench_pipeline_runs_every_variant_and_torch_1f1b_on_a_tiny_gpt():

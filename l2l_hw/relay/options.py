@@ -86,11 +86,11 @@ PIPELINE_SCHEDULES = ("flush", "2bw")
 
 
 def _boundaries_problem(value) -> str | None:
-    if value is None:
+    if value is None or value == "auto":
         return None
     parts = value.split(",") if isinstance(value, str) else None
     if not parts or not all(p.strip().isdigit() for p in parts):
-        return "must be the first layer of each stage after the first, ascending, e.g. '3,6'"
+        return "must be the first layer of each stage after the first, ascending, e.g. '3,6', or 'auto'"
     numbers_ = [int(p) for p in parts]
     if numbers_[0] < 1 or any(b <= a for a, b in zip(numbers_, numbers_[1:])):
         return "must be ascending layer indices >= 1 (the first layer of stages 1, 2, ...)"
@@ -104,20 +104,20 @@ class PipelineConfig:
     stages: int = option(1, "pipeline stages, one per rank (torchrun --nproc-per-node S)", kind="int", low=1)
     schedule: str = option("2bw", "flush: 1F1B with a flush each minibatch (exact); 2bw: PipeDream-2BW, weights one "
                            "step back, never wait for an update", kind="choice", choices=PIPELINE_SCHEDULES)
-    boundaries: str | None = option(None, "first layer of each stage after the first, e.g. '3,6' (default: the "
-                                    "planner's split, or even by layer count)", kind="text", optional=True,
-                                    check=_boundaries_problem)
+    boundaries: str | None = option(None, "first layer of each stage after the first, e.g. '3,6'; 'auto': the "
+                                    "planner's split, from a profile of every layer at start-up (default: even by "
+                                    "layer count)", kind="text", optional=True, check=_boundaries_problem)
     timeout_s: float = option(300.0, "seconds a stage waits for a neighbour before it stops with an error",
                               kind="float", low=0.0, low_open=True)
 
     def __post_init__(self):
         check_options(self)
-        if self.boundaries is not None and len(self.boundaries.split(",")) != self.stages - 1:
+        if self.boundaries not in (None, "auto") and len(self.boundaries.split(",")) != self.stages - 1:
             fail("boundaries", self.boundaries, f"must name {self.stages - 1} layer(s) for {self.stages} stages")
 
     def split(self) -> list[int] | None:
-        """The explicit boundaries as ints (None: not given)."""
-        return None if self.boundaries is None else [int(p) for p in self.boundaries.split(",")]
+        """The explicit boundaries as ints (None: not given, or 'auto')."""
+        return None if self.boundaries in (None, "auto") else [int(p) for p in self.boundaries.split(",")]
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,8 @@ class PipelineOptions:
     pipeline_schedule: str = option("2bw", "flush: 1F1B with a flush each minibatch (exact); 2bw: PipeDream-2BW, "
                                     "weights one step back", kind="choice", choices=PIPELINE_SCHEDULES,
                                     commands=("train",))
-    pipeline_boundaries: str | None = option(None, "first layer of each stage after the first, e.g. '3,6' "
+    pipeline_boundaries: str | None = option(None, "first layer of each stage after the first, e.g. '3,6'; 'auto': "
+                                             "the planner's split, from a profile of every layer at start-up "
                                              "(default: even by layer count)", kind="text", optional=True,
                                              check=_boundaries_problem, commands=("train",))
 

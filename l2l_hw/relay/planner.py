@@ -226,3 +226,31 @@ def plan_pipeline(costs: Sequence[LayerCost], stages: int, batch: int, micro_bat
         raise ValueError(f"no split of {len(costs)} layers into {stages} stages fits the memory limit of "
                          f"{memory_limit / 2**20:.1f} MiB per stage with micro-batches {choices}")
     return min(plans, key=lambda p: p.step_s)
+
+
+def plan_on_ranks(layers: Sequence[nn.Module], loss_fn: Callable, inputs, targets, stages: int, micro_batches: int,
+                  group=None, threads: int = 1) -> Plan:
+    """The plan of a pipeline on the ranks of `group` for minibatches like `inputs`: the group's
+    first rank profiles every layer (which it must hold, not on the meta device) and plans at
+    `micro_batches`; every rank gets the same plan, or raises the same error."""
+    import torch.distributed as dist
+
+    plan = None
+    if dist.get_rank(group) == 0:
+        try:
+            if any(p.is_meta for layer in layers for p in layer.parameters()):
+                raise ValueError("the planner profiles every layer, and some are on the meta device (filled stage "
+                                 "by stage, as a Hugging Face model is): give the boundaries instead")
+            batch = flatten(inputs)[0].shape[0]
+            size = max(1, batch // micro_batches)
+            with torch.random.fork_rng(devices=[]):  # dropout in the profile must not move the ranks' generators apart
+                costs = profile_layers(layers, loss_fn, inputs, targets, sizes=(max(1, size // 2), size),
+                                       threads=threads)
+            plan = plan_pipeline(costs, stages, batch, micro_batches)
+        except ValueError as exc:
+            plan = exc
+    box = [plan]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group or dist.group.WORLD, 0), group=group)
+    if isinstance(box[0], ValueError):
+        raise ValueError(f"boundaries 'auto': {box[0]}")
+    return box[0]
