@@ -198,7 +198,9 @@ class _SkipTail(TorchDispatchMode):
 def _matmul_shape(op, args) -> tuple:
     """The output shape of a MATMUL_OPS call: (n, m) for mm / addmm, (b, n, m) for bmm / baddbmm."""
     a, b = args[-2], args[-1]
-    return (a.shape[0], b.shape[1]) if op in (aten.mm.default, aten.addmm.default) else (a.shape[0], a.shape[1], b.shape[2])
+    if op in (aten.mm.default, aten.addmm.default):
+        return a.shape[0], b.shape[1]
+    return a.shape[0], a.shape[1], b.shape[2]
 
 
 def rng_state(device: torch.device):
