@@ -678,7 +678,7 @@ class PipelineRelay:
                             {n: t.grad for n, t in tensors.items() if t.grad is not None})),
                             inv_scale=1.0 / relay.loss_scale)
         if self.stage > 0:  # the gradients of the stage's floating-point inputs go back
-            floating = [g for g, t in zip(grads, flatten(inputs)) if t.is_floating_point()]
+            floating = [d for d, t in zip(grads, flatten(inputs)) if t.is_floating_point()]
             self.links.send(floating, self.stage - 1, (2 * g + 1) * 64)
 
     def _abandon(self) -> None:
