@@ -278,15 +278,18 @@ def build_relay(cfg: TrainConfig, layers=None, loss_fn: Callable | None = None, 
     if cfg.pipeline_stages > 1:  # stages on the ranks (docs/PIPELINE.md); every rank trains the whole minibatch
         from l2l_hw.relay.pipeline import PipelineRelay
 
-        sample = None
+        plan = None
         if cfg.pipeline_boundaries == "auto":  # the planner times the layers on random bytes of the batch's shape
+            from l2l_hw.relay.planner import plan_on_ranks
+
             if not reference:
                 raise ConfigError("--pipeline-boundaries auto profiles the reference GPT of l2l train; give the "
                                   "boundaries of other models (e.g. --pipeline-boundaries 3)")
             x = torch.randint(0, 256, (cfg.batch_size, cfg.context), generator=torch.Generator().manual_seed(cfg.seed))
-            sample = (x, torch.roll(x, -1, 1))
+            plan = plan_on_ranks(list(layers), loss_fn, x, torch.roll(x, -1, 1), cfg.pipeline_stages,
+                                 cfg.micro_batches, threads=cfg.threads or 1)
         return PipelineRelay(layers, loss_fn, build_eps(cfg, shard_state), relay_options(cfg, device),
-                             pipeline=cfg.pipeline_config(), init=init, sample=sample)
+                             pipeline=cfg.pipeline_config(), init=init, plan=plan)
     return Relay(layers, loss_fn, eps=build_eps(cfg, shard_state), options=relay_options(cfg, device), init=init)
 
 
@@ -361,6 +364,10 @@ def train(cfg: TrainConfig | None = None, *, layers=None, loss_fn: Callable | No
         result = loop.run()
         if cfg.verbose:  # every rank: the report gathers the weights (a collective when sharded)
             loop.report(result, sample=corpus is not None)
+        if ranks.world > 1:  # leave together: rank 0 may still write while a peer tears the group down
+            import torch.distributed as dist
+
+            dist.barrier()
         return result
     finally:
         leave_torchrun(ranks)

@@ -76,6 +76,7 @@ def main(cfg: dict) -> None:
             safetensors.torch.save_file({**params, "losses": torch.tensor(losses, dtype=torch.float64),
                                          "held": torch.cat(everyone), "flags": torch.stack(flags_all),
                                          "step": torch.tensor([eps.step])}, cfg["out"])
+    dist.barrier()  # rank 0 writes while the others would tear the group down: gloo can abort on that
     dist.destroy_process_group()
 
 

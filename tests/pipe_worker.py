@@ -107,6 +107,7 @@ def main(cfg: dict) -> None:
             out["losses"] = torch.tensor(losses, dtype=torch.float64)
             out["eval"] = torch.tensor([evaluated], dtype=torch.float64)
             safetensors.torch.save_file(out, cfg["out"])
+    dist.barrier()  # rank 0 writes while the others would tear the group down: gloo can abort on that
     dist.destroy_process_group()
 
 

@@ -372,7 +372,7 @@ class PipelineRelay:
 
     def __init__(self, layers: nn.Sequential | Sequence[nn.Module], loss_fn: Callable, eps,
                  options: RelayOptions | None = None, *, pipeline: PipelineConfig, group=None,
-                 boundaries: Sequence[int] | None = None, sample: tuple | None = None,
+                 boundaries: Sequence[int] | None = None, plan=None,
                  init: Callable[[int, nn.Module], dict[str, torch.Tensor]] | None = None,
                  no_decay: Callable[[int, str], bool] | None = None, **option_values):
         if not (dist.is_available() and dist.is_initialized()):
@@ -402,17 +402,11 @@ class PipelineRelay:
         L = len(self.layers)
         if L < self.stages:
             raise ValueError(f"{self.stages} stages need at least {self.stages} layers; the model has {L}")
-        bounds = list(boundaries) if boundaries is not None else pipeline.split()
-        self.plan = None  # the planner's, with boundaries 'auto'
+        self.plan = plan  # the planner's (l2l_hw/relay/planner.py), where the caller planned
+        bounds = list(boundaries) if boundaries is not None else plan.bounds if plan is not None else pipeline.split()
         if bounds is None and pipeline.boundaries == "auto":
-            from l2l_hw.relay.planner import plan_on_ranks
-
-            if sample is None:
-                raise ValueError("boundaries 'auto' plans from a profile of the layers: give sample=(inputs, "
-                                 "targets), a minibatch like the training's")
-            self.plan = plan_on_ranks(self.layers, loss_fn, *sample, self.stages, options.micro_batches,
-                                      self.group, threads=options.threads or 1)
-            bounds = self.plan.bounds
+            raise ValueError("boundaries 'auto' are the planner's: give plan=planner.plan_on_ranks(layers, loss_fn, "
+                             "inputs, targets, stages, micro_batches) (every rank, before the pipeline takes the layers)")
         if bounds is None:
             self.bounds = even_split(L, self.stages)
         else:
