@@ -139,7 +139,7 @@ module l2l_optim #
 `include "fp_latency.vh"
 `include "l2l_optim_lane_schedule.vh"
 `include "l2l_optim_state8.vh"
-localparam ISSUE_STAGES = 1;  // the lanes' input register (see "issue")
+localparam ISSUE_STAGES = 2;  // the FIFO heads' register and the lanes' input register (see "issue")
 // issue to lane output: the input register, the decode of the 8-bit state, the lane
 localparam PIPE_LATENCY = ISSUE_STAGES + DEQUANT_LATENCY + LANE_LATENCY;
 localparam BEAT_LANES = DATA_WIDTH/32;          // fp32 elements per beat
@@ -352,8 +352,8 @@ l2l_optim_writer #(
 // ---------------------------------------------------------------- issue
 // Timing (docs/BENCHMARKS.md): every decision of the issue logic comes from
 // registers: the groups left and the last-group flag are counted down, the credit is
-// registered one clock early (so it reserves room for one more group), and the lanes take
-// their operands from an input register (ISSUE_STAGES), not from the FIFO read ports.
+// registered (two clocks early, see "Credit"), and the lanes take their operands from an
+// input register after a register of the FIFO heads (ISSUE_STAGES), not from the FIFO read ports.
 reg [31:0] left_reg;       // groups not yet issued
 reg more_reg;              // left_reg != 0
 reg last_reg;              // left_reg == 1: the group issued now is the last
@@ -363,6 +363,7 @@ reg [BSW-1:0] bsub_reg;    // 8-bit state: its block's scale in the scale beat
 reg credit_reg;
 reg [7:0] in_flight_reg;  // groups issued whose results have not left the lanes
 reg [15:0] q_flight_reg;  // 8-bit state: groups issued whose codes have not left l2l_optim_quant
+reg finish_reg;           // ST_RUN: the run has ended (idle engines, nothing in flight or left)
 
 wire [FIFO_AW:0] wc_p = wr_count[0 +: FIFO_AW+1];
 wire [FIFO_AW:0] wc_m = wr_count[(FIFO_AW+1) +: FIFO_AW+1];
@@ -370,84 +371,46 @@ wire [FIFO_AW:0] wc_v = wr_count[2*(FIFO_AW+1) +: FIFO_AW+1];
 wire [FIFO_AW:0] wc_c = wr_count[3*(FIFO_AW+1) +: FIFO_AW+1];
 wire [FIFO_AW:0] wc_ms = wr_count[4*(FIFO_AW+1) +: FIFO_AW+1];
 wire [FIFO_AW:0] wc_vs = wr_count[5*(FIFO_AW+1) +: FIFO_AW+1];
-// credit_reg is computed one clock before it is used, when one more group may still be
-// issued: count that one as in flight.
-wire [FIFO_AW+1:0] flight = {{(FIFO_AW+2-8){1'b0}}, in_flight_reg} + 1'b1;
-
-// Beats that the groups in flight and the one being issued may still push: an fp32
-// stream pushes at every RATIO-th group and at the last one, so at most
-// ceil((flight+1)/RATIO) + 1 (flight + 1 at RATIO = 1, every group a beat); the copy
-// ceil((flight+1)/(2*RATIO)) + 1.
-localparam [31:0] RATIO_32 = RATIO;
-localparam [FIFO_AW+1:0] RATIO_W = RATIO_32[FIFO_AW+1:0];
+// Credit (timing: two clocks of registers, one carry chain each). lim_*_reg is FIFO_DEPTH
+// less the beats that the groups in flight may still push, from the in-flight counts of the
+// clock before; credit_reg compares each write FIFO's count (a register) with it and is used
+// the clock after. So it answers for the groups in flight two clocks before the issue that
+// uses it plus the (up to) three issued since, f = x + 3 for the count register x. f groups
+// push at most ceil(f/RATIO) + 1 beats of an fp32 stream (every RATIO-th group and the last),
+// ceil(f/(2*RATIO)) + 1 of the copy, ceil(f/(4*RATIO)) + 1 of the 8-bit codes (f from the
+// groups up to l2l_optim_quant's output), and one scale beat per block they touch plus both
+// ends; each is bounded by a shift of x plus a constant (fp32: RATIO 1 x + 4, else
+// (x >> log2 RATIO) + 3; copy (x >> log2 2*RATIO) + 3; codes (x >> log2 4*RATIO) + 3;
+// scales (x >> log2 BLOCK_GROUPS) + 4), so each limit is one subtraction from a constant.
+// A limit below zero (its MSB set) allows nothing.
 localparam RATIO_SHIFT = $clog2(RATIO);
-function [FIFO_AW+1:0] due32_of(input [FIFO_AW+1:0] f);
-    due32_of = (RATIO == 1) ? f + 1 : ((f + RATIO_W) >> RATIO_SHIFT) + 1;
+localparam integer LW = 18;
+localparam integer LIM32_I = FIFO_DEPTH - ((RATIO == 1) ? 4 : 3);
+localparam integer LIM_OTHER_I = FIFO_DEPTH - 3;
+localparam integer LIM_S_I = FIFO_DEPTH - 4;
+localparam [LW-1:0] LIM32 = LIM32_I[LW-1:0], LIM_OTHER = LIM_OTHER_I[LW-1:0], LIM_S = LIM_S_I[LW-1:0];
+wire [LW-1:0] flight18 = {{(LW-8){1'b0}}, in_flight_reg};
+wire [LW-1:0] q_flight18 = {{(LW-16){1'b0}}, q_flight_reg};
+wire [LW-1:0] lim32 = LIM32 - (flight18 >> RATIO_SHIFT);
+wire [LW-1:0] lim16 = LIM_OTHER - (flight18 >> (RATIO_SHIFT + 1));
+wire [LW-1:0] lim8 = LIM_OTHER - (q_flight18 >> (RATIO_SHIFT + 2));
+wire [LW-1:0] lim_s = LIM_S - (q_flight18 >> BGW);
+reg [LW-1:0] lim_p_reg, lim_mv_reg, lim_c_reg, lim_s_reg;
+function fits(input [FIFO_AW:0] count, input [LW-1:0] lim);
+    fits = !lim[LW-1] && ({{(LW-FIFO_AW-1){1'b0}}, count} <= lim);
 endfunction
-function [FIFO_AW+1:0] due16_of(input [FIFO_AW+1:0] f);
-    due16_of = ((f + 2*RATIO_W) >> (RATIO_SHIFT + 1)) + 1;
-endfunction
-// 8-bit state: the codes of the groups up to l2l_optim_quant's output push a beat every
-// 4*RATIO groups and at the last; the scales at most one beat per block (+ both ends)
-wire [16:0] q_flight = {1'b0, q_flight_reg} + 17'd1;
-localparam integer GROUPS8_I = 4*RATIO;
-localparam [16:0] GROUPS8 = GROUPS8_I[16:0];
-function [16:0] due8_of(input [16:0] f);
-    due8_of = ((f + GROUPS8) >> (RATIO_SHIFT + 2)) + 17'd1;
-endfunction
-function [16:0] due_s_of(input [16:0] f);
-    due_s_of = (f >> BGW) + 17'd3;
-endfunction
-// The reserves are registers, each equal to its function of the counts in the same clock:
-// the next value is chosen among the counts' three next values (down, same, up), computed
-// from the registers, so the credit itself is one add and one compare per stream.
-reg [FIFO_AW+1:0] flight_reg, due32_reg, due16_reg;
-reg [16:0] due8_reg, due_s_reg;
-wire [FIFO_AW+1:0] flight_up = flight + 1'b1, flight_down = flight - 1'b1;
-wire [16:0] q_flight_up = q_flight + 17'd1, q_flight_down = q_flight - 17'd1;
-wire [FIFO_AW+1:0] due32_up = due32_of(flight_up), due32_same = due32_of(flight), due32_down = due32_of(flight_down);
-wire [FIFO_AW+1:0] due16_up = due16_of(flight_up), due16_same = due16_of(flight), due16_down = due16_of(flight_down);
-wire [16:0] due8_up = due8_of(q_flight_up), due8_same = due8_of(q_flight), due8_down = due8_of(q_flight_down);
-wire [16:0] due_s_up = due_s_of(q_flight_up), due_s_same = due_s_of(q_flight), due_s_down = due_s_of(q_flight_down);
-localparam [FIFO_AW+1:0] FLIGHT_ZERO = 1;  // after a clear: none in flight
-localparam [16:0] Q_FLIGHT_ZERO = 17'd1;
-
-// the counts move by issue (+1) and results leaving (-1) in the same clock
-task move_reserves(input up, input down, input q_up, input q_down);
-    begin
-        flight_reg <= up ? flight_up : down ? flight_down : flight;
-        due32_reg <= up ? due32_up : down ? due32_down : due32_same;
-        due16_reg <= up ? due16_up : down ? due16_down : due16_same;
-        due8_reg <= q_up ? due8_up : q_down ? due8_down : due8_same;
-        due_s_reg <= q_up ? due_s_up : q_down ? due_s_down : due_s_same;
-    end
-endtask
-
-task clear_reserves;
-    begin
-        flight_reg <= FLIGHT_ZERO;
-        due32_reg <= due32_of(FLIGHT_ZERO);
-        due16_reg <= due16_of(FLIGHT_ZERO);
-        due8_reg <= due8_of(Q_FLIGHT_ZERO);
-        due_s_reg <= due_s_of(Q_FLIGHT_ZERO);
-    end
-endtask
-wire [16:0] wc_m17 = {{(16-FIFO_AW){1'b0}}, wc_m};
-wire [16:0] wc_v17 = {{(16-FIFO_AW){1'b0}}, wc_v};
-wire [16:0] wc_ms17 = {{(16-FIFO_AW){1'b0}}, wc_ms};
-wire [16:0] wc_vs17 = {{(16-FIFO_AW){1'b0}}, wc_vs};
-localparam [16:0] DEPTH17 = FIFO_DEPTH;
-wire credit = ({1'b0, wc_p} + due32_reg <= FIFO_DEPTH)
-           && (!en_m || (q8 ? (wc_m17 + due8_reg <= DEPTH17 && wc_ms17 + due_s_reg <= DEPTH17)
-                            : {1'b0, wc_m} + due32_reg <= FIFO_DEPTH))
-           && (!en_v || (q8 ? (wc_v17 + due8_reg <= DEPTH17 && wc_vs17 + due_s_reg <= DEPTH17)
-                            : {1'b0, wc_v} + due32_reg <= FIFO_DEPTH))
-           && (!en_c || ((RATIO == 1) ? {wc_c, 1'b0} + flight_reg + 2 <= 2*FIFO_DEPTH
-                                      : {1'b0, wc_c} + due16_reg <= FIFO_DEPTH));
+wire credit = fits(wc_p, lim_p_reg)
+           && (!en_m || fits(wc_m, lim_mv_reg)) && (!en_v || fits(wc_v, lim_mv_reg))
+           && (!en_ms || fits(wc_ms, lim_s_reg)) && (!en_vs || fits(wc_vs, lim_s_reg))
+           && (!en_c || fits(wc_c, lim_c_reg));
 wire data_ready = !rd_empty[0] && (!en_m || !rd_empty[1]) && (!en_v || !rd_empty[2]) && !rd_empty[3]
                   && (!en_ms || !rd_empty[4]) && (!en_vs || !rd_empty[5]);
 wire more = more_reg;
-wire issue = (state_reg == ST_RUN) && !run_start && !abort && more && data_ready && credit_reg;
+// run_ok_reg: ST_RUN and no abort in the clock before (timing: abort and the state reach the
+// issue from one flip-flop). run_start's clock follows ST_SETUP, so it never issues; an abort
+// stops the issue a clock late, which may move one more group (its data is in the FIFOs).
+reg run_ok_reg;
+wire issue = run_ok_reg && more && data_ready && credit_reg;
 wire last_group = last_reg;
 // read-side width conversion: group `sub` of the head beats; an 8-bit beat holds 4*RATIO
 // groups, a 16-bit beat 2*RATIO, an fp32 beat RATIO (group sub % RATIO)
@@ -466,7 +429,17 @@ assign rd_pop = {issue && en_vs && scale_end, issue && en_ms && scale_end,
                  issue && ((grad16 ? sub_end16 : sub_end32) || last_group), issue && en_v && (state_end || last_group),
                  issue && en_m && (state_end || last_group), issue && (sub_end32 || last_group)};
 
+// The FIFOs' head beats and the issued group's place in them, registered (timing: a block
+// RAM's clock-to-out, then the group select, would not fit one clock), then
 // the groups of each head beat, indexed by sub (fp32 groups appear 4 times, 16-bit twice)
+reg [6*DATA_WIDTH-1:0] head_reg;
+reg [SUB_W-1:0] sub_q_reg;
+reg [BSW-1:0] bsub_q_reg;
+always @(posedge clk) begin
+    head_reg <= rd_head;
+    sub_q_reg <= sub;
+    bsub_q_reg <= bsub_reg;
+end
 wire [GROUP_BITS-1:0] p_grp [0:4*RATIO-1];
 wire [GROUP_BITS-1:0] m_grp [0:4*RATIO-1];
 wire [GROUP_BITS-1:0] v_grp [0:4*RATIO-1];
@@ -476,33 +449,33 @@ wire [GROUP_BITS/4-1:0] mc_grp [0:4*RATIO-1];
 wire [GROUP_BITS/4-1:0] vc_grp [0:4*RATIO-1];
 generate
 for (k = 0; k < 4*RATIO; k = k + 1) begin : g_rd_group
-    assign p_grp[k] = rd_head[GROUP_BITS*(k % RATIO) +: GROUP_BITS];
-    assign m_grp[k] = rd_head[DATA_WIDTH + GROUP_BITS*(k % RATIO) +: GROUP_BITS];
-    assign v_grp[k] = rd_head[2*DATA_WIDTH + GROUP_BITS*(k % RATIO) +: GROUP_BITS];
-    assign g_grp[k] = rd_head[3*DATA_WIDTH + GROUP_BITS*(k % RATIO) +: GROUP_BITS];
-    assign g16_grp[k] = rd_head[3*DATA_WIDTH + (GROUP_BITS/2)*(k % (2*RATIO)) +: GROUP_BITS/2];
-    assign mc_grp[k] = rd_head[DATA_WIDTH + (GROUP_BITS/4)*k +: GROUP_BITS/4];
-    assign vc_grp[k] = rd_head[2*DATA_WIDTH + (GROUP_BITS/4)*k +: GROUP_BITS/4];
+    assign p_grp[k] = head_reg[GROUP_BITS*(k % RATIO) +: GROUP_BITS];
+    assign m_grp[k] = head_reg[DATA_WIDTH + GROUP_BITS*(k % RATIO) +: GROUP_BITS];
+    assign v_grp[k] = head_reg[2*DATA_WIDTH + GROUP_BITS*(k % RATIO) +: GROUP_BITS];
+    assign g_grp[k] = head_reg[3*DATA_WIDTH + GROUP_BITS*(k % RATIO) +: GROUP_BITS];
+    assign g16_grp[k] = head_reg[3*DATA_WIDTH + (GROUP_BITS/2)*(k % (2*RATIO)) +: GROUP_BITS/2];
+    assign mc_grp[k] = head_reg[DATA_WIDTH + (GROUP_BITS/4)*k +: GROUP_BITS/4];
+    assign vc_grp[k] = head_reg[2*DATA_WIDTH + (GROUP_BITS/4)*k +: GROUP_BITS/4];
 end
 endgenerate
-wire [31:0] ms_head = rd_head[4*DATA_WIDTH + 32*bsub_reg +: 32];
-wire [31:0] vs_head = rd_head[5*DATA_WIDTH + 32*bsub_reg +: 32];
+wire [31:0] ms_head = head_reg[4*DATA_WIDTH + 32*bsub_q_reg +: 32];
+wire [31:0] vs_head = head_reg[5*DATA_WIDTH + 32*bsub_q_reg +: 32];
 
-// the lanes' input register: the operands of the group issued in the clock before
+// the lanes' input register: the operands of the group issued two clocks before
 reg [GROUP_BITS-1:0] p_in, m_in, v_in, g_in;
 reg [GROUP_BITS/4-1:0] mc_in, vc_in;
 reg [31:0] ms_in, vs_in;
 integer li;
 always @(posedge clk) begin
-    p_in <= p_grp[sub];
-    m_in <= en_m ? m_grp[sub] : {GROUP_BITS{1'b0}};
-    v_in <= en_v ? v_grp[sub] : {GROUP_BITS{1'b0}};
-    mc_in <= en_m ? mc_grp[sub] : {(GROUP_BITS/4){1'b0}};
-    vc_in <= en_v ? vc_grp[sub] : {(GROUP_BITS/4){1'b0}};
+    p_in <= p_grp[sub_q_reg];
+    m_in <= en_m ? m_grp[sub_q_reg] : {GROUP_BITS{1'b0}};
+    v_in <= en_v ? v_grp[sub_q_reg] : {GROUP_BITS{1'b0}};
+    mc_in <= en_m ? mc_grp[sub_q_reg] : {(GROUP_BITS/4){1'b0}};
+    vc_in <= en_v ? vc_grp[sub_q_reg] : {(GROUP_BITS/4){1'b0}};
     ms_in <= ms_head;
     vs_in <= vs_head;
     for (li = 0; li < LANES; li = li + 1) begin
-        g_in[32*li +: 32] <= grad16 ? {16'd0, g16_grp[sub][16*li +: 16]} : g_grp[sub][32*li +: 32];
+        g_in[32*li +: 32] <= grad16 ? {16'd0, g16_grp[sub_q_reg][16*li +: 16]} : g_grp[sub_q_reg][32*li +: 32];
     end
 end
 
@@ -668,6 +641,13 @@ always @(posedge clk) begin
     run_start_reg <= 1'b0;
 
     credit_reg <= credit;
+    lim_p_reg <= lim32;
+    lim_mv_reg <= q8 ? lim8 : lim32;
+    lim_c_reg <= lim16;
+    lim_s_reg <= lim_s;
+    run_ok_reg <= (state_reg == ST_RUN) && !abort;
+    // the end of a run, a clock late (timing): once true it stays true, nothing more is issued
+    finish_reg <= rd_idle && wr_idle && in_flight_reg == 0 && q_idle && !issue && (!more || abort);
     if (issue) begin
         left_reg <= left_reg - 32'd1;
         more_reg <= !last_reg;
@@ -678,9 +658,9 @@ always @(posedge clk) begin
             bsub_reg <= bsub_reg + 1'b1;
         end
     end
-    in_flight_reg <= in_flight_reg + {7'd0, issue} - {7'd0, out_valid};
-    q_flight_reg <= q_flight_reg + {15'd0, issue && q8} - {15'd0, q_out && q8};
-    move_reserves(issue && !out_valid, out_valid && !issue, issue && q8 && !(q_out && q8), q_out && q8 && !(issue && q8));
+    // +1, -1 (all ones) or 0: one carry chain each
+    in_flight_reg <= in_flight_reg + {{7{out_valid && !issue}}, out_valid != issue};
+    q_flight_reg <= q_flight_reg + {{15{q8 && q_out && !issue}}, q8 && (q_out != issue)};
     if (out_valid) begin
         p_acc_reg <= p_beat;
         m_acc_reg <= m_beat;
@@ -730,7 +710,7 @@ always @(posedge clk) begin
             bsub_reg <= {BSW{1'b0}};
             in_flight_reg <= 8'd0;
             q_flight_reg <= 16'd0;
-            clear_reserves;
+            finish_reg <= 1'b0;
             if (ptr_misaligned != 0) begin
                 status_reg[STATUS_MISALIGNED_BIT] <= 1'b1;
                 state_reg <= ST_FINISH;
@@ -743,7 +723,7 @@ always @(posedge clk) begin
             end
         end
         ST_RUN: begin
-            if (rd_idle && wr_idle && in_flight_reg == 0 && q_idle && !issue && (!more || abort)) begin
+            if (finish_reg) begin
                 state_reg <= ST_FINISH;
             end
         end
@@ -766,7 +746,8 @@ always @(posedge clk) begin
         credit_reg <= 1'b0;
         in_flight_reg <= 8'd0;
         q_flight_reg <= 16'd0;
-        clear_reserves;
+        run_ok_reg <= 1'b0;
+        finish_reg <= 1'b0;
         cycles_reg <= 64'd0;
     end
 end

@@ -5,6 +5,9 @@
 // into a full FIFO or popping an empty one is a caller error; the kernel
 // never does either because it reserves space (credit) before it asks for
 // data. Read is asynchronous from the array (LUT RAM / registers).
+// Timing: `count` and `empty` are registers of their own, kept with the
+// pointers (not their difference and comparison), so a reader of either
+// starts its logic at a flip-flop.
 
 `resetall
 `timescale 1ns / 1ps
@@ -34,10 +37,15 @@ module l2l_optim_fifo #
 reg [WIDTH-1:0] mem [0:DEPTH-1];
 reg [ADDR_WIDTH:0] wr_ptr_reg;
 reg [ADDR_WIDTH:0] rd_ptr_reg;
+reg [ADDR_WIDTH:0] count_reg;  // wr_ptr_reg - rd_ptr_reg
+reg empty_reg;                 // count_reg == 0
 
 assign head = mem[rd_ptr_reg[ADDR_WIDTH-1:0]];
-assign count = wr_ptr_reg - rd_ptr_reg;
-assign empty = (wr_ptr_reg == rd_ptr_reg);
+assign count = count_reg;
+assign empty = empty_reg;
+// +1 on a push alone, -1 (all ones) on a pop alone
+wire count_inc = push && !pop;
+wire count_dec = pop && !push;
 
 always @(posedge clk) begin
     if (push) begin
@@ -52,9 +60,14 @@ always @(posedge clk) begin
     if (pop) begin
         rd_ptr_reg <= rd_ptr_reg + 1'b1;
     end
+    count_reg <= count_reg + {{ADDR_WIDTH{count_dec}}, count_inc || count_dec};
+    // empty after this clock: no push, and either the one beat left is popped or it was empty
+    empty_reg <= !push && (pop ? (count_reg == {{ADDR_WIDTH{1'b0}}, 1'b1}) : empty_reg);
     if (rst || clear) begin
         wr_ptr_reg <= 0;
         rd_ptr_reg <= 0;
+        count_reg <= 0;
+        empty_reg <= 1'b1;
     end
 end
 

@@ -205,12 +205,15 @@ wire [31:0] d_inv = desc_head[31:0];
 
 // ---------------------------------------------------------------- drain
 reg draining_reg;
-reg [GW-1:0] rd_gi_reg, rd_count_reg;
+reg [GW-1:0] rd_gi_reg, rd_left_reg;
+// rd_left_reg == 0: the group read now is the block's last (a register of its own, timing:
+// the drain's start pops the block queue and pushes the scale into the kernel's FIFO)
+reg rd_end_reg;
 reg rd_half_reg, rd_last_reg, rd_bad_reg;
 reg [31:0] rd_inv_reg;
-wire drain_start = !desc_empty && (!draining_reg || rd_gi_reg == rd_count_reg);
+wire drain_start = !desc_empty && (!draining_reg || rd_end_reg);
 wire drain_read = draining_reg;
-wire drain_end = draining_reg && rd_gi_reg == rd_count_reg;
+wire drain_end = draining_reg && rd_end_reg;
 
 always @* begin
     desc_pop = drain_start;
@@ -228,6 +231,8 @@ always @(posedge clk) begin
     x_mul_reg <= x_reg;
     if (drain_read) begin
         rd_gi_reg <= rd_gi_reg + 1'b1;
+        rd_left_reg <= rd_left_reg - 1'b1;
+        rd_end_reg <= (rd_left_reg == {{(GW-1){1'b0}}, 1'b1});
     end
     if (drain_end) begin
         draining_reg <= 1'b0;
@@ -235,7 +240,8 @@ always @(posedge clk) begin
     if (drain_start) begin
         draining_reg <= 1'b1;
         rd_gi_reg <= {GW{1'b0}};
-        rd_count_reg <= d_count;
+        rd_left_reg <= d_count;
+        rd_end_reg <= (d_count == {GW{1'b0}});
         rd_half_reg <= d_half;
         rd_last_reg <= d_last;
         rd_bad_reg <= d_bad;

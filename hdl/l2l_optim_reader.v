@@ -23,8 +23,8 @@
 // tile is consumed: up to 4 * TILE_BEATS beats outstanding, which covers
 // L cycles of read latency at one beat per clock while 4 * 64 = 256 > 100 + 64.
 //
-// abort stops new requests; the beats of requests already issued are still
-// accepted, then the engine reports idle.
+// abort stops new requests (a clock late: it is registered here, as its fan-out is wide); the
+// beats of requests already issued are still accepted, then the engine reports idle.
 
 `resetall
 `timescale 1ns / 1ps
@@ -94,6 +94,7 @@ reg [31:0] left_reg [0:STREAMS-1];
 reg [15:0] resv_reg [0:STREAMS-1];  // beats in the FIFO or in flight
 reg [STREAMS-1:0] pop_reg;          // pop, a clock late
 reg [SW-1:0] s_reg;
+reg [STREAMS-1:0] s_onehot_reg;  // s_reg, one hot (timing: the issue's per-stream enables)
 wire [SW-1:0] s_next = (s_reg == LAST_STREAM) ? {SW{1'b0}} : s_reg + 1'b1;
 reg tile_loaded_reg;
 reg [8:0] tleft_reg;
@@ -114,21 +115,30 @@ assign m_axi_arvalid = arvalid_reg;
 assign m_axi_rready = 1'b1;
 
 // ---------------------------------------------------------------- requests
-// The next burst is planned in registers, three clocks deep (timing: one carry chain per
-// clock, and the select among the streams in a clock of its own): the beats to the 4 KiB
-// page end and the FIFO's free space for stream s_reg, then the burst's length (page, rest
-// of the tile), then whether its FIFO has room. The plan is used only once the state it
-// was made from has been stable for three clocks (settle_reg); in between, the FIFO only
-// drains, so a stale "room" is conservative.
+// The next burst is planned in registers, four clocks deep (timing: one carry chain per
+// clock, and the select among the streams in a clock of its own): per stream, the beats to
+// its 4 KiB page end and its FIFO's free space; then those of stream s_reg; then the burst's
+// length (page, rest of the tile); then whether its FIFO has room. The plan is used only
+// once the state it was made from has been stable for four clocks (settle_reg); in between,
+// the FIFO only drains, so a stale "room" is conservative.
 wire [ADDR_WIDTH-1:0] cur_addr = addr_reg[s_reg];
+reg [12:0] page_k_reg [0:STREAMS-1];  // per stream: beats from its address to its page end
+reg [16:0] space_k_reg [0:STREAMS-1]; // per stream: FIFO_DEPTH minus its reservations
 reg [12:0] page_beats_left; // beats from cur_addr to its 4 KiB page end
 reg [16:0] space_reg;       // FIFO_DEPTH minus the stream's reservations
 reg [8:0] tile_burst_len;   // the plan: beats of the next burst of stream s_reg
 reg room_reg;               // its FIFO has room for them
-reg [2:0] settle_reg;
 /* verilator lint_off UNUSEDSIGNAL */
-wire [8:0] tile_burst_m1 = tile_burst_len - 9'd1;  // a burst is at most 256 beats
+reg [8:0] tile_burst_m1_reg; // tile_burst_len - 1, a clock later (with room_reg); a burst is at most 256 beats
 /* verilator lint_on UNUSEDSIGNAL */
+reg [3:0] settle_reg;
+// The tile loader's decisions per stream, registered (a clock stale: a stream's state changes
+// only at its own issue, and the loader comes back to it no sooner than STREAMS clocks later;
+// start clears left_nz_reg, so a stale one never loads a tile)
+reg [STREAMS-1:0] left_nz_reg;        // beats left to request
+reg [STREAMS-1:0] ahead_ok_reg;       // not running ahead, or room for its tile
+reg [8:0] tile_first_reg [0:STREAMS-1]; // its next tile's beats: min(beats left, tile)
+reg abort_reg;                        // abort, a clock late
 reg all_requested;
 integer si;
 always @* begin
@@ -143,34 +153,36 @@ wire issue;
 wire [SW+7:0] route_head;
 wire route_empty;
 wire [ROUTE_AW:0] route_count;
-reg route_pop;
-reg [7:0] rbeat_reg;
+wire rcur_load;  // the route FIFO's head into the registers of the arriving burst (below)
 
 l2l_optim_fifo #(.WIDTH(SW+8), .DEPTH(ROUTE_DEPTH)) route_fifo (
     .clk(clk), .rst(rst), .clear(start),
-    .push(issue), .push_data({s_reg, tile_burst_m1[7:0]}),
-    .pop(route_pop), .head(route_head), .empty(route_empty), .count(route_count)
+    .push(issue), .push_data({s_reg, tile_burst_m1_reg[7:0]}),
+    .pop(rcur_load), .head(route_head), .empty(route_empty), .count(route_count)
 );
 
 // the route FIFO's room and whether the burst ends its tile are registered too: a clock
 // stale, they are still exact when an issue is allowed (no issue in the clocks before it)
 reg route_room_reg;
 reg tile_end_reg;
-assign issue = !start && !abort && !arvalid_reg && tile_loaded_reg && settle_reg[2] && room_reg
+assign issue = !start && !abort_reg && !arvalid_reg && tile_loaded_reg && settle_reg[3] && room_reg
                && route_room_reg;
-assign idle = (all_requested || abort) && !arvalid_reg && route_empty;
-
-wire [8:0] tile_s = stream_tile[9*s_reg +: 9];
+assign idle = (all_requested || abort_reg) && !arvalid_reg && route_empty && !rcur_valid_reg;
 
 // ---------------------------------------------------------------- data
+// The burst whose beats arrive moves from the route FIFO into registers (timing: the FIFO an
+// R beat goes to is chosen by a flip-flop, not through the route FIFO's memory). Its entry
+// is in the route FIFO a clock after the AR request and is loaded in the next clock, or with
+// the last beat of the burst before: before any of its beats can arrive.
 wire r_hs = m_axi_rvalid;  // rready is 1
 wire [SW-1:0] r_stream = route_head[SW+7:8];
 wire [7:0] r_len_m1 = route_head[7:0];
+reg rcur_valid_reg;                 // a burst is arriving
+reg [STREAMS-1:0] rcur_onehot_reg;  // its stream, one hot
+reg [7:0] rcur_left_reg;            // its beats after the next
+reg rcur_last_reg;                  // rcur_left_reg == 0: the next beat is its last
+assign rcur_load = !route_empty && (!rcur_valid_reg || (r_hs && rcur_last_reg));
 assign error = r_hs && m_axi_rresp[1];
-
-always @* begin
-    route_pop = r_hs && !route_empty && (rbeat_reg == r_len_m1);
-end
 
 genvar k;
 generate
@@ -178,7 +190,7 @@ for (k = 0; k < STREAMS; k = k + 1) begin : g_stream
     wire [FIFO_AW:0] count;
     l2l_optim_fifo #(.WIDTH(DATA_WIDTH), .DEPTH(FIFO_DEPTH)) data_fifo (
         .clk(clk), .rst(rst), .clear(start),
-        .push(r_hs && r_stream == k), .push_data(m_axi_rdata),
+        .push(r_hs && rcur_onehot_reg[k]), .push_data(m_axi_rdata),
         .pop(pop[k]), .head(head[DATA_WIDTH*k +: DATA_WIDTH]), .empty(empty[k]),
         .count(count)
     );
@@ -186,13 +198,23 @@ for (k = 0; k < STREAMS; k = k + 1) begin : g_stream
     wire unused_count = ^count;
     /* verilator lint_on UNUSEDSIGNAL */
 
+    wire [8:0] tile_k = stream_tile[9*k +: 9];
     always @(posedge clk) begin
+        page_k_reg[k] <= (13'd4096 - {1'b0, addr_reg[k][11:0]}) >> BYTE_SHIFT;
+        space_k_reg[k] <= {1'b0, FIFO_DEPTH[15:0]} - {1'b0, resv_reg[k]};
+        left_nz_reg[k] <= (left_reg[k] != 0) && !start;
+        ahead_ok_reg[k] <= !(stream_ahead[k] && resv_reg[k] + {7'd0, tile_k} > FIFO_DEPTH[15:0]);
+        tile_first_reg[k] <= (left_reg[k] < {23'd0, tile_k}) ? left_reg[k][8:0] : tile_k;
         // a pop leaves the reservation a clock late (timing: pop comes from the kernel's
         // issue logic): one beat too many reserved for a clock, which is conservative
         pop_reg[k] <= pop[k] && !start;
-        resv_reg[k] <= resv_reg[k] + ((issue && s_reg == k) ? {7'd0, tile_burst_len} : 16'd0)
-                       - {15'd0, pop_reg[k]};
-        if (issue && s_reg == k) begin
+        // one carry chain each (the burst's length less one is a register of the plan)
+        if (issue && s_onehot_reg[k]) begin
+            resv_reg[k] <= resv_reg[k] + (pop_reg[k] ? {7'd0, tile_burst_m1_reg} : {7'd0, tile_burst_len});
+        end else if (pop_reg[k]) begin
+            resv_reg[k] <= resv_reg[k] - 16'd1;
+        end
+        if (issue && s_onehot_reg[k]) begin
             addr_reg[k] <= addr_reg[k] + ({{(ADDR_WIDTH-9){1'b0}}, tile_burst_len} << BYTE_SHIFT);
             left_reg[k] <= left_reg[k] - {23'd0, tile_burst_len};
         end
@@ -211,14 +233,16 @@ end
 endgenerate
 
 always @(posedge clk) begin
-    page_beats_left <= (13'd4096 - {1'b0, cur_addr[11:0]}) >> BYTE_SHIFT;
-    space_reg <= {1'b0, FIFO_DEPTH[15:0]} - {1'b0, resv_reg[s_reg]};
+    page_beats_left <= page_k_reg[s_reg];
+    space_reg <= space_k_reg[s_reg];
     tile_burst_len <= (page_beats_left < {4'd0, tleft_reg}) ? page_beats_left[8:0] : tleft_reg;
     room_reg <= !space_reg[16] && {8'd0, tile_burst_len} <= space_reg;
+    tile_burst_m1_reg <= tile_burst_len - 9'd1;
     route_room_reg <= (route_count < ROUTE_DEPTH);
     tile_end_reg <= (tleft_reg == tile_burst_len);
     // the state the plan reads changes at an issue and at every step of the tile loader
-    settle_reg <= (issue || !tile_loaded_reg) ? 3'b000 : {settle_reg[1:0], 1'b1};
+    settle_reg <= (issue || !tile_loaded_reg) ? 4'b0000 : {settle_reg[2:0], 1'b1};
+    abort_reg <= abort;
 
     if (arvalid_reg && m_axi_arready) begin
         arvalid_reg <= 1'b0;
@@ -226,35 +250,46 @@ always @(posedge clk) begin
 
     if (!tile_loaded_reg) begin
         // next stream with beats left (and, running ahead, room for its tile): load its tile
-        if (left_reg[s_reg] != 0 && !(stream_ahead[s_reg] && resv_reg[s_reg] + {7'd0, tile_s} > FIFO_DEPTH[15:0])) begin
+        if (left_nz_reg[s_reg] && ahead_ok_reg[s_reg]) begin
             tile_loaded_reg <= 1'b1;
-            tleft_reg <= (left_reg[s_reg] < {23'd0, tile_s}) ? left_reg[s_reg][8:0] : tile_s;
+            tleft_reg <= tile_first_reg[s_reg];
         end else begin
             s_reg <= s_next;
+            s_onehot_reg <= {s_onehot_reg[STREAMS-2:0], s_onehot_reg[STREAMS-1]};
         end
     end else if (issue) begin
         arvalid_reg <= 1'b1;
         araddr_reg <= cur_addr;
-        arlen_reg <= tile_burst_len[7:0] - 8'd1;
+        arlen_reg <= tile_burst_m1_reg[7:0];
         tleft_reg <= tleft_reg - tile_burst_len;
         if (tile_end_reg) begin
             tile_loaded_reg <= 1'b0;
             s_reg <= s_next;
+            s_onehot_reg <= {s_onehot_reg[STREAMS-2:0], s_onehot_reg[STREAMS-1]};
         end
     end
 
-    if (r_hs) begin
-        rbeat_reg <= route_pop ? 8'd0 : rbeat_reg + 8'd1;
+    if (rcur_load) begin
+        rcur_valid_reg <= 1'b1;
+        rcur_onehot_reg <= {{(STREAMS-1){1'b0}}, 1'b1} << r_stream;
+        rcur_left_reg <= r_len_m1;
+        rcur_last_reg <= (r_len_m1 == 8'd0);
+    end else if (r_hs) begin
+        rcur_valid_reg <= !rcur_last_reg;
+        rcur_left_reg <= rcur_left_reg - 8'd1;
+        rcur_last_reg <= (rcur_left_reg == 8'd1);
     end
 
     if (rst || start) begin
         s_reg <= {SW{1'b0}};
+        s_onehot_reg <= {{(STREAMS-1){1'b0}}, 1'b1};
         tile_loaded_reg <= 1'b0;
-        rbeat_reg <= 8'd0;
-        settle_reg <= 3'b000;
+        rcur_valid_reg <= 1'b0;
+        settle_reg <= 4'b0000;
     end
     if (rst) begin
         arvalid_reg <= 1'b0;
+        abort_reg <= 1'b1;
     end
 end
 

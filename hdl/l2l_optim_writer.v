@@ -12,8 +12,8 @@
 // beat of a stream carries last_strb (bytes beyond element n are never
 // written). Every B response is awaited; bresp SLVERR/DECERR raises error.
 //
-// abort stops new bursts; the W beats and B responses of issued bursts are
-// still completed, then the engine reports idle.
+// abort stops new bursts (a clock late: it is registered here, as its fan-out is wide); the
+// W beats and B responses of issued bursts are still completed, then the engine reports idle.
 
 `resetall
 `timescale 1ns / 1ps
@@ -84,14 +84,20 @@ localparam [SW-1:0] LAST_STREAM = STREAMS - 1;
 reg [ADDR_WIDTH-1:0] addr_reg [0:STREAMS-1];
 reg [31:0] left_reg [0:STREAMS-1];        // beats not yet requested on AW
 reg [31:0] wleft_reg [0:STREAMS-1];       // beats not yet sent on W
-reg [15:0] committed_reg [0:STREAMS-1];  // FIFO beats promised to issued bursts
+// Beats pushed into each FIFO and beats claimed by its issued bursts, both since start (mod
+// 2^16): their difference is what the FIFO holds that no burst claims yet (timing: one carry
+// chain each, where count minus promised-and-not-yet-sent took two and a pop)
+reg [15:0] pushed_reg [0:STREAMS-1];
+reg [15:0] claimed_reg [0:STREAMS-1];
 reg [SW-1:0] s_reg;
 
 reg awvalid_reg;
 reg [ADDR_WIDTH-1:0] awaddr_reg;
 reg [7:0] awlen_reg;
 reg [15:0] b_pending_reg;
-reg [7:0] wbeat_reg;
+reg abort_reg;       // abort, a clock late
+reg queue_room_reg;  // the AW queue has room for one more burst
+reg b_room_reg;      // b_pending_reg may count one more burst
 
 assign m_axi_awid = {ID_WIDTH{1'b0}};
 assign m_axi_awaddr = awaddr_reg;
@@ -105,7 +111,14 @@ assign m_axi_awvalid = awvalid_reg;
 assign m_axi_bready = 1'b1;
 
 // ---------------------------------------------------------------- AW
-wire [ADDR_WIDTH-1:0] cur_addr = addr_reg[s_reg];
+// The visit: go_reg says whether stream s_reg's burst was planned and settled, a clock
+// late (timing: the issue is an AND of registers); sel_reg is that stream. Its state
+// changes only at its own issue, and an issue is never followed by one in the next clock
+// (awvalid_reg), when s_reg has moved on, so a clock-old go_reg is still exact.
+reg go_reg;
+reg [SW-1:0] sel_reg;
+reg [STREAMS-1:0] sel_onehot_reg;
+wire [ADDR_WIDTH-1:0] cur_addr = addr_reg[sel_reg];
 // Each stream's next burst is planned in registers, three clocks deep (timing: one carry
 // chain per clock): the beats to its 4 KiB page end and its beats left capped at
 // stream_burst, then the burst's length (the smaller), then whether its FIFO holds all of
@@ -117,7 +130,7 @@ reg [8:0] len_reg [0:STREAMS-1];
 reg [STREAMS-1:0] ready_reg;
 reg [2:0] settle_reg [0:STREAMS-1];
 reg [STREAMS-1:0] wlast_reg;         // wleft_reg == 1: the stream's next W beat is its last
-wire [8:0] burst_len = len_reg[s_reg];
+wire [8:0] burst_len = len_reg[sel_reg];
 /* verilator lint_off UNUSEDSIGNAL */
 wire [8:0] burst_m1 = burst_len - 9'd1;  // a burst is at most 256 beats
 /* verilator lint_on UNUSEDSIGNAL */
@@ -134,35 +147,50 @@ always @* begin
         if (left_reg[si] != 0) all_requested = 1'b0;
     end
 end
-wire issue = !start && !abort && !awvalid_reg && ready_reg[s_reg] && settle_reg[s_reg][2]
-             && (queue_count < QUEUE_DEPTH) && (b_pending_reg != 16'hFFFF);
+// the queue's room and the B count's are registered: a clock stale, they are still exact when
+// an issue is allowed (awvalid_reg is set for at least the clock after an issue)
+wire issue = !start && !abort_reg && !awvalid_reg && go_reg && queue_room_reg && b_room_reg;
 
 // ---------------------------------------------------------------- W
-wire [SW-1:0] w_stream = queue_head[SW+7:8];
-wire [7:0] w_len_m1 = queue_head[7:0];
-wire w_hs = m_axi_wvalid && m_axi_wready;
-wire w_last = (wbeat_reg == w_len_m1);
+// The burst being sent moves from the queue into registers (timing: the FIFO to pop is
+// chosen by a flip-flop, not through the queue's memory), and the W channel leaves from
+// registers (a block RAM's clock-to-out, then the select among the streams, would not fit
+// one clock with what follows the port): a beat moves from the head of the burst's FIFO
+// into them whenever they are empty or being taken.
+wire [SW-1:0] q_stream = queue_head[SW+7:8];
+wire [7:0] q_len_m1 = queue_head[7:0];
+reg cur_valid_reg;                  // a burst is being sent
+reg [SW-1:0] cur_stream_reg;        // its stream
+reg [STREAMS-1:0] cur_onehot_reg;   // the same, one hot
+reg [7:0] cur_left_reg;             // its beats after the next
+reg cur_last_reg;                   // cur_left_reg == 0: the next beat is its last
+reg wvalid_reg;
+reg [DATA_WIDTH-1:0] wdata_reg;
+reg [STRB_WIDTH-1:0] wstrb_reg;
+reg wlast_out_reg;
+wire w_take = cur_valid_reg && (!wvalid_reg || m_axi_wready);  // a FIFO beat into the registers
+wire cur_load = !queue_empty && (!cur_valid_reg || (w_take && cur_last_reg));
 wire [DATA_WIDTH-1:0] fifo_head [0:STREAMS-1];
 
-assign m_axi_wvalid = !queue_empty;
-assign m_axi_wdata = fifo_head[w_stream];
-assign m_axi_wstrb = wlast_reg[w_stream] ? stream_last_strb[STRB_WIDTH*w_stream +: STRB_WIDTH]
-                                                    : {STRB_WIDTH{1'b1}};
-assign m_axi_wlast = w_last;
+assign m_axi_wvalid = wvalid_reg;
+assign m_axi_wdata = wdata_reg;
+assign m_axi_wstrb = wstrb_reg;
+assign m_axi_wlast = wlast_out_reg;
 
 l2l_optim_fifo #(.WIDTH(SW+8), .DEPTH(QUEUE_DEPTH)) queue_fifo (
     .clk(clk), .rst(rst), .clear(start),
-    .push(issue), .push_data({s_reg, burst_m1[7:0]}),
-    .pop(w_hs && w_last), .head(queue_head), .empty(queue_empty), .count(queue_count)
+    .push(issue), .push_data({sel_reg, burst_m1[7:0]}),
+    .pop(cur_load), .head(queue_head), .empty(queue_empty), .count(queue_count)
 );
 
-assign idle = (all_requested || abort) && !awvalid_reg && queue_empty && (b_pending_reg == 0);
+// (b_pending_reg counts every burst until its B response, so its W beats too)
+assign idle = (all_requested || abort_reg) && !awvalid_reg && queue_empty && (b_pending_reg == 0);
 assign error = m_axi_bvalid && m_axi_bresp[1];
 
 genvar k;
 generate
 for (k = 0; k < STREAMS; k = k + 1) begin : g_stream
-    wire pop = w_hs && (w_stream == k);
+    wire pop = w_take && cur_onehot_reg[k];
     wire fifo_empty;
 
     l2l_optim_fifo #(.WIDTH(DATA_WIDTH), .DEPTH(FIFO_DEPTH)) data_fifo (
@@ -177,20 +205,24 @@ for (k = 0; k < STREAMS; k = k + 1) begin : g_stream
 
     wire [12:0] page_beats_left = (13'd4096 - {1'b0, addr_reg[k][11:0]}) >> BYTE_SHIFT;
     wire [12:0] burst_max = {4'd0, stream_burst[9*k +: 9]};
-    wire [15:0] avail = {{(15-FIFO_AW){1'b0}}, fifo_count[k]} - committed_reg[k];
+    // FIFO beats not claimed by a burst, registered: it settles with the plan's first stage
+    reg [15:0] avail_reg;
 
     always @(posedge clk) begin
         page_reg[k] <= page_beats_left;
         first_reg[k] <= (left_reg[k] < {19'd0, burst_max}) ? left_reg[k][8:0] : burst_max[8:0];
         len_reg[k] <= (page_reg[k] < {4'd0, first_reg[k]}) ? page_reg[k][8:0] : first_reg[k];
-        ready_reg[k] <= (left_reg[k] != 0) && ({7'd0, len_reg[k]} <= avail);
-        settle_reg[k] <= (start || (issue && s_reg == k)) ? 3'b000 : {settle_reg[k][1:0], 1'b1};
+        avail_reg <= pushed_reg[k] - claimed_reg[k];
+        ready_reg[k] <= (left_reg[k] != 0) && ({7'd0, len_reg[k]} <= avail_reg);
+        settle_reg[k] <= (start || (issue && sel_onehot_reg[k])) ? 3'b000 : {settle_reg[k][1:0], 1'b1};
 
-        committed_reg[k] <= committed_reg[k] + ((issue && s_reg == k) ? {7'd0, burst_len} : 16'd0)
-                            - {15'd0, pop};
-        if (issue && s_reg == k) begin
-            addr_reg[k] <= addr_reg[k] + ({{(ADDR_WIDTH-9){1'b0}}, burst_len} << BYTE_SHIFT);
-            left_reg[k] <= left_reg[k] - {23'd0, burst_len};
+        if (push[k]) begin
+            pushed_reg[k] <= pushed_reg[k] + 16'd1;
+        end
+        if (issue && sel_onehot_reg[k]) begin  // its own len_reg is burst_len
+            claimed_reg[k] <= claimed_reg[k] + {7'd0, len_reg[k]};
+            addr_reg[k] <= addr_reg[k] + ({{(ADDR_WIDTH-9){1'b0}}, len_reg[k]} << BYTE_SHIFT);
+            left_reg[k] <= left_reg[k] - {23'd0, len_reg[k]};
         end
         if (pop) begin
             wleft_reg[k] <= wleft_reg[k] - 32'd1;
@@ -201,12 +233,14 @@ for (k = 0; k < STREAMS; k = k + 1) begin : g_stream
             left_reg[k] <= stream_enable[k] ? stream_beats[32*k +: 32] : 32'd0;
             wleft_reg[k] <= stream_enable[k] ? stream_beats[32*k +: 32] : 32'd0;
             wlast_reg[k] <= stream_enable[k] && stream_beats[32*k +: 32] == 32'd1;
-            committed_reg[k] <= 16'd0;
+            pushed_reg[k] <= 16'd0;
+            claimed_reg[k] <= 16'd0;
         end
         if (rst) begin
             left_reg[k] <= 32'd0;
             wleft_reg[k] <= 32'd0;
-            committed_reg[k] <= 16'd0;
+            pushed_reg[k] <= 16'd0;
+            claimed_reg[k] <= 16'd0;
             settle_reg[k] <= 3'b000;
             wlast_reg[k] <= 1'b0;
         end
@@ -228,20 +262,46 @@ always @(posedge clk) begin
     if (!awvalid_reg) begin
         s_reg <= (s_reg == LAST_STREAM) ? {SW{1'b0}} : s_reg + 1'b1;
     end
+    go_reg <= !start && ready_reg[s_reg] && settle_reg[s_reg][2];
+    sel_reg <= s_reg;
+    sel_onehot_reg <= {{(STREAMS-1){1'b0}}, 1'b1} << s_reg;
 
-    b_pending_reg <= b_pending_reg + {15'd0, issue} - {15'd0, m_axi_bvalid};
+    b_pending_reg <= b_pending_reg + {{15{m_axi_bvalid && !issue}}, m_axi_bvalid != issue};
+    abort_reg <= abort;
+    queue_room_reg <= (queue_count < QUEUE_DEPTH);
+    b_room_reg <= (b_pending_reg != 16'hFFFF);
 
-    if (w_hs) begin
-        wbeat_reg <= w_last ? 8'd0 : wbeat_reg + 8'd1;
+    if (cur_load) begin
+        cur_valid_reg <= 1'b1;
+        cur_stream_reg <= q_stream;
+        cur_onehot_reg <= {{(STREAMS-1){1'b0}}, 1'b1} << q_stream;
+        cur_left_reg <= q_len_m1;
+        cur_last_reg <= (q_len_m1 == 8'd0);
+    end else if (w_take) begin
+        cur_valid_reg <= !cur_last_reg;
+        cur_left_reg <= cur_left_reg - 8'd1;
+        cur_last_reg <= (cur_left_reg == 8'd1);
+    end
+    if (w_take) begin
+        wvalid_reg <= 1'b1;
+        wdata_reg <= fifo_head[cur_stream_reg];
+        wstrb_reg <= wlast_reg[cur_stream_reg] ? stream_last_strb[STRB_WIDTH*cur_stream_reg +: STRB_WIDTH]
+                                               : {STRB_WIDTH{1'b1}};
+        wlast_out_reg <= cur_last_reg;
+    end else if (m_axi_wready) begin
+        wvalid_reg <= 1'b0;
     end
 
     if (rst || start) begin
         s_reg <= {SW{1'b0}};
-        wbeat_reg <= 8'd0;
+        cur_valid_reg <= 1'b0;
     end
     if (rst) begin
         awvalid_reg <= 1'b0;
+        wvalid_reg <= 1'b0;
         b_pending_reg <= 16'd0;
+        abort_reg <= 1'b1;
+        go_reg <= 1'b0;
     end
 end
 
