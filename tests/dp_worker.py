@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import l2l_hw
+from tests.helpers import exit_worker
 from l2l_hw.distributed import rank_shard
 from tests.test_relay_equivalence import MODELS, OPTIMIZERS
 
@@ -78,6 +79,7 @@ def main(cfg: dict) -> None:
                                          "step": torch.tensor([eps.step])}, cfg["out"])
     dist.barrier()  # rank 0 writes while the others would tear the group down: gloo can abort on that
     dist.destroy_process_group()
+    exit_worker()
 
 
 if __name__ == "__main__":

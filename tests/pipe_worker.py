@@ -22,6 +22,7 @@ import torch.distributed as dist
 import l2l_hw
 from l2l_hw.relay.options import PipelineConfig
 from l2l_hw.relay.pipeline import PipelineError, PipelineRelay
+from tests.helpers import exit_worker
 from tests.test_pipeline import EPS_BACKEND, MODELS, OPTIMIZERS, RNG_SEED
 
 
@@ -109,6 +110,7 @@ def main(cfg: dict) -> None:
             safetensors.torch.save_file(out, cfg["out"])
     dist.barrier()  # rank 0 writes while the others would tear the group down: gloo can abort on that
     dist.destroy_process_group()
+    exit_worker()
 
 
 if __name__ == "__main__":

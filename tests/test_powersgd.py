@@ -17,7 +17,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from tests.helpers import ranks_ok
+from tests.helpers import exit_worker, ranks_ok
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT = 180  # seconds for a whole multi-process run; a hang fails the test instead of CI
@@ -95,6 +95,7 @@ def main(cfg: dict) -> None:
         {"reducer": reducer_worker, "relay": relay_worker}[cfg["mode"]](cfg)
     finally:
         dist.destroy_process_group()
+    exit_worker()
 
 
 def run_ok(**cfg) -> None:
