@@ -134,6 +134,16 @@ def init_from_state(state) -> Callable[[int, nn.Module], dict[str, torch.Tensor]
     return init
 
 
+def layer_output(i: int, module: nn.Module, out):
+    """Layer i's output as the relay carries it: a tensor, or a tuple of tensors (anything else:
+    one RelayError naming the layer)."""
+    if not (isinstance(out, torch.Tensor) or
+            (isinstance(out, (tuple, list)) and out and all(isinstance(t, torch.Tensor) for t in out))):
+        raise RelayError(f"layer {i} ({type(module).__name__}) returned {_describe(out)}; "
+                         f"a layer must return a tensor or a tuple of tensors")
+    return out if isinstance(out, torch.Tensor) else tuple(out)
+
+
 class Relay:
     """Train `layers` with their weights in `eps`, one layer at a time on `device`."""
 
@@ -310,11 +320,7 @@ class Relay:
         except Exception as exc:
             raise RelayError(f"layer {i} ({type(plan.module).__name__}) failed on an input of "
                              f"{_describe(x)}: {exc}") from exc
-        if not (isinstance(out, torch.Tensor) or
-                (isinstance(out, (tuple, list)) and out and all(isinstance(t, torch.Tensor) for t in out))):
-            raise RelayError(f"layer {i} ({type(plan.module).__name__}) returned {_describe(out)}; "
-                             f"a layer must return a tensor or a tuple of tensors")
-        return out if isinstance(out, torch.Tensor) else tuple(out)
+        return layer_output(i, plan.module, out)
 
     def _loss(self, out, target) -> torch.Tensor:
         try:

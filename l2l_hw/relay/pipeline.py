@@ -54,7 +54,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from l2l_hw.relay.executor import Relay, RelayError
+from l2l_hw.relay.executor import Relay, RelayError, layer_output
 from l2l_hw.relay.options import PipelineConfig, RelayOptions
 from l2l_hw.relay.recompute import grad_leaf, rng_state, set_rng_state
 
@@ -643,11 +643,7 @@ class PipelineRelay:
         except Exception as exc:
             raise RelayError(f"layer {self.first + k} ({type(plan.module).__name__}) failed on an input of "
                              f"{_shapes(x)}: {exc}") from exc
-        if not (isinstance(out, torch.Tensor) or
-                (isinstance(out, (tuple, list)) and out and all(isinstance(t, torch.Tensor) for t in out))):
-            raise RelayError(f"layer {self.first + k} ({type(plan.module).__name__}) returned {type(out).__name__}; "
-                             f"a layer must return a tensor or a tuple of tensors")
-        return out if isinstance(out, torch.Tensor) else tuple(out)
+        return layer_output(self.first + k, plan.module, out)
 
     def _backward(self, g: int, graph: list, grads, users: dict, live: dict, last: bool) -> None:
         """Backward of micro-batch g (of the run) through this stage's layers, last to first; on
