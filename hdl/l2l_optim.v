@@ -139,7 +139,7 @@ module l2l_optim #
 `include "fp_latency.vh"
 `include "l2l_optim_lane_schedule.vh"
 `include "l2l_optim_state8.vh"
-localparam ISSUE_STAGES = 2;  // the FIFO heads' register and the lanes' input register (see "issue")
+localparam ISSUE_STAGES = 3;  // the FIFO heads' two registers and the lanes' input register (see "issue")
 // issue to lane output: the input register, the decode of the 8-bit state, the lane
 localparam PIPE_LATENCY = ISSUE_STAGES + DEQUANT_LATENCY + LANE_LATENCY;
 localparam BEAT_LANES = DATA_WIDTH/32;          // fp32 elements per beat
@@ -240,25 +240,32 @@ reg en_ms, en_vs;    // the block-scale streams of the 8-bit state
 wire [32:0] groups_w = ({1'b0, n_reg} + (LANES - 1)) >> LANE_SHIFT;
 wire [31:0] groups = groups_w[31:0];
 wire [32:0] beats32_w = ({1'b0, n_reg} + (BEAT_LANES - 1)) >> BEAT_SHIFT;
-wire [31:0] beats32 = beats32_w[31:0];
 wire [32:0] beats16_w = ({1'b0, n_reg} + (2*BEAT_LANES - 1)) >> (BEAT_SHIFT + 1);
-wire [31:0] beats16 = beats16_w[31:0];
 wire [32:0] beats8_w = ({1'b0, n_reg} + (4*BEAT_LANES - 1)) >> (BEAT_SHIFT + 2);
-wire [31:0] beats8 = beats8_w[31:0];
 wire [32:0] blocks_w = ({1'b0, n_reg} + (QUANT_BLOCK - 1)) >> $clog2(QUANT_BLOCK);
 wire [31:0] blocks = blocks_w[31:0];
 wire [32:0] beats_s_w = ({1'b0, blocks} + (BEAT_LANES - 1)) >> BEAT_SHIFT;
-wire [31:0] beats_s = beats_s_w[31:0];
 /* verilator lint_on UNUSEDSIGNAL */
 wire [BEAT_SHIFT+2:0] rem8 = {1'b0, n_reg[BEAT_SHIFT+1:0]};
 wire [BEAT_SHIFT:0] rem_s = {1'b0, blocks[BEAT_SHIFT-1:0]};
 wire [BEAT_SHIFT:0] rem32 = {1'b0, n_reg[BEAT_SHIFT-1:0]};
 wire [BEAT_SHIFT+1:0] rem16 = {1'b0, n_reg[BEAT_SHIFT:0]};
 wire [31:0] rem_lane = n_reg & (LANES - 1);
-wire [STRB_WIDTH-1:0] strb32 = (rem32 == 0) ? {STRB_WIDTH{1'b1}} : ~({STRB_WIDTH{1'b1}} << (4*rem32));
-wire [STRB_WIDTH-1:0] strb16 = (rem16 == 0) ? {STRB_WIDTH{1'b1}} : ~({STRB_WIDTH{1'b1}} << (2*rem16));
-wire [STRB_WIDTH-1:0] strb8 = (rem8 == 0) ? {STRB_WIDTH{1'b1}} : ~({STRB_WIDTH{1'b1}} << rem8);
-wire [STRB_WIDTH-1:0] strb_s = (rem_s == 0) ? {STRB_WIDTH{1'b1}} : ~({STRB_WIDTH{1'b1}} << (4*rem_s));
+// Each stream's beats and last write strobe, registered (timing: the engines load them at
+// run_start, two clocks after n_reg, and their carry chains would otherwise run on into the
+// engines' counters and compares)
+reg [31:0] beats32, beats16, beats8, beats_s;
+reg [STRB_WIDTH-1:0] strb32, strb16, strb8, strb_s;
+always @(posedge clk) begin
+    beats32 <= beats32_w[31:0];
+    beats16 <= beats16_w[31:0];
+    beats8 <= beats8_w[31:0];
+    beats_s <= beats_s_w[31:0];
+    strb32 <= (rem32 == 0) ? {STRB_WIDTH{1'b1}} : ~({STRB_WIDTH{1'b1}} << (4*rem32));
+    strb16 <= (rem16 == 0) ? {STRB_WIDTH{1'b1}} : ~({STRB_WIDTH{1'b1}} << (2*rem16));
+    strb8 <= (rem8 == 0) ? {STRB_WIDTH{1'b1}} : ~({STRB_WIDTH{1'b1}} << rem8);
+    strb_s <= (rem_s == 0) ? {STRB_WIDTH{1'b1}} : ~({STRB_WIDTH{1'b1}} << (4*rem_s));
+end
 
 // pointers: 0 PARAM_SRC 1 M_SRC 2 V_SRC 3 GRAD_SRC 4 PARAM_DST 5 M_DST 6 V_DST 7 COPY_DST
 // 8 M_SCALE_SRC 9 V_SCALE_SRC 10 M_SCALE_DST 11 V_SCALE_DST
@@ -272,11 +279,17 @@ always @* begin
 end
 
 // run_start: one clock, the first of ST_RUN, decided in ST_SETUP (timing, docs/BENCHMARKS.md,
-// The checks on n and the pointers end in this register, not in the clock enables
+// The checks on n and the pointers end in these registers, not in the clock enables
 // of every stream register of the reader and writer). It loads the engines and clears their
-// FIFOs, the lanes' valid bits and l2l_optim_quant; nothing is issued in that clock.
-reg run_start_reg;
-wire run_start = run_start_reg;
+// FIFOs, the lanes' valid bits and l2l_optim_quant; nothing is issued in that clock. One
+// register for each part it reaches (the reader, the writer and its push register,
+// l2l_optim_quant, the side band), placed beside it (timing: one register's net across the
+// part set the clock). Each is run_go a clock late; "& ~itself" (run_go is never high two
+// clocks running) keeps synthesis from merging the copies into one.
+wire run_go = (state_reg == ST_SETUP) && (ptr_misaligned == 0) && (n_reg != 0);
+reg [3:0] run_start_reg;
+wire start_rd = run_start_reg[0], start_wr = run_start_reg[1], start_q = run_start_reg[2],
+     start_side = run_start_reg[3];
 wire abort = status_reg[STATUS_AXI_ERROR_BIT];
 // The engines are held (abort) from ap_start until run_start loads them: after an aborted
 // run they keep that run's addresses and beats left, and with AXI_ERROR cleared at ap_start
@@ -302,7 +315,7 @@ l2l_optim_reader #(
     .DATA_WIDTH(DATA_WIDTH), .ADDR_WIDTH(ADDR_WIDTH), .ID_WIDTH(ID_WIDTH), .FIFO_DEPTH(FIFO_DEPTH)
 ) reader_inst (
     .clk(clk), .rst(rst),
-    .start(run_start), .abort(engine_abort),
+    .start(start_rd), .abort(engine_abort),
     .stream_addr({ptr_a[9], ptr_a[8], ptr_a[3], ptr_a[2], ptr_a[1], ptr_a[0]}),
     .stream_beats({beats_s, beats_s, grad16 ? beats16 : beats32, q8 ? beats8 : beats32, q8 ? beats8 : beats32, beats32}),
     .stream_tile({9'd1, 9'd1, grad16 ? TILE16 : TILE32, q8 ? TILE8 : TILE32, q8 ? TILE8 : TILE32, TILE32}),
@@ -328,7 +341,7 @@ l2l_optim_writer #(
     .DATA_WIDTH(DATA_WIDTH), .ADDR_WIDTH(ADDR_WIDTH), .ID_WIDTH(ID_WIDTH), .FIFO_DEPTH(FIFO_DEPTH)
 ) writer_inst (
     .clk(clk), .rst(rst),
-    .start(run_start), .abort(engine_abort),
+    .start(start_wr), .abort(engine_abort),
     .stream_addr({ptr_a[11], ptr_a[10], ptr_a[7], ptr_a[6], ptr_a[5], ptr_a[4]}),
     .stream_beats({beats_s, beats_s, beats16, q8 ? beats8 : beats32, q8 ? beats8 : beats32, beats32}),
     .stream_last_strb({strb_s, strb_s, strb16, q8 ? strb8 : strb32, q8 ? strb8 : strb32, strb32}),
@@ -360,6 +373,8 @@ reg last_reg;              // left_reg == 1: the group issued now is the last
 reg [SUB_W-1:0] sub_reg;   // groups issued, modulo 4*RATIO
 reg [BGW-1:0] bgi_reg;     // 8-bit state: the issued group's place in its block
 reg [BSW-1:0] bsub_reg;    // 8-bit state: its block's scale in the scale beat
+reg bgi_last_reg;          // bgi_reg == LAST_BLOCK_GROUP (timing: the pops decide from flip-flops)
+reg bsub_last_reg;         // bsub_reg == LAST_BSUB
 reg credit_reg;
 reg [7:0] in_flight_reg;  // groups issued whose results have not left the lanes
 reg [15:0] q_flight_reg;  // 8-bit state: groups issued whose codes have not left l2l_optim_quant
@@ -379,15 +394,15 @@ wire [FIFO_AW:0] wc_vs = wr_count[5*(FIFO_AW+1) +: FIFO_AW+1];
 // push at most ceil(f/RATIO) + 1 beats of an fp32 stream (every RATIO-th group and the last),
 // ceil(f/(2*RATIO)) + 1 of the copy, ceil(f/(4*RATIO)) + 1 of the 8-bit codes (f from the
 // groups up to l2l_optim_quant's output), and one scale beat per block they touch plus both
-// ends; each is bounded by a shift of x plus a constant (fp32: RATIO 1 x + 4, else
-// (x >> log2 RATIO) + 3; copy (x >> log2 2*RATIO) + 3; codes (x >> log2 4*RATIO) + 3;
-// scales (x >> log2 BLOCK_GROUPS) + 4), so each limit is one subtraction from a constant.
-// A limit below zero (its MSB set) allows nothing.
+// ends, and one more beat may wait in the push register (see "results"); each is bounded by a
+// shift of x plus a constant (fp32: RATIO 1 x + 5, else (x >> log2 RATIO) + 4; copy
+// (x >> log2 2*RATIO) + 4; codes (x >> log2 4*RATIO) + 4; scales (x >> log2 BLOCK_GROUPS) + 5),
+// so each limit is one subtraction from a constant. A limit below zero (its MSB set) allows nothing.
 localparam RATIO_SHIFT = $clog2(RATIO);
 localparam integer LW = 18;
-localparam integer LIM32_I = FIFO_DEPTH - ((RATIO == 1) ? 4 : 3);
-localparam integer LIM_OTHER_I = FIFO_DEPTH - 3;
-localparam integer LIM_S_I = FIFO_DEPTH - 4;
+localparam integer LIM32_I = FIFO_DEPTH - ((RATIO == 1) ? 5 : 4);
+localparam integer LIM_OTHER_I = FIFO_DEPTH - 4;
+localparam integer LIM_S_I = FIFO_DEPTH - 5;
 localparam [LW-1:0] LIM32 = LIM32_I[LW-1:0], LIM_OTHER = LIM_OTHER_I[LW-1:0], LIM_S = LIM_S_I[LW-1:0];
 wire [LW-1:0] flight18 = {{(LW-8){1'b0}}, in_flight_reg};
 wire [LW-1:0] q_flight18 = {{(LW-16){1'b0}}, q_flight_reg};
@@ -420,25 +435,31 @@ wire sub_end16 = ((sub & SUB16) == SUB16);
 wire sub_end32 = ((sub & SUB32) == SUB32);
 wire state_end = q8 ? sub_end8 : sub_end32;
 // 8-bit state: the last group of a block, the last block of a scale beat
-wire block_end = (bgi_reg == LAST_BLOCK_GROUP) || last_group;
+wire block_end = bgi_last_reg || last_group;
 localparam integer LAST_BSUB_I = BEAT_LANES - 1;
 localparam [BSW-1:0] LAST_BSUB = LAST_BSUB_I[BSW-1:0];
-wire scale_end = block_end && ((bsub_reg == LAST_BSUB) || last_group);
+wire scale_end = block_end && (bsub_last_reg || last_group);
+wire [BGW-1:0] bgi_next = block_end ? {BGW{1'b0}} : bgi_reg + 1'b1;
+wire [BSW-1:0] bsub_next = bsub_reg + 1'b1;
 
 assign rd_pop = {issue && en_vs && scale_end, issue && en_ms && scale_end,
                  issue && ((grad16 ? sub_end16 : sub_end32) || last_group), issue && en_v && (state_end || last_group),
                  issue && en_m && (state_end || last_group), issue && (sub_end32 || last_group)};
 
-// The FIFOs' head beats and the issued group's place in them, registered (timing: a block
-// RAM's clock-to-out, then the group select, would not fit one clock), then
+// The FIFOs' head beats and the issued group's place in them, registered twice (timing:
+// synthesis merges the first register into a block RAM's read port, whose clock-to-out,
+// 4.3 ns on the ECP5, leaves no time for the group select; the second is in the fabric), then
 // the groups of each head beat, indexed by sub (fp32 groups appear 4 times, 16-bit twice)
-reg [6*DATA_WIDTH-1:0] head_reg;
-reg [SUB_W-1:0] sub_q_reg;
-reg [BSW-1:0] bsub_q_reg;
+reg [6*DATA_WIDTH-1:0] head_ram_reg, head_reg;
+reg [SUB_W-1:0] sub_d_reg, sub_q_reg;
+reg [BSW-1:0] bsub_d_reg, bsub_q_reg;
 always @(posedge clk) begin
-    head_reg <= rd_head;
-    sub_q_reg <= sub;
-    bsub_q_reg <= bsub_reg;
+    head_ram_reg <= rd_head;
+    head_reg <= head_ram_reg;
+    sub_d_reg <= sub;
+    sub_q_reg <= sub_d_reg;
+    bsub_d_reg <= bsub_reg;
+    bsub_q_reg <= bsub_d_reg;
 end
 wire [GROUP_BITS-1:0] p_grp [0:4*RATIO-1];
 wire [GROUP_BITS-1:0] m_grp [0:4*RATIO-1];
@@ -461,7 +482,7 @@ endgenerate
 wire [31:0] ms_head = head_reg[4*DATA_WIDTH + 32*bsub_q_reg +: 32];
 wire [31:0] vs_head = head_reg[5*DATA_WIDTH + 32*bsub_q_reg +: 32];
 
-// the lanes' input register: the operands of the group issued two clocks before
+// the lanes' input register: the operands of the group issued three clocks before
 reg [GROUP_BITS-1:0] p_in, m_in, v_in, g_in;
 reg [GROUP_BITS/4-1:0] mc_in, vc_in;
 reg [31:0] ms_in, vs_in;
@@ -485,10 +506,13 @@ wire [LANES-1:0] lane_mask = (last_group && rem_lane != 0) ? ~({LANES{1'b1}} << 
 wire out_valid, out_last;
 wire [SUB_W-1:0] out_sub;
 wire [LANES-1:0] out_mask;
-l2l_optim_delay #(.WIDTH(LANES + SUB_W + 2), .DEPTH(PIPE_LATENCY), .RESET(1)) sideband (
-    .clk(clk), .rst(rst || run_start),
-    .x({issue, last_group, sub, lane_mask}),
-    .y({out_valid, out_last, out_sub, out_mask})
+// q_valid: the group's results go to l2l_optim_quant's m and v slots (timing: its input valid
+// and group count come from the delay line's flip-flops, not through the enables)
+wire [1:0] q_valid;
+l2l_optim_delay #(.WIDTH(LANES + SUB_W + 4), .DEPTH(PIPE_LATENCY), .RESET(1)) sideband (
+    .clk(clk), .rst(rst || start_side),
+    .x({issue, last_group, sub, lane_mask, issue && en_vs, issue && en_ms}),
+    .y({out_valid, out_last, out_sub, out_mask, q_valid})
 );
 
 // ---------------------------------------------------------------- state decode
@@ -573,7 +597,6 @@ end
 endgenerate
 
 // 8-bit state: per slot (0 m, 1 v) the encoder, then its codes and scales into beats
-wire [1:0] q_in_valid = {out_valid && en_vs, out_valid && en_ms};
 // flat vectors, not arrays: an array element on a port of a not yet elaborated module makes
 // yosys reprocess this module, which its hierarchy pass (0.70) fails on
 wire [2*GROUP_BITS-1:0] q_x = {v_out, m_out};
@@ -587,8 +610,8 @@ wire [1:0] qc_push, qs_push;
 generate
 for (k = 0; k < 2; k = k + 1) begin : g_quant
     l2l_optim_quant #(.LANES(LANES), .EXP_BITS(k == 0 ? M_CODE_EXP_BITS : V_CODE_EXP_BITS), .SIGNED(k == 0 ? 1 : 0)) quant (
-        .clk(clk), .rst(rst), .clear(run_start),
-        .in_valid(q_in_valid[k]), .in_last(out_last), .in_mask(out_mask), .in_x(q_x[GROUP_BITS*k +: GROUP_BITS]),
+        .clk(clk), .rst(rst), .clear(start_q),
+        .in_valid(q_valid[k]), .in_last(out_last), .in_mask(out_mask), .in_x(q_x[GROUP_BITS*k +: GROUP_BITS]),
         .scale_valid(q_scale_valid[k]), .scale_last(q_scale_last[k]), .scale(q_scale[32*k +: 32]),
         .out_valid(q_out_valid[k]), .out_last(q_out_last[k]), .out_code(q_code[(GROUP_BITS/4)*k +: GROUP_BITS/4]),
         .held(q_held[16*k +: 16])
@@ -620,7 +643,7 @@ for (k = 0; k < 2; k = k + 1) begin : g_quant
             ssub_reg <= ssub_reg + 1'b1;
             sacc_reg <= qs_beat[k];
         end
-        if (rst || run_start) begin
+        if (rst || start_q) begin
             csub_reg <= {SUB_W{1'b0}};
             ssub_reg <= {BSW{1'b0}};
         end
@@ -628,17 +651,28 @@ for (k = 0; k < 2; k = k + 1) begin : g_quant
 end
 endgenerate
 
+// The beats pushed into the writer's FIFOs, registered (timing: the push decisions of the
+// width conversion and l2l_optim_quant would otherwise run on into the FIFOs' counters across
+// the part); the credit keeps room for the beat waiting here. A push decided in run_start's
+// clock is an aborted run's and is dropped, as the FIFOs are cleared.
 wire out_push32 = out_valid && (out_end32 || out_last);
-assign wr_push = {qs_push[1], qs_push[0], en_c && out_valid && (out_end16 || out_last),
-                  q8 ? qc_push[1] : out_push32 && en_v, q8 ? qc_push[0] : out_push32 && en_m, out_push32};
-assign wr_data = {qs_beat[1], qs_beat[0], c_beat, q8 ? qc_beat[1] : v_beat, q8 ? qc_beat[0] : m_beat, p_beat};
+reg [5:0] wr_push_reg;
+reg [6*DATA_WIDTH-1:0] wr_data_reg;
+always @(posedge clk) begin
+    wr_push_reg <= (rst || start_wr) ? 6'd0
+                 : {qs_push[1], qs_push[0], en_c && out_valid && (out_end16 || out_last),
+                    q8 ? qc_push[1] : out_push32 && en_v, q8 ? qc_push[0] : out_push32 && en_m, out_push32};
+    wr_data_reg <= {qs_beat[1], qs_beat[0], c_beat, q8 ? qc_beat[1] : v_beat, q8 ? qc_beat[0] : m_beat, p_beat};
+end
+assign wr_push = wr_push_reg;
+assign wr_data = wr_data_reg;
 wire q_out = en_m ? q_out_valid[0] : q_out_valid[1];
 wire q_idle = q_held == 32'd0;
 
 // ---------------------------------------------------------------- sequencing
 always @(posedge clk) begin
     ap_done_reg <= 1'b0;
-    run_start_reg <= 1'b0;
+    run_start_reg <= {4{run_go}} & ~run_start_reg;
 
     credit_reg <= credit;
     lim_p_reg <= lim32;
@@ -653,9 +687,11 @@ always @(posedge clk) begin
         more_reg <= !last_reg;
         last_reg <= (left_reg == 32'd2);
         sub_reg <= sub_reg + 1'b1;
-        bgi_reg <= block_end ? {BGW{1'b0}} : bgi_reg + 1'b1;
+        bgi_reg <= bgi_next;
+        bgi_last_reg <= (bgi_next == LAST_BLOCK_GROUP);
         if (block_end) begin
-            bsub_reg <= bsub_reg + 1'b1;
+            bsub_reg <= bsub_next;
+            bsub_last_reg <= (bsub_next == LAST_BSUB);
         end
     end
     // +1, -1 (all ones) or 0: one carry chain each
@@ -708,6 +744,8 @@ always @(posedge clk) begin
             sub_reg <= {SUB_W{1'b0}};
             bgi_reg <= {BGW{1'b0}};
             bsub_reg <= {BSW{1'b0}};
+            bgi_last_reg <= (LAST_BLOCK_GROUP == {BGW{1'b0}});
+            bsub_last_reg <= (LAST_BSUB == {BSW{1'b0}});
             in_flight_reg <= 8'd0;
             q_flight_reg <= 16'd0;
             finish_reg <= 1'b0;
@@ -717,7 +755,6 @@ always @(posedge clk) begin
             end else if (n_reg == 0) begin
                 state_reg <= ST_FINISH;
             end else begin
-                run_start_reg <= 1'b1;
                 engines_held_reg <= 1'b0;
                 state_reg <= ST_RUN;
             end
@@ -736,7 +773,7 @@ always @(posedge clk) begin
     if (rst) begin
         state_reg <= ST_IDLE;
         ap_done_reg <= 1'b0;
-        run_start_reg <= 1'b0;
+        run_start_reg <= 4'd0;
         engines_held_reg <= 1'b1;
         status_reg <= 3'd0;
         left_reg <= 32'd0;

@@ -65,8 +65,8 @@ localparam integer BLOCK_GROUPS = QUANT_BLOCK / LANES;
 localparam integer GW = $clog2(BLOCK_GROUPS);
 localparam integer TREE = $clog2(LANES);
 // from a block's last group in to its drain's first buffer read: the masked magnitudes and
-// the tree, the block's maximum, the block queue, the drain's address register
-localparam integer BLOCK_LATENCY = 1 + TREE + 1 + 1 + 1;
+// the tree, the block's maximum, its exponent, the block queue, the drain's address register
+localparam integer BLOCK_LATENCY = 1 + TREE + 1 + 1 + 1 + 1;
 /* verilator lint_off UNUSEDPARAM */
 localparam integer LATENCY = QUANT_DRAIN_LATENCY;
 /* verilator lint_on UNUSEDPARAM */
@@ -177,6 +177,22 @@ wire [8:0] k_clamped_w = (k_biased < K_MIN) ? K_MIN : (k_biased > K_MAX) ? K_MAX
 /* verilator lint_on UNUSEDSIGNAL */
 wire [7:0] k_clamped = k_clamped_w[7:0];  // 1..253
 wire blk_bad = (blk_max_reg >= 31'h7F800000);
+// the exponent and the block's fields, a clock later (timing: the rounding add and the clamp,
+// then the inverse scale's subtraction, would be three carry chains in one clock)
+reg exp_valid_reg, exp_last_reg, exp_half_reg, exp_bad_reg;
+reg [GW-1:0] exp_count_reg;
+reg [7:0] exp_k_reg;
+always @(posedge clk) begin
+    exp_valid_reg <= blk_valid_reg;
+    exp_last_reg <= blk_last_reg;
+    exp_half_reg <= blk_half_reg;
+    exp_count_reg <= blk_count_reg;
+    exp_bad_reg <= blk_bad;
+    exp_k_reg <= k_clamped;
+    if (rst || clear) begin
+        exp_valid_reg <= 1'b0;
+    end
+end
 
 // ---------------------------------------------------------------- block queue
 // {last, half, groups - 1, bad, scale, inverse scale}; two entries: a short last block
@@ -188,9 +204,9 @@ wire [1:0] desc_count;
 reg desc_pop;
 l2l_optim_fifo #(.WIDTH(DESC_W), .DEPTH(2)) desc_fifo (
     .clk(clk), .rst(rst), .clear(clear),
-    .push(blk_valid_reg),
-    .push_data({blk_last_reg, blk_half_reg, blk_count_reg, blk_bad,
-                {1'b0, k_clamped, 23'd0}, {1'b0, 8'd254 - k_clamped, 23'd0}}),
+    .push(exp_valid_reg),
+    .push_data({exp_last_reg, exp_half_reg, exp_count_reg, exp_bad_reg,
+                {1'b0, exp_k_reg, 23'd0}, {1'b0, 8'd254 - exp_k_reg, 23'd0}}),
     .pop(desc_pop), .head(desc_head), .empty(desc_empty), .count(desc_count)
 );
 /* verilator lint_off UNUSEDSIGNAL */

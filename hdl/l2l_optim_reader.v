@@ -120,7 +120,9 @@ assign m_axi_rready = 1'b1;
 // its 4 KiB page end and its FIFO's free space; then those of stream s_reg; then the burst's
 // length (page, rest of the tile); then whether its FIFO has room. The plan is used only
 // once the state it was made from has been stable for four clocks (settle_reg); in between,
-// the FIFO only drains, so a stale "room" is conservative.
+// the FIFO only drains, so a stale "room" is conservative. That the plan allows a burst is
+// itself a register (ready_reg, a clock later; timing: the issue is then an AND of four
+// flip-flops, and it loads the stream select and the AR registers).
 wire [ADDR_WIDTH-1:0] cur_addr = addr_reg[s_reg];
 reg [12:0] page_k_reg [0:STREAMS-1];  // per stream: beats from its address to its page end
 reg [16:0] space_k_reg [0:STREAMS-1]; // per stream: FIFO_DEPTH minus its reservations
@@ -132,6 +134,7 @@ reg room_reg;               // its FIFO has room for them
 reg [8:0] tile_burst_m1_reg; // tile_burst_len - 1, a clock later (with room_reg); a burst is at most 256 beats
 /* verilator lint_on UNUSEDSIGNAL */
 reg [3:0] settle_reg;
+reg ready_reg;  // a tile is loaded, its plan settled, with room in its FIFO and the route FIFO
 // The tile loader's decisions per stream, registered (a clock stale: a stream's state changes
 // only at its own issue, and the loader comes back to it no sooner than STREAMS clocks later;
 // start clears left_nz_reg, so a stale one never loads a tile)
@@ -165,8 +168,7 @@ l2l_optim_fifo #(.WIDTH(SW+8), .DEPTH(ROUTE_DEPTH)) route_fifo (
 // stale, they are still exact when an issue is allowed (no issue in the clocks before it)
 reg route_room_reg;
 reg tile_end_reg;
-assign issue = !start && !abort_reg && !arvalid_reg && tile_loaded_reg && settle_reg[3] && room_reg
-               && route_room_reg;
+assign issue = !start && !abort_reg && !arvalid_reg && ready_reg;
 assign idle = (all_requested || abort_reg) && !arvalid_reg && route_empty && !rcur_valid_reg;
 
 // ---------------------------------------------------------------- data
@@ -242,6 +244,7 @@ always @(posedge clk) begin
     tile_end_reg <= (tleft_reg == tile_burst_len);
     // the state the plan reads changes at an issue and at every step of the tile loader
     settle_reg <= (issue || !tile_loaded_reg) ? 4'b0000 : {settle_reg[2:0], 1'b1};
+    ready_reg <= !issue && tile_loaded_reg && settle_reg[3] && room_reg && route_room_reg;
     abort_reg <= abort;
 
     if (arvalid_reg && m_axi_arready) begin
@@ -286,6 +289,7 @@ always @(posedge clk) begin
         tile_loaded_reg <= 1'b0;
         rcur_valid_reg <= 1'b0;
         settle_reg <= 4'b0000;
+        ready_reg <= 1'b0;
     end
     if (rst) begin
         arvalid_reg <= 1'b0;

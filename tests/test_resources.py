@@ -25,6 +25,9 @@ def test_fp32_mul_maps_its_product_to_dsp48e2(tmp_path, monkeypatch):
     assert res["ff"] >= 3 * 32 and res["lut"] > 0, res
     assert res["ramb36"] == res["ramb18"] == res["uram"] == 0, res
     assert r["cells"].get("DSP48E2") == res["dsp"]
+    # kept hierarchical, the counts are the hierarchy's primitives (its rounding stage's
+    # registers included), not its submodules' instances
+    assert all("\\" not in c for c in r["cells"]), r["cells"]
     assert resources.synthesize(timing.DESIGNS["fp32_mul"])["resources"] == res  # cached, same counts
 
 

