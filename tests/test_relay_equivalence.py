@@ -46,15 +46,19 @@ MODELS = {
 }
 
 
-def train_plain(model, make_opt, loss_fn, batches):
+def train_plain(model, make_opt, loss_fn, batches, device="cpu"):
+    """Plain PyTorch on `device` (the model comes back to the CPU): where dropout draws, on
+    the device whose generator the relay draws from."""
+    model.to(device)
     opt = make_opt(model.parameters())
     losses = []
     for x, y in batches:
         opt.zero_grad()
-        loss = loss_fn(model(x), y)
+        loss = loss_fn(model(x.to(device)), y.to(device))
         loss.backward()
         opt.step()
         losses.append(loss.item())
+    model.to("cpu")
     return losses
 
 
@@ -144,7 +148,7 @@ def test_gpt_dropout_replayed_in_recompute_matches_pytorch(device):
     torch.manual_seed(123)
     plain = gpt(dropout=0.2)
     torch.manual_seed(123)
-    plain_losses = train_plain(plain, OPTIMIZERS["adamw"][1], lm_loss, data)
+    plain_losses = train_plain(plain, OPTIMIZERS["adamw"][1], lm_loss, data, device="cuda" if device == "cuda" else "cpu")
     model = gpt(dropout=0.2)
     torch.manual_seed(123)
     relay_losses, relay = train_relay(model, OPTIMIZERS["adamw"][0], lm_loss, data, u=1, device=device)
@@ -160,7 +164,7 @@ class RecordingDropout(nn.Module):
 
     def forward(self, x):
         if self.given:
-            mask = self.given.pop(0)
+            mask = self.given.pop(0).to(x.device)
         else:
             mask = torch.empty_like(x).bernoulli_(1 - self.p)
             self.drawn.append(mask)
@@ -189,7 +193,8 @@ def test_dropout_masks_of_recompute_equal_forward_and_match_baseline_given_same_
             for f, r in zip(forward, recompute):
                 assert torch.equal(f, r), "recompute drew a different dropout mask than the forward"
             plain_block.drop.given.append(torch.cat(forward))
-    plain_losses = train_plain(plain, OPTIMIZERS["adamw"][1], nn.functional.mse_loss, data)
+    plain_losses = train_plain(plain, OPTIMIZERS["adamw"][1], nn.functional.mse_loss, data,
+                               device="cuda" if device == "cuda" else "cpu")
     assert_same_training(plain_losses, plain, relay_losses, relay)
 
 

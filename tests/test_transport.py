@@ -29,6 +29,21 @@ def test_twin_copy_up_after_a_copy_down_reads_what_landed():
     assert torch.equal(up.wait()[0], torch.full((5,), 3.0))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_copy_up_never_lands_in_memory_the_compute_stream_still_writes():
+    # The compute stream sleeps, then fills a tensor already let go: the caching allocator
+    # hands its block to the next allocation of the same stream at once. A copy up that
+    # allocated there would land during the sleep and be overwritten by the fill.
+    transport = Transport("cuda")
+    host = torch.arange(1 << 20, dtype=torch.float32).pin_memory()
+    for _ in range(3):
+        busy = torch.empty(1 << 20, device="cuda")
+        torch.cuda._sleep(100_000_000)
+        busy.fill_(-1.0)
+        del busy
+        assert torch.equal(transport.up([host]).wait()[0].cpu(), host)
+
+
 def test_staging_buffer_given_back_is_poisoned_on_the_twin_and_reused():
     pool = StagingPool(pinned=False, poison_returned=True)
     b = pool.take(torch.Size([4]), torch.float32)

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
+import importlib.util
 import json
 import math
 import os
@@ -124,6 +126,7 @@ class Campaign:
         return self.summary
 
     def _free(self) -> None:
+        gc.collect()  # a relay's EPS (tens of GB of host state) goes before the next part builds its own
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
@@ -146,7 +149,8 @@ class Campaign:
         """A step of PyTorch on the device: the minibatch in the relay's micro-batches, gradients
         accumulated, fused AdamW (foreach on the CPU); returns a function giving its seconds."""
         torch.manual_seed(0)
-        model = build_gpt(cfg).to(self.device)
+        with self.device:  # built where it runs: no host copy of a model that only the device trains
+            model = build_gpt(cfg)
         fused = {"fused": True} if self.device.type == "cuda" else {"foreach": True}
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **fused)
         x, y = (t.to(self.device) for t in self.batch())
@@ -197,8 +201,7 @@ class Campaign:
         """Tokens/s (median of the timed steps, taken in turns) and MFU of each step function."""
         times = round_robin(steps, self.sizes.steps, warmup=1, self_timed=True)
         tokens = self.sizes.batch * self.sizes.context
-        params = sum(p.numel() for p in build_gpt(GPTConfig(**{**asdict(cfg), "n_layer": 0})).parameters()) + \
-            cfg.n_layer * 12 * cfg.n_embd ** 2
+        params = parameters(cfg)
         out = {"parameters": params, "tokens_per_step": tokens}
         for name, t in times.items():
             s = statistics.median(t)
@@ -214,7 +217,7 @@ class Campaign:
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", self.sizes.tests_k,
                *TEST_FILES]
         env = dict(os.environ, CUBLAS_WORKSPACE_CONFIG=":4096:8")
-        done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+        done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
         self.write("tests.txt", done.stdout + done.stderr)
         last = (done.stdout.strip().splitlines() or [""])[-1]
         return {"command": " ".join(cmd[1:]), "returncode": done.returncode, "result": last}
@@ -262,9 +265,12 @@ class Campaign:
                 torch.cuda.set_per_process_memory_fraction(1.0)
 
     def _trains(self, layers: int) -> bool:
-        """Whether PyTorch trains a GPT of `layers` blocks in one step under the cap."""
+        """Whether PyTorch trains a GPT of `layers` blocks under the cap: two steps, since the
+        optimizer's state is made at the end of the first."""
         try:
-            self.torch_step(self.gpt(layers), checkpointed=False)()
+            step = self.torch_step(self.gpt(layers), checkpointed=False)
+            step()
+            step()
             return True
         except torch.cuda.OutOfMemoryError:
             return False
@@ -289,7 +295,10 @@ class Campaign:
             if depth:
                 result["torch"] = self.throughput({"torch": self.torch_step(self.gpt(depth), False)}, self.gpt(depth))
             self._free()
-            cfg = self.gpt(4 * max(depth, 1))
+            layers = 4 * max(depth, 1)  # 4x the layers, and more if the embedding keeps it under 4x the parameters
+            while parameters(self.gpt(layers)) < 4 * parameters(self.gpt(max(depth, 1))):
+                layers += 1
+            cfg = self.gpt(layers)
             relay = self.relay(cfg, activations="host")
             result["relay_layers"] = cfg.n_layer
             result["relay"] = self.throughput({"relay": self.relay_step(relay)}, cfg)
@@ -356,12 +365,16 @@ class Campaign:
     def eps(self) -> dict:
         from l2l_hw.bench import eps
 
-        try:
-            import deepspeed  # noqa: F401
-            with_deepspeed = not self.dry_run
-        except ImportError:
-            with_deepspeed = False
+        # found, not imported: importing it here would pick the CUDA accelerator before eps sets
+        # DS_ACCELERATOR=cpu for DeepSpeedCPUAdam
+        with_deepspeed = not self.dry_run and importlib.util.find_spec("deepspeed") is not None
         return eps.run(n=self.sizes.eps_n, repeats=3, deepspeed=with_deepspeed)
+
+
+def parameters(cfg: GPTConfig) -> int:
+    """The GPT's parameters, counted on a model built on the meta device."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in build_gpt(cfg).parameters())
 
 
 def compute_idle_fraction(events: list[dict]) -> dict:

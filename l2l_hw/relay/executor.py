@@ -277,8 +277,9 @@ class Relay:
                     own[name] = _filled(i, name, p, values) if p.is_meta else p
                 plan.bindings[name] = owner[id(p)]
             # Buffers (norm statistics, rotary tables) live on the device for the whole run: no
-            # copy per micro-batch; checkpoints and export read them back.
-            plan.buffers = {name: b.to(self.device) for name, b in module.named_buffers()}
+            # copy per micro-batch; checkpoints and export read them back. Always a copy, on the
+            # CPU too, so that nothing reads the module's own (stale) buffers by mistake.
+            plan.buffers = {name: b.to(self.device, copy=True) for name, b in module.named_buffers()}
             if own:
                 self.eps.register(f"layer{i}", own, frozenset(n for n in own if no_decay(i, n)))
             del own
@@ -649,6 +650,9 @@ class Relay:
         for e in self.export():
             if e.name in self.plans[e.layer].bindings:
                 trained[(e.layer, e.name)] = trained[e.first] if e.tensor is None else nn.Parameter(e.tensor)
+            elif e.name in self.plans[e.layer].buffers:  # the relay's buffers, not the module's stale ones
+                owner, _, leaf = e.name.rpartition(".")
+                model[e.layer].get_submodule(owner)._buffers[leaf] = e.tensor
         made = {id(p): trained[(i, name)] for i, layer in enumerate(model) for name, p in layer.named_parameters()
                 if (i, name) in trained}  # by the meta tensor: a tensor under two names gets one Parameter
         for layer in model:

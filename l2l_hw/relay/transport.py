@@ -230,11 +230,18 @@ class Transport:
         if not self.asynchronous:
             return Transfer([t.to(self.device, dtype=dtype if t.is_floating_point() else None)
                              for t in tensors], None, self)
-        dst = [torch.empty(t.shape, dtype=dtype if dtype is not None and t.is_floating_point() else t.dtype,
-                           device=self.device) for t in tensors]
+        def destinations():
+            return [torch.empty(t.shape, dtype=dtype if dtype is not None and t.is_floating_point() else t.dtype,
+                                device=self.device) for t in tensors]
+
         if self.kind == "cuda":
             src = [t if t.is_pinned() else t.pin_memory() for t in tensors]
+            # Allocated on the up stream, which writes them: memory the compute stream let go
+            # may still be written by its queued kernels, and the up stream does not wait for them.
+            with torch.cuda.stream(self._up):
+                dst = destinations()
             return Transfer(dst, self._cuda_copy(self._up, dst, src, after, from_compute=False), self)
+        dst = destinations()
         return Transfer(dst, self._twin_copy(self._up, dst, list(tensors), after), self)
 
     def down(self, tensors: Sequence[torch.Tensor], pool: StagingPool | None = None) -> Transfer:
