@@ -23,6 +23,7 @@ def test_dry_run_runs_every_part_and_writes_the_campaign_files(tmp_path):
         assert summary["parts"]["resident"][pair]["relay_over_torch_tokens_per_s"] > 0
     assert summary["parts"]["syncs"]["transport_blocking_per_step"] == [1, 1, 1]  # the loss, read once a step
     assert json.loads((out / "trace.json").read_text())["traceEvents"]
+    assert len(summary["parts"]["trace"]["idle_by_eps_threads"]) >= 1
     assert "[l2l bench gpu" in done.stdout  # it says what it is doing as it goes
 
 
@@ -35,8 +36,10 @@ def test_idle_fraction_of_the_compute_stream_is_the_time_outside_its_kernels():
 
 
 def test_a_trace_is_trimmed_to_its_longest_events():
-    events = [{"ph": "X", "ts": i, "dur": i % 10, "name": "x" * 50} for i in range(1000)]
+    # the long events carry the long records (as a profiler's operators with their arguments
+    # do): a cut proportional to the count alone would leave the file over its limit
+    events = [{"ph": "X", "ts": i, "dur": i % 10, "name": "x" * (10 + 20 * (i % 10))} for i in range(1000)]
     kept = trim(events, 20_000)
-    assert len(json.dumps(kept)) <= 20_000
+    assert len(json.dumps({"traceEvents": kept})) <= 20_000
     assert min(e["dur"] for e in kept) >= max(e["dur"] for e in events if e not in kept)
     assert [e["ts"] for e in kept] == sorted(e["ts"] for e in kept)

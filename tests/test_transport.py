@@ -8,7 +8,7 @@ from torch import nn
 import l2l_hw
 from l2l_hw.relay.transport import StagingPool, Transfer, Transport
 from tests.helpers import mlp_layers
-from tests.test_relay_equivalence import OPTIMIZERS, assert_same_training, mlp_batches, train_plain, train_relay
+from tests.test_relay_equivalence import OPTIMIZERS, mlp_batches, train_relay
 
 
 def test_twin_transfer_is_poison_until_waited_for():
@@ -89,7 +89,6 @@ def test_unknown_device_is_refused_naming_the_kinds():
 
 def test_the_twin_s_stream_threads_end_with_their_transport():
     import gc
-    import time
 
     twin = Transport("cpu-async")
     threads = [twin._up.thread, twin._down.thread]

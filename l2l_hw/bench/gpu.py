@@ -14,7 +14,8 @@ short keeps what finished, and prints what it is doing as it goes:
                      tokens/s and MFU (6 x parameters x tokens / step / matmul peak)
     memory_by_depth  the relay's peak device memory at 12, 24 and 48 layers
     trace            a torch.profiler trace of capped relay steps (DIR/trace.json, trimmed to
-                     16 MiB) and the fraction of the step the compute stream is idle
+                     16 MiB) and the fraction of the step the compute stream is idle; again
+                     with one core fewer for the EPS's host kernel (idle_by_eps_threads)
     syncs            blocking host-device transfers per step (the transport's count, and
                      CUDA's sync debug mode's warnings)
     eps              `l2l bench eps` on this machine's host cores
@@ -180,12 +181,13 @@ class Campaign:
 
         return step
 
-    def relay(self, cfg: GPTConfig, recompute: str = "full", activations: str = "device") -> l2l_hw.Relay:
+    def relay(self, cfg: GPTConfig, recompute: str = "full", activations: str = "device",
+              threads: int | None = None) -> l2l_hw.Relay:
         torch.manual_seed(0)
         eps = l2l_hw.make_eps("cpu", optimizer="adamw", lr=1e-4)
         return l2l_hw.Relay(build_gpt(cfg), lm_loss, eps=eps, device=self.relay_device,
                             micro_batches=self.sizes.micro_batches, recompute=recompute, activations=activations,
-                            precision="fp32" if self.dry_run else "bf16")
+                            precision="fp32" if self.dry_run else "bf16", threads=threads)
 
     def relay_step(self, relay: l2l_hw.Relay):
         x, y = self.batch()
@@ -325,22 +327,32 @@ class Campaign:
         from torch.profiler import ProfilerActivity, profile
 
         cfg = self.gpt(2 * self.sizes.resident_layers)
-        with self.capped():
-            relay = self.relay(cfg, activations="host")
-            step = self.relay_step(relay)
-            step()  # warm-up
-            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-            with profile(activities=activities) as prof:
-                for _ in range(2):
-                    step()
-        path = self.out / ".trace.raw.json"
-        prof.export_chrome_trace(str(path))
-        events = json.loads(path.read_text()).get("traceEvents", [])
-        path.unlink()
-        idle = compute_idle_fraction(events)
-        events = trim(events, MAX_FILE_BYTES)
-        self.write("trace.json", json.dumps({"traceEvents": events}))
-        return {"layers": cfg.n_layer, "steps_profiled": 2, **idle, "events_kept": len(events)}
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        result, idle_by_threads = {"layers": cfg.n_layer, "steps_profiled": 2}, {}
+        # The relay's default, then one more core left to the threads that launch the kernels
+        # (the relay's and autograd's): whether the host kernel's threads starve them.
+        cores = len(os.sched_getaffinity(0))
+        for threads in (None, max(1, cores - 1)):
+            with self.capped():
+                relay = self.relay(cfg, activations="host", threads=threads)
+                step = self.relay_step(relay)
+                step()  # warm-up
+                with profile(activities=activities) as prof:
+                    for _ in range(2):
+                        step()
+            path = self.out / ".trace.raw.json"
+            prof.export_chrome_trace(str(path))
+            events = json.loads(path.read_text()).get("traceEvents", [])
+            path.unlink()
+            idle = compute_idle_fraction(events)
+            idle_by_threads[str(relay.eps.threads)] = idle["compute_idle_fraction"]
+            if threads is None:  # the relay as it runs by default: its figure and its trace
+                events = trim(events, MAX_FILE_BYTES)
+                self.write("trace.json", json.dumps({"traceEvents": events}))
+                result.update({**idle, "eps_threads": relay.eps.threads, "events_kept": len(events)})
+            del relay, step, prof, events
+            self._free()
+        return {**result, "idle_by_eps_threads": idle_by_threads}
 
     def syncs(self) -> dict:
         relay = self.relay(self.gpt(self.sizes.resident_layers))
@@ -407,13 +419,12 @@ def compute_idle_fraction(events: list[dict]) -> dict:
 
 
 def trim(events: list[dict], max_bytes: int) -> list[dict]:
-    """The longest events that fit in max_bytes of JSON (the short ones go first)."""
-    size = len(json.dumps(events))
-    if size <= max_bytes:
-        return events
+    """The longest events whose trace file ({"traceEvents": [...]}) fits in max_bytes (the short
+    ones go first): measured after each cut, since the long events carry the longer records."""
     kept = sorted(events, key=lambda e: e.get("dur", 0), reverse=True)
-    keep = int(len(kept) * max_bytes / size * 0.9)
-    return sorted(kept[:keep], key=lambda e: e.get("ts", 0))
+    while kept and (size := len(json.dumps({"traceEvents": kept}))) > max_bytes:
+        kept = kept[:int(len(kept) * max_bytes / size * 0.95)]
+    return sorted(kept, key=lambda e: e.get("ts", 0))
 
 
 PARTS = ("tests", "matmul_peak", "resident", "capacity", "memory_by_depth", "trace", "syncs", "eps")
