@@ -7,7 +7,9 @@
 // data. Read is asynchronous from the array (LUT RAM / registers).
 // Timing: `count` and `empty` are registers of their own, kept with the
 // pointers (not their difference and comparison), so a reader of either
-// starts its logic at a flip-flop.
+// starts its logic at a flip-flop. The read pointer's successor is a register
+// too: a pop only selects the next read address (a block RAM's address is the
+// pointer's next value), with no carry chain after it.
 
 `resetall
 `timescale 1ns / 1ps
@@ -37,6 +39,7 @@ module l2l_optim_fifo #
 reg [WIDTH-1:0] mem [0:DEPTH-1];
 reg [ADDR_WIDTH:0] wr_ptr_reg;
 reg [ADDR_WIDTH:0] rd_ptr_reg;
+reg [ADDR_WIDTH:0] rd_next_reg;  // rd_ptr_reg + 1
 reg [ADDR_WIDTH:0] count_reg;  // wr_ptr_reg - rd_ptr_reg
 reg empty_reg;                 // count_reg == 0
 
@@ -58,7 +61,8 @@ always @(posedge clk) begin
         wr_ptr_reg <= wr_ptr_reg + 1'b1;
     end
     if (pop) begin
-        rd_ptr_reg <= rd_ptr_reg + 1'b1;
+        rd_ptr_reg <= rd_next_reg;
+        rd_next_reg <= rd_next_reg + 1'b1;
     end
     count_reg <= count_reg + {{ADDR_WIDTH{count_dec}}, count_inc || count_dec};
     // empty after this clock: no push, and either the one beat left is popped or it was empty
@@ -66,6 +70,7 @@ always @(posedge clk) begin
     if (rst || clear) begin
         wr_ptr_reg <= 0;
         rd_ptr_reg <= 0;
+        rd_next_reg <= 1;
         count_reg <= 0;
         empty_reg <= 1'b1;
     end
