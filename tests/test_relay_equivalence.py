@@ -46,6 +46,11 @@ MODELS = {
 }
 
 
+def reference_device(device):
+    """Where plain PyTorch runs beside a relay on `device`: the twin's device is the CPU."""
+    return "cuda" if device == "cuda" else "cpu"
+
+
 def train_plain(model, make_opt, loss_fn, batches, device="cpu"):
     """Plain PyTorch on `device` (the model comes back to the CPU): where dropout draws, on
     the device whose generator the relay draws from."""
@@ -148,7 +153,7 @@ def test_gpt_dropout_replayed_in_recompute_matches_pytorch(device):
     torch.manual_seed(123)
     plain = gpt(dropout=0.2)
     torch.manual_seed(123)
-    plain_losses = train_plain(plain, OPTIMIZERS["adamw"][1], lm_loss, data, device="cuda" if device == "cuda" else "cpu")
+    plain_losses = train_plain(plain, OPTIMIZERS["adamw"][1], lm_loss, data, device=reference_device(device))
     model = gpt(dropout=0.2)
     torch.manual_seed(123)
     relay_losses, relay = train_relay(model, OPTIMIZERS["adamw"][0], lm_loss, data, u=1, device=device)
@@ -194,7 +199,7 @@ def test_dropout_masks_of_recompute_equal_forward_and_match_baseline_given_same_
                 assert torch.equal(f, r), "recompute drew a different dropout mask than the forward"
             plain_block.drop.given.append(torch.cat(forward))
     plain_losses = train_plain(plain, OPTIMIZERS["adamw"][1], nn.functional.mse_loss, data,
-                               device="cuda" if device == "cuda" else "cpu")
+                               device=reference_device(device))
     assert_same_training(plain_losses, plain, relay_losses, relay)
 
 
