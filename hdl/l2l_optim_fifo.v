@@ -38,12 +38,12 @@ module l2l_optim_fifo #
 
 reg [WIDTH-1:0] mem [0:DEPTH-1];
 reg [ADDR_WIDTH:0] wr_ptr_reg;
-reg [ADDR_WIDTH:0] rd_ptr_reg;
-reg [ADDR_WIDTH:0] rd_next_reg;  // rd_ptr_reg + 1
+reg [ADDR_WIDTH-1:0] rd_ptr_reg;   // the read address (count_reg, not the pointers, says how full)
+reg [ADDR_WIDTH-1:0] rd_next_reg;  // rd_ptr_reg + 1
 reg [ADDR_WIDTH:0] count_reg;  // wr_ptr_reg - rd_ptr_reg
 reg empty_reg;                 // count_reg == 0
 
-assign head = mem[rd_ptr_reg[ADDR_WIDTH-1:0]];
+assign head = mem[rd_ptr_reg];
 assign count = count_reg;
 assign empty = empty_reg;
 // +1 on a push alone, -1 (all ones) on a pop alone
