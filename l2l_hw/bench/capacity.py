@@ -62,11 +62,10 @@ def gpt_config(width: int, depth: int, context: int = 32):
 
 
 def gpt_params(width: int, depth: int) -> int:
-    """Parameters of the reference GPT, counted on the meta device."""
-    from l2l_hw.models import build_gpt
+    """Parameters of the reference GPT."""
+    from l2l_hw.models import count_parameters
 
-    with torch.device("meta"):
-        return sum(p.numel() for p in build_gpt(gpt_config(width, depth)).parameters())
+    return count_parameters(gpt_config(width, depth))
 
 
 def fill_layer(i: int, module: torch.nn.Module) -> dict[str, torch.Tensor]:

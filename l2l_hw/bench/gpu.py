@@ -48,7 +48,7 @@ import torch.utils.checkpoint
 import l2l_hw
 from l2l_hw.bench import print_report
 from l2l_hw.bench.timer import round_robin
-from l2l_hw.models import GPTConfig, build_gpt, lm_loss
+from l2l_hw.models import GPTConfig, build_gpt, count_parameters, lm_loss
 
 FILES = ("summary.json", "tests.txt", "trace.json")
 MAX_FILE_BYTES = 16 * 2**20
@@ -203,7 +203,7 @@ class Campaign:
         """Tokens/s (median of the timed steps, taken in turns) and MFU of each step function."""
         times = round_robin(steps, self.sizes.steps, warmup=1, self_timed=True)
         tokens = self.sizes.batch * self.sizes.context
-        params = parameters(cfg)
+        params = count_parameters(cfg)
         out = {"parameters": params, "tokens_per_step": tokens}
         for name, t in times.items():
             s = statistics.median(t)
@@ -298,7 +298,7 @@ class Campaign:
                 result["torch"] = self.throughput({"torch": self.torch_step(self.gpt(depth), False)}, self.gpt(depth))
             self._free()
             layers = 4 * max(depth, 1)  # 4x the layers, and more if the embedding keeps it under 4x the parameters
-            while parameters(self.gpt(layers)) < 4 * parameters(self.gpt(max(depth, 1))):
+            while count_parameters(self.gpt(layers)) < 4 * count_parameters(self.gpt(max(depth, 1))):
                 layers += 1
             cfg = self.gpt(layers)
             relay = self.relay(cfg, activations="host")
@@ -381,12 +381,6 @@ class Campaign:
         # DS_ACCELERATOR=cpu for DeepSpeedCPUAdam
         with_deepspeed = not self.dry_run and importlib.util.find_spec("deepspeed") is not None
         return eps.run(n=self.sizes.eps_n, repeats=3, deepspeed=with_deepspeed)
-
-
-def parameters(cfg: GPTConfig) -> int:
-    """The GPT's parameters, counted on a model built on the meta device."""
-    with torch.device("meta"):
-        return sum(p.numel() for p in build_gpt(cfg).parameters())
 
 
 def compute_idle_fraction(events: list[dict]) -> dict:

@@ -162,6 +162,12 @@ def build_gpt(cfg: GPTConfig) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
+def count_parameters(cfg: GPTConfig) -> int:
+    """The parameters of build_gpt(cfg), counted on the meta device (nothing allocated)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in build_gpt(cfg).parameters())
+
+
 def lm_loss(logits, targets):
     """Mean cross entropy over every token: logits (B, T, 256), targets (B, T) int64."""
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
