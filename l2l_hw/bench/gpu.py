@@ -15,7 +15,7 @@ short keeps what finished, and prints what it is doing as it goes:
     memory_by_depth  the relay's peak device memory at 12, 24 and 48 layers
     trace            a torch.profiler trace of capped relay steps (DIR/trace.json, trimmed to
                      16 MiB) and the fraction of the step the compute stream is idle; again
-                     with one core fewer for the EPS's host kernel (idle_by_eps_threads)
+                     with fewer cores for the EPS's host kernel (idle_by_eps_threads)
     syncs            blocking host-device transfers per step (the transport's count, and
                      CUDA's sync debug mode's warnings)
     eps              `l2l bench eps` on this machine's host cores
@@ -329,10 +329,10 @@ class Campaign:
         cfg = self.gpt(2 * self.sizes.resident_layers)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
         result, idle_by_threads = {"layers": cfg.n_layer, "steps_profiled": 2}, {}
-        # The relay's default, then one more core left to the threads that launch the kernels
-        # (the relay's and autograd's): whether the host kernel's threads starve them.
+        # The relay's default, then fewer cores for the host kernel, more left to the threads that
+        # launch the kernels (the relay's and autograd's): whether the host kernel starves them.
         cores = len(os.sched_getaffinity(0))
-        for threads in (None, max(1, cores - 1)):
+        for threads in dict.fromkeys((None, max(1, cores - 1), max(1, cores - 4), max(1, cores // 2))):
             with self.capped():
                 relay = self.relay(cfg, activations="host", threads=threads)
                 step = self.relay_step(relay)
