@@ -332,7 +332,7 @@ class Campaign:
         # The relay's default, then fewer cores for the host kernel, more left to the threads that
         # launch the kernels (the relay's and autograd's): whether the host kernel starves them.
         cores = len(os.sched_getaffinity(0))
-        for threads in dict.fromkeys((None, max(1, cores - 1), max(1, cores - 4), max(1, cores // 2))):
+        for threads in dict.fromkeys((None, max(1, cores - 1), max(1, cores // 2))):
             with self.capped():
                 relay = self.relay(cfg, activations="host", threads=threads)
                 step = self.relay_step(relay)
