@@ -32,10 +32,12 @@ def test_on_the_cpu_updates_run_between_layers_on_the_callers_thread(torch_threa
     assert torch.get_num_threads() == 1 and relay.eps.threads == 1 and relay.threads == 1
 
 
-def test_beside_a_device_updates_run_on_the_update_thread_with_a_core_left_to_the_driver(torch_threads):
+def test_beside_a_device_updates_run_on_the_update_thread_with_cores_left_to_the_launchers(torch_threads):
     seen, relay = updating_threads("cpu-async", threads=2)
     assert seen and threading.current_thread().name not in seen
-    assert relay.eps.threads == 1  # the thread driving the device keeps one of the two cores
+    assert relay.eps.threads == 1  # the threads launching kernels keep the rest (never fewer than one for updates)
+    _, relay = updating_threads("cpu-async", threads=4)
+    assert relay.eps.threads == 2  # the relay's thread and autograd's device thread keep one core each
 
 
 def test_threads_must_be_a_positive_whole_number():
