@@ -9,7 +9,8 @@
 // pointers (not their difference and comparison), so a reader of either
 // starts its logic at a flip-flop. The read pointer's successor is a register
 // too: a pop only selects the next read address (a block RAM's address is the
-// pointer's next value), with no carry chain after it.
+// pointer's next value), with no carry chain after it. Likewise the count: its
+// successors up and down come from the register, and push and pop only select.
 
 `resetall
 `timescale 1ns / 1ps
@@ -46,9 +47,9 @@ reg empty_reg;                 // count_reg == 0
 assign head = mem[rd_ptr_reg];
 assign count = count_reg;
 assign empty = empty_reg;
-// +1 on a push alone, -1 (all ones) on a pop alone
-wire count_inc = push && !pop;
-wire count_dec = pop && !push;
+// the count's successors, from the register alone (push and pop select among them)
+wire [ADDR_WIDTH:0] count_up = count_reg + 1'b1;
+wire [ADDR_WIDTH:0] count_down = count_reg - 1'b1;
 
 always @(posedge clk) begin
     if (push) begin
@@ -64,7 +65,9 @@ always @(posedge clk) begin
         rd_ptr_reg <= rd_next_reg;
         rd_next_reg <= rd_next_reg + 1'b1;
     end
-    count_reg <= count_reg + {{ADDR_WIDTH{count_dec}}, count_inc || count_dec};
+    if (push != pop) begin
+        count_reg <= push ? count_up : count_down;
+    end
     // empty after this clock: no push, and either the one beat left is popped or it was empty
     empty_reg <= !push && (pop ? (count_reg == {{ADDR_WIDTH{1'b0}}, 1'b1}) : empty_reg);
     if (rst || clear) begin
