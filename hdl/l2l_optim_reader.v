@@ -168,7 +168,9 @@ l2l_optim_fifo #(.WIDTH(SW+8), .DEPTH(ROUTE_DEPTH)) route_fifo (
 // stale, they are still exact when an issue is allowed (no issue in the clocks before it)
 reg route_room_reg;
 reg tile_end_reg;
-assign issue = !start && !abort_reg && !arvalid_reg && ready_reg;
+// start is not in it (timing: start fans out to every FIFO): in start's clock every register
+// an issue loads is loaded by start instead, except arvalid_reg, which start gates itself
+assign issue = !abort_reg && !arvalid_reg && ready_reg;
 assign idle = (all_requested || abort_reg) && !arvalid_reg && route_empty && !rcur_valid_reg;
 
 // ---------------------------------------------------------------- data
@@ -261,7 +263,7 @@ always @(posedge clk) begin
             s_onehot_reg <= {s_onehot_reg[STREAMS-2:0], s_onehot_reg[STREAMS-1]};
         end
     end else if (issue) begin
-        arvalid_reg <= 1'b1;
+        arvalid_reg <= !start;
         araddr_reg <= cur_addr;
         arlen_reg <= tile_burst_m1_reg[7:0];
         tleft_reg <= tleft_reg - tile_burst_len;
