@@ -92,6 +92,10 @@ reg [31:0] arg2_reg [0:ARG2_WORDS-1];
 
 reg awready_reg, bvalid_reg, arready_reg, rvalid_reg;
 reg [31:0] rdata_reg;
+// A read takes two clocks: the address into a register, then the select among the registers
+// (timing: the select over every register, from the port, did not fit one clock).
+reg read_reg;
+reg [ADDR_WIDTH-1:0] raddr_reg;
 
 assign s_axil_awready = awready_reg;
 assign s_axil_wready = awready_reg;
@@ -125,7 +129,7 @@ wire [2:0] unused_prot = s_axil_awprot ^ s_axil_arprot;
 /* verilator lint_on UNUSEDSIGNAL */
 
 wire do_write = s_axil_awvalid && s_axil_wvalid && !awready_reg && !bvalid_reg;
-wire do_read = s_axil_arvalid && !arready_reg && !rvalid_reg;
+wire do_read = s_axil_arvalid && !arready_reg && !read_reg && !rvalid_reg;
 /* verilator lint_off UNUSEDSIGNAL */
 wire [1:0] unused_addr_lsb = s_axil_awaddr[1:0] ^ s_axil_araddr[1:0];
 /* verilator lint_on UNUSEDSIGNAL */
@@ -207,11 +211,15 @@ always @(posedge clk) begin
         end
     end
 
+    read_reg <= do_read;
     if (do_read) begin
         arready_reg <= 1'b1;
+        raddr_reg <= raddr;
+    end
+    if (read_reg) begin
         rvalid_reg <= 1'b1;
         rdata_reg <= 32'd0;
-        case (raddr)
+        case (raddr_reg)
             REG_CTRL: begin
                 rdata_reg <= ctrl_word;
                 // clear on read, unless the event arrives in this very clock
@@ -229,12 +237,12 @@ always @(posedge clk) begin
             REG_CYCLES_HI: rdata_reg <= cycles[63:32];
             default: begin
                 for (i = 0; i < ARG_WORDS; i = i + 1) begin
-                    if (raddr == ARG_FIRST + 4*i[ADDR_WIDTH-1:0]) begin
+                    if (raddr_reg == ARG_FIRST + 4*i[ADDR_WIDTH-1:0]) begin
                         rdata_reg <= arg_reg[i];
                     end
                 end
                 for (i = 0; i < ARG2_WORDS; i = i + 1) begin
-                    if (raddr == ARG2_FIRST + 4*i[ADDR_WIDTH-1:0]) begin
+                    if (raddr_reg == ARG2_FIRST + 4*i[ADDR_WIDTH-1:0]) begin
                         rdata_reg <= arg2_reg[i];
                     end
                 end
@@ -246,6 +254,7 @@ always @(posedge clk) begin
         awready_reg <= 1'b0;
         bvalid_reg <= 1'b0;
         arready_reg <= 1'b0;
+        read_reg <= 1'b0;
         rvalid_reg <= 1'b0;
         ap_start_reg <= 1'b0;
         ap_done_reg <= 1'b0;
