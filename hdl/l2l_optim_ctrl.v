@@ -92,8 +92,8 @@ reg [31:0] arg2_reg [0:ARG2_WORDS-1];
 
 reg awready_reg, bvalid_reg, arready_reg, rvalid_reg;
 reg [31:0] rdata_reg;
-// A read takes two clocks: the address into a register, then the select among the words
-// (timing: the select, from the port, did not fit one clock).
+// A read takes two clocks: the address into a register, then the select among the registers
+// (timing: the select over every register, from the port, did not fit one clock).
 reg read_reg;
 reg [ADDR_WIDTH-1:0] raddr_reg;
 
@@ -137,32 +137,6 @@ wire [ADDR_WIDTH-1:0] waddr = {s_axil_awaddr[ADDR_WIDTH-1:2], 2'b00};
 wire [ADDR_WIDTH-1:0] raddr = {s_axil_araddr[ADDR_WIDTH-1:2], 2'b00};
 
 wire [31:0] ctrl_word = {24'd0, auto_restart_reg, 3'd0, ap_ready_reg, ap_idle, ap_done_reg, ap_start_reg};
-
-// What a read of each word returns, wired at elaboration, so a read is one select by the word's
-// index (timing: a chain of address compares, one per register, did not fit one clock)
-localparam WORDS = 1 << (ADDR_WIDTH - 2);
-wire [31:0] read_word [0:WORDS-1];
-generate
-for (k = 0; k < WORDS; k = k + 1) begin : g_read
-    localparam [ADDR_WIDTH-1:0] A = 4 * k;
-    if (A >= ARG_FIRST && A < ARG_FIRST + 4 * ARG_WORDS) begin : g_arg
-        assign read_word[k] = arg_reg[(A - ARG_FIRST) / 4];
-    end else if (A >= ARG2_FIRST && A < ARG2_FIRST + 4 * ARG2_WORDS) begin : g_arg2
-        assign read_word[k] = arg2_reg[(A - ARG2_FIRST) / 4];
-    end else begin : g_fixed
-        assign read_word[k] = (A == REG_CTRL) ? ctrl_word :
-                              (A == REG_GIE) ? {31'd0, gie_reg} :
-                              (A == REG_IER) ? {30'd0, ier_reg} :
-                              (A == REG_ISR) ? {30'd0, isr_reg} :
-                              (A == REG_ID) ? REG_ID_VALUE :
-                              (A == REG_VERSION) ? REG_VERSION_VALUE :
-                              (A == REG_STATUS) ? status :
-                              (A == REG_DATA_BYTES) ? DATA_BYTES :
-                              (A == REG_CYCLES_LO) ? cycles[31:0] :
-                              (A == REG_CYCLES_HI) ? cycles[63:32] : 32'd0;
-    end
-end
-endgenerate
 
 function [31:0] apply_strb(input [31:0] old, input [31:0] data, input [3:0] strb);
     integer b;
@@ -244,12 +218,36 @@ always @(posedge clk) begin
     end
     if (read_reg) begin
         rvalid_reg <= 1'b1;
-        rdata_reg <= read_word[raddr_reg[ADDR_WIDTH-1:2]];
-        if (raddr_reg == REG_CTRL) begin
-            // clear on read, unless the event arrives in this very clock
-            if (!ap_done) ap_done_reg <= 1'b0;
-            if (!ap_ready) ap_ready_reg <= 1'b0;
-        end
+        rdata_reg <= 32'd0;
+        case (raddr_reg)
+            REG_CTRL: begin
+                rdata_reg <= ctrl_word;
+                // clear on read, unless the event arrives in this very clock
+                if (!ap_done) ap_done_reg <= 1'b0;
+                if (!ap_ready) ap_ready_reg <= 1'b0;
+            end
+            REG_GIE: rdata_reg <= {31'd0, gie_reg};
+            REG_IER: rdata_reg <= {30'd0, ier_reg};
+            REG_ISR: rdata_reg <= {30'd0, isr_reg};
+            REG_ID: rdata_reg <= REG_ID_VALUE;
+            REG_VERSION: rdata_reg <= REG_VERSION_VALUE;
+            REG_STATUS: rdata_reg <= status;
+            REG_DATA_BYTES: rdata_reg <= DATA_BYTES;
+            REG_CYCLES_LO: rdata_reg <= cycles[31:0];
+            REG_CYCLES_HI: rdata_reg <= cycles[63:32];
+            default: begin
+                for (i = 0; i < ARG_WORDS; i = i + 1) begin
+                    if (raddr_reg == ARG_FIRST + 4*i[ADDR_WIDTH-1:0]) begin
+                        rdata_reg <= arg_reg[i];
+                    end
+                end
+                for (i = 0; i < ARG2_WORDS; i = i + 1) begin
+                    if (raddr_reg == ARG2_FIRST + 4*i[ADDR_WIDTH-1:0]) begin
+                        rdata_reg <= arg2_reg[i];
+                    end
+                end
+            end
+        endcase
     end
 
     if (rst) begin
