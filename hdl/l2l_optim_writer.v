@@ -171,8 +171,8 @@ reg wlast_out_reg;
 wire w_take = cur_valid_reg && (!wvalid_reg || m_axi_wready);  // a FIFO beat into the registers
 wire cur_load = !queue_empty && (!cur_valid_reg || (w_take && cur_last_reg));
 wire [DATA_WIDTH-1:0] fifo_head [0:STREAMS-1];
-// the burst's FIFO head, selected by the one-hot stream (timing: an AND-OR, two LUT levels
-// after the block RAM's clock-to-out, where a select by the stream's number took three)
+// the burst's FIFO head: an AND-OR with the one-hot stream's flip-flops (timing: no decode of
+// the stream's number after the block RAM's clock-to-out; still three LUT levels on the ECP5)
 reg [DATA_WIDTH-1:0] cur_head;
 integer hi;
 always @* begin
