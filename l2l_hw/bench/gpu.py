@@ -298,7 +298,8 @@ class Campaign:
                 result["torch"] = self.throughput({"torch": self.torch_step(self.gpt(depth), False)}, self.gpt(depth))
             self._free()
             layers = 4 * max(depth, 1)  # 4x the layers, and more if the embedding keeps it under 4x the parameters
-            while count_parameters(self.gpt(layers)) < 4 * count_parameters(self.gpt(max(depth, 1))):
+            target = 4 * count_parameters(self.gpt(max(depth, 1)))
+            while count_parameters(self.gpt(layers)) < target:
                 layers += 1
             cfg = self.gpt(layers)
             relay = self.relay(cfg, activations="host")

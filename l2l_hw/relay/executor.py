@@ -45,6 +45,11 @@ from l2l_hw.relay.recompute import grad_leaf, recompute_policy
 from l2l_hw.relay.stash import ActivationStash
 from l2l_hw.relay.transport import Transport
 
+# Beside a device, the threads that launch its kernels (the relay's and autograd's device
+# thread) keep a core each: the host kernel's threads beside them left the H200's compute
+# stream idle 7.3% of a capped step with one core left, 3.5% with two.
+LAUNCH_THREADS = 2
+
 Activation = torch.Tensor | tuple  # what a layer takes and returns
 
 
@@ -219,14 +224,13 @@ class Relay:
         """Never more busy threads than cores: on the CPU the layers compute on `threads` of torch's
         and the EPS updates run between layers on as many of the host kernel's (an update beside
         the layers would only slow both); with a device computing, the updates run beside it on
-        the cores left to the two threads that launch its kernels (the relay's and autograd's
-        device thread: on an H200 with 16 cores the compute stream idled 7.3% of a capped step
-        with 15 host-kernel threads, 3.5% with 14). The host kernel's threads (None: the EPS's own)."""
+        the cores left to the threads that launch its kernels (LAUNCH_THREADS; docs/BENCHMARKS.md,
+        `l2l bench gpu`). The host kernel's threads (None: the EPS's own)."""
         if threads is not None:
             torch.set_num_threads(threads)
         self.threads = threads or len(os.sched_getaffinity(0))
         if self.transport.asynchronous:
-            return max(1, self.threads - 2)
+            return max(1, self.threads - LAUNCH_THREADS)
         return threads
 
     def _data_parallel(self, group) -> GradReducer | None:
