@@ -92,10 +92,16 @@ reg [31:0] arg2_reg [0:ARG2_WORDS-1];
 
 reg awready_reg, bvalid_reg, arready_reg, rvalid_reg;
 reg [31:0] rdata_reg;
-// A read takes two clocks: the address into a register, then the select among the registers
-// (timing: the select over every register, from the port, did not fit one clock).
-reg read_reg;
+// A read takes three clocks (AXI4-Lite allows any latency): the address into a register, then
+// the select within each group of eight words, then the select among the groups (timing: one
+// select over every register did not fit one clock, nor did it from a registered address).
+localparam WORDS = 2**(ADDR_WIDTH-2);
+localparam GROUPS = WORDS / 8;
+reg read_reg;                     // the address is registered
 reg [ADDR_WIDTH-1:0] raddr_reg;
+reg group_read_reg;               // each group's word is registered
+reg [31:0] group_word_reg [0:GROUPS-1];
+reg [ADDR_WIDTH-6:0] group_reg;   // the group of the word read
 
 assign s_axil_awready = awready_reg;
 assign s_axil_wready = awready_reg;
@@ -129,7 +135,7 @@ wire [2:0] unused_prot = s_axil_awprot ^ s_axil_arprot;
 /* verilator lint_on UNUSEDSIGNAL */
 
 wire do_write = s_axil_awvalid && s_axil_wvalid && !awready_reg && !bvalid_reg;
-wire do_read = s_axil_arvalid && !arready_reg && !read_reg && !rvalid_reg;
+wire do_read = s_axil_arvalid && !arready_reg && !read_reg && !group_read_reg && !rvalid_reg;
 /* verilator lint_off UNUSEDSIGNAL */
 wire [1:0] unused_addr_lsb = s_axil_awaddr[1:0] ^ s_axil_araddr[1:0];
 /* verilator lint_on UNUSEDSIGNAL */
@@ -137,6 +143,40 @@ wire [ADDR_WIDTH-1:0] waddr = {s_axil_awaddr[ADDR_WIDTH-1:2], 2'b00};
 wire [ADDR_WIDTH-1:0] raddr = {s_axil_araddr[ADDR_WIDTH-1:2], 2'b00};
 
 wire [31:0] ctrl_word = {24'd0, auto_restart_reg, 3'd0, ap_ready_reg, ap_idle, ap_done_reg, ap_start_reg};
+
+// the readable words by word index (0 where nothing is mapped)
+wire [31:0] read_word [0:WORDS-1];
+generate
+for (k = 0; k < WORDS; k = k + 1) begin : g_read_word
+    if (4*k == REG_CTRL) begin : g_ctrl
+        assign read_word[k] = ctrl_word;
+    end else if (4*k == REG_GIE) begin : g_gie
+        assign read_word[k] = {31'd0, gie_reg};
+    end else if (4*k == REG_IER) begin : g_ier
+        assign read_word[k] = {30'd0, ier_reg};
+    end else if (4*k == REG_ISR) begin : g_isr
+        assign read_word[k] = {30'd0, isr_reg};
+    end else if (4*k == REG_ID) begin : g_id
+        assign read_word[k] = REG_ID_VALUE;
+    end else if (4*k == REG_VERSION) begin : g_version
+        assign read_word[k] = REG_VERSION_VALUE;
+    end else if (4*k == REG_STATUS) begin : g_status
+        assign read_word[k] = status;
+    end else if (4*k == REG_DATA_BYTES) begin : g_data_bytes
+        assign read_word[k] = DATA_BYTES;
+    end else if (4*k == REG_CYCLES_LO) begin : g_cycles_lo
+        assign read_word[k] = cycles[31:0];
+    end else if (4*k == REG_CYCLES_HI) begin : g_cycles_hi
+        assign read_word[k] = cycles[63:32];
+    end else if (4*k >= ARG_FIRST && 4*k < ARG_FIRST + 4*ARG_WORDS) begin : g_arg
+        assign read_word[k] = arg_reg[k - ARG_FIRST/4];
+    end else if (4*k >= ARG2_FIRST && 4*k < ARG2_FIRST + 4*ARG2_WORDS) begin : g_arg2
+        assign read_word[k] = arg2_reg[k - ARG2_FIRST/4];
+    end else begin : g_none
+        assign read_word[k] = 32'd0;
+    end
+end
+endgenerate
 
 function [31:0] apply_strb(input [31:0] old, input [31:0] data, input [3:0] strb);
     integer b;
@@ -216,38 +256,21 @@ always @(posedge clk) begin
         arready_reg <= 1'b1;
         raddr_reg <= raddr;
     end
+    group_read_reg <= read_reg;
     if (read_reg) begin
+        for (i = 0; i < GROUPS; i = i + 1) begin
+            group_word_reg[i] <= read_word[8*i + {29'd0, raddr_reg[4:2]}];
+        end
+        group_reg <= raddr_reg[ADDR_WIDTH-1:5];
+        if (raddr_reg == REG_CTRL) begin
+            // clear on read, unless the event arrives in this very clock
+            if (!ap_done) ap_done_reg <= 1'b0;
+            if (!ap_ready) ap_ready_reg <= 1'b0;
+        end
+    end
+    if (group_read_reg) begin
         rvalid_reg <= 1'b1;
-        rdata_reg <= 32'd0;
-        case (raddr_reg)
-            REG_CTRL: begin
-                rdata_reg <= ctrl_word;
-                // clear on read, unless the event arrives in this very clock
-                if (!ap_done) ap_done_reg <= 1'b0;
-                if (!ap_ready) ap_ready_reg <= 1'b0;
-            end
-            REG_GIE: rdata_reg <= {31'd0, gie_reg};
-            REG_IER: rdata_reg <= {30'd0, ier_reg};
-            REG_ISR: rdata_reg <= {30'd0, isr_reg};
-            REG_ID: rdata_reg <= REG_ID_VALUE;
-            REG_VERSION: rdata_reg <= REG_VERSION_VALUE;
-            REG_STATUS: rdata_reg <= status;
-            REG_DATA_BYTES: rdata_reg <= DATA_BYTES;
-            REG_CYCLES_LO: rdata_reg <= cycles[31:0];
-            REG_CYCLES_HI: rdata_reg <= cycles[63:32];
-            default: begin
-                for (i = 0; i < ARG_WORDS; i = i + 1) begin
-                    if (raddr_reg == ARG_FIRST + 4*i[ADDR_WIDTH-1:0]) begin
-                        rdata_reg <= arg_reg[i];
-                    end
-                end
-                for (i = 0; i < ARG2_WORDS; i = i + 1) begin
-                    if (raddr_reg == ARG2_FIRST + 4*i[ADDR_WIDTH-1:0]) begin
-                        rdata_reg <= arg2_reg[i];
-                    end
-                end
-            end
-        endcase
+        rdata_reg <= group_word_reg[group_reg];
     end
 
     if (rst) begin
@@ -255,6 +278,7 @@ always @(posedge clk) begin
         bvalid_reg <= 1'b0;
         arready_reg <= 1'b0;
         read_reg <= 1'b0;
+        group_read_reg <= 1'b0;
         rvalid_reg <= 1'b0;
         ap_start_reg <= 1'b0;
         ap_done_reg <= 1'b0;

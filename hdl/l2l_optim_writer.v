@@ -171,8 +171,9 @@ reg wlast_out_reg;
 wire w_take = cur_valid_reg && (!wvalid_reg || m_axi_wready);  // a FIFO beat into the registers
 wire cur_load = !queue_empty && (!cur_valid_reg || (w_take && cur_last_reg));
 wire [DATA_WIDTH-1:0] fifo_head [0:STREAMS-1];
-// the burst's FIFO head: an AND-OR with the one-hot stream's flip-flops (timing: no decode of
-// the stream's number after the block RAM's clock-to-out; still three LUT levels on the ECP5)
+// the burst's FIFO head: an AND-OR with the one-hot stream's flip-flops. Each head is a
+// flip-flop (HEAD_REG; timing: the block RAM's clock-to-out, then these three LUT levels on
+// the ECP5, did not fit one clock)
 reg [DATA_WIDTH-1:0] cur_head;
 integer hi;
 always @* begin
@@ -203,14 +204,28 @@ for (k = 0; k < STREAMS; k = k + 1) begin : g_stream
     wire pop = w_take && cur_onehot_reg[k];
     wire fifo_empty;
 
-    l2l_optim_fifo #(.WIDTH(DATA_WIDTH), .DEPTH(FIFO_DEPTH)) data_fifo (
+    l2l_optim_fifo #(.WIDTH(DATA_WIDTH), .DEPTH(FIFO_DEPTH), .HEAD_REG(1)) data_fifo (
         .clk(clk), .rst(rst), .clear(start),
         .push(push[k]), .push_data(push_data[DATA_WIDTH*k +: DATA_WIDTH]),
         .pop(pop), .head(fifo_head[k]), .empty(fifo_empty), .count(fifo_count[k])
     );
+`ifndef SYNTHESIS
+    // an issued burst's beats are in its FIFO: the first pops three clocks after the head
+    // could first show it (HEAD_REG), so a pop never finds the head empty
+    reg reset_seen;
+    initial reset_seen = 1'b0;
+    always @(posedge clk) begin
+        if (rst) begin
+            reset_seen <= 1'b1;
+        end else if (reset_seen && pop && fifo_empty) begin
+            $fatal(1, "l2l_optim_writer: stream %0d popped with its FIFO head empty", k);
+        end
+    end
+`else
     /* verilator lint_off UNUSEDSIGNAL */
     wire unused_empty = fifo_empty;
     /* verilator lint_on UNUSEDSIGNAL */
+`endif
     assign count[(FIFO_AW+1)*k +: FIFO_AW+1] = fifo_count[k];
 
     wire [12:0] page_beats_left = (13'd4096 - {1'b0, addr_reg[k][11:0]}) >> BYTE_SHIFT;

@@ -6,7 +6,7 @@ beat, four per 16-bit beat);
 each runs every test of sim/l2l_optim/test_l2l_optim.py: bit identity to
 golden.apply_rule over every optimizer form and dtype, the control registers,
 and one bench per fault (n = 0, misaligned pointer, read and write SLVERR,
-reset in the middle of a run).
+reset in the middle of a run); and the bench of its FIFO (sim/l2l_optim_fifo/).
 """
 import pytest
 
@@ -20,3 +20,19 @@ def test_l2l_optim(data_width, lanes):
 
     total, failed = run_bench_module(data_width, lanes=lanes)
     assert failed == 0, f"DATA_WIDTH {data_width} LANES {lanes}: {failed} of {total} cocotb tests failed"
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("head_reg", [0, 1])
+def test_fifo_against_deque(head_reg):
+    """The kernel's FIFO (sim/l2l_optim_fifo/) against a Python deque, with its head read from
+    the memory and with its head in a register (the writer's): order, count, and a pop every
+    clock served while words are in it."""
+    pytest.importorskip("cocotb")
+    from l2l_hw.hw import harness
+
+    params = {"WIDTH": 16, "DEPTH": 16, "HEAD_REG": head_reg}
+    build = harness.BUILD / f"l2l_optim_fifo_head{head_reg}"
+    total, failed = harness.run_bench("l2l_optim_fifo", harness.SIM / "l2l_optim_fifo", build, params)
+    assert total > 0, "l2l_optim_fifo: cocotb found no tests"
+    assert failed == 0, f"l2l_optim_fifo HEAD_REG {head_reg}: {failed} of {total} cocotb tests failed"

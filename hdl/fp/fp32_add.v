@@ -15,8 +15,9 @@
 // (hdl/fp/fp_latency.vh) from an input accepted (in_valid with ce high) to
 // out_valid. ce low holds every stage, out_valid included. One carry chain or
 // one shifter per stage (timing on the ECP5: docs/BENCHMARKS.md):
-//   stage 1  classify, special results, order operands by magnitude
-//   stage 2  align the smaller operand (guard, round, sticky)
+//   stage 1  classify, order operands by magnitude
+//   stage 2  special results from the classes; align the smaller operand
+//            (guard, round, sticky)
 //   stage 3  add/subtract
 //   stage 4  count leading zeros
 //   stage 5  normalize
@@ -73,21 +74,18 @@ fp_classify #(.EXP_W(8), .MAN_W(23)) classify_b (
     .is_zero(b_zero), .is_inf(b_inf), .is_nan(b_nan), .is_snan(b_snan)
 );
 
-// NaN and infinity results bypass the datapath.
-wire inf_minus_inf = a_inf && b_inf && (a_sign != b_sign);
-wire special = a_nan || b_nan || a_inf || b_inf;
-wire [31:0] special_y = (a_nan || b_nan || inf_minus_inf) ? QNAN :
-                        a_inf ? a : b_eff;
-wire special_invalid = a_snan || b_snan || inf_minus_inf;
-
+// NaN and infinity results bypass the datapath. Stage 1 registers the operands' classes and
+// stage 2 decides the special result (timing: classify and the decision did not fit one
+// clock after the operand's route in the lane). An infinite result has the sign of the
+// operand with the larger magnitude, s1_sign: the infinite one.
 // The operand with the larger magnitude leads: its sign is the result's sign
 // and the subtraction never goes negative.
 wire swap = (b[30:0] > a[30:0]);
 
 reg        s1_valid;
-reg        s1_special;
-reg [31:0] s1_special_y;
-reg        s1_special_invalid;
+reg        s1_nan, s1_inf;  // either operand NaN, infinite
+reg        s1_inf_both;     // both infinite
+reg        s1_snan;
 reg        s1_sign;
 reg        s1_eff_sub;
 reg [7:0]  s1_exp;
@@ -98,9 +96,10 @@ reg [7:0]  s1_exp_diff;
 always @(posedge clk) begin
     if (ce) begin
         s1_valid           <= in_valid;
-        s1_special         <= special;
-        s1_special_y       <= special_y;
-        s1_special_invalid <= special_invalid;
+        s1_nan             <= a_nan || b_nan;
+        s1_inf             <= a_inf || b_inf;
+        s1_inf_both        <= a_inf && b_inf;
+        s1_snan            <= a_snan || b_snan;
         s1_sign            <= swap ? b_sign : a_sign;
         s1_eff_sub         <= a_sign ^ b_sign;
         s1_exp             <= swap ? b_exp : a_exp;
@@ -127,6 +126,10 @@ wire small_lost = |(small_ext & ~({ALIGN_W{1'b1}} << align_shift));
 
 // Side band of the datapath: special, special_y, special_invalid, sign, eff_sub.
 localparam SIDE_W = 1 + 32 + 1 + 1 + 1;
+wire inf_minus_inf = s1_inf_both && s1_eff_sub;
+wire special = s1_nan || s1_inf;
+wire [31:0] special_y = (s1_nan || inf_minus_inf) ? QNAN : {s1_sign, 8'hFF, 23'd0};
+wire special_invalid = s1_snan || inf_minus_inf;
 
 reg              s2_valid;
 reg [SIDE_W-1:0] s2_side;
@@ -137,7 +140,7 @@ reg [ALIGN_W-1:0] s2_small;
 always @(posedge clk) begin
     if (ce) begin
         s2_valid   <= s1_valid;
-        s2_side    <= {s1_special, s1_special_y, s1_special_invalid, s1_sign, s1_eff_sub};
+        s2_side    <= {special, special_y, special_invalid, s1_sign, s1_eff_sub};
         s2_exp     <= s1_exp;
         s2_big_sig <= s1_big_sig;
         s2_small   <= {small_shift[ALIGN_W-1:1], small_shift[0] | small_lost};

@@ -22,8 +22,9 @@
 // (hdl/fp/fp_latency.vh: 5 + ceil(26 / STEPS_PER_STAGE) + FP_ROUND_LATENCY)
 // from an input accepted (in_valid with ce high) to out_valid. ce low holds
 // every stage, out_valid included.
-//   stage 1        classify, special results
-//   stage 2        count leading zeros of subnormal significands
+//   stage 1        classify
+//   stage 2        special results from the classes; count leading zeros
+//                  of subnormal significands
 //   stage 3        normalize them, quotient exponent
 //   stages 4..     DIV_STAGES stages of STEPS_PER_STAGE restoring steps
 //   select         quotient alignment (below or above 1), sticky bit
@@ -81,17 +82,13 @@ fp_classify #(.EXP_W(8), .MAN_W(23)) classify_b (
 );
 
 wire sign = a_sign ^ b_sign;
-wire invalid_op = (a_zero && b_zero) || (a_inf && b_inf);
-wire div_by_zero = b_zero && !a_zero && !a_inf && !a_nan;
-wire special = a_nan || b_nan || a_inf || b_inf || a_zero || b_zero;
-wire [31:0] special_y = (a_nan || b_nan || invalid_op) ? QNAN :
-                        (a_inf || b_zero) ? {sign, 8'hFF, 23'd0} : {sign, 31'd0};
-wire [4:0] special_flags = {a_snan || b_snan || invalid_op, div_by_zero, 3'b000};
 
+// the operands' classes, registered: the special results follow from them in stage 2
+// (timing: classify and the special-case decision did not fit one clock after the operand's
+// route in the lane)
 reg        s1_valid;
-reg        s1_special;
-reg [31:0] s1_special_y;
-reg [4:0]  s1_special_flags;
+reg        s1_a_nan, s1_a_inf, s1_a_zero, s1_a_snan;
+reg        s1_b_nan, s1_b_inf, s1_b_zero, s1_b_snan;
 reg        s1_sign;
 reg [7:0]  s1_a_exp, s1_b_exp;
 reg [23:0] s1_a_sig, s1_b_sig;
@@ -99,9 +96,14 @@ reg [23:0] s1_a_sig, s1_b_sig;
 always @(posedge clk) begin
     if (ce) begin
         s1_valid         <= in_valid;
-        s1_special       <= special;
-        s1_special_y     <= special_y;
-        s1_special_flags <= special_flags;
+        s1_a_nan         <= a_nan;
+        s1_a_inf         <= a_inf;
+        s1_a_zero        <= a_zero;
+        s1_a_snan        <= a_snan;
+        s1_b_nan         <= b_nan;
+        s1_b_inf         <= b_inf;
+        s1_b_zero        <= b_zero;
+        s1_b_snan        <= b_snan;
         s1_sign          <= sign;
         s1_a_exp         <= a_exp;
         s1_b_exp         <= b_exp;
@@ -121,6 +123,12 @@ fp_lzc #(.WIDTH(24), .COUNT_W(5)) lzc_b (.in(s1_b_sig), .count(b_lz));
 
 // Side band that travels alongside the datapath: special, y, flags, sign.
 localparam SIDE_W = 1 + 32 + 5 + 1;
+wire invalid_op = (s1_a_zero && s1_b_zero) || (s1_a_inf && s1_b_inf);
+wire div_by_zero = s1_b_zero && !s1_a_zero && !s1_a_inf && !s1_a_nan;
+wire special = s1_a_nan || s1_b_nan || s1_a_inf || s1_b_inf || s1_a_zero || s1_b_zero;
+wire [31:0] special_y = (s1_a_nan || s1_b_nan || invalid_op) ? QNAN :
+                        (s1_a_inf || s1_b_zero) ? {s1_sign, 8'hFF, 23'd0} : {s1_sign, 31'd0};
+wire [4:0] special_flags = {s1_a_snan || s1_b_snan || invalid_op, div_by_zero, 3'b000};
 
 reg              s2_valid;
 reg [SIDE_W-1:0] s2_side;
@@ -131,7 +139,7 @@ reg [4:0]        s2_a_lz, s2_b_lz;
 always @(posedge clk) begin
     if (ce) begin
         s2_valid <= s1_valid;
-        s2_side  <= {s1_special, s1_special_y, s1_special_flags, s1_sign};
+        s2_side  <= {special, special_y, special_flags, s1_sign};
         s2_a_exp <= s1_a_exp;
         s2_b_exp <= s1_b_exp;
         s2_a_sig <= s1_a_sig;

@@ -13,8 +13,8 @@
 // Fully pipelined: one operation per clock, LATENCY = FP32_MUL_LATENCY cycles
 // (hdl/fp/fp_latency.vh) from an input accepted (in_valid with ce high) to
 // out_valid. ce low holds every stage, out_valid included.
-//   stage 1  classify, special results, exponent sum
-//   stage 2  four partial products of the 24 x 24 significand product, split
+//   stage 1  classify, exponent sum
+//   stage 2  special results from the classes; four partial products of the 24 x 24 significand product, split
 //            at bit 18 (the 18 x 18 multipliers of an FPGA DSP block)
 //   stage 3  sum of the partial products
 //   stage 4  count leading zeros of the 48-bit product; the significands are
@@ -69,16 +69,14 @@ fp_classify #(.EXP_W(8), .MAN_W(23)) classify_b (
 );
 
 wire sign = a_sign ^ b_sign;
-wire inf_times_zero = (a_inf && b_zero) || (a_zero && b_inf);
-wire special = a_nan || b_nan || a_inf || b_inf || a_zero || b_zero;
-wire [31:0] special_y = (a_nan || b_nan || inf_times_zero) ? QNAN :
-                        (a_inf || b_inf) ? {sign, 8'hFF, 23'd0} : {sign, 31'd0};
-wire special_invalid = a_snan || b_snan || inf_times_zero;
 
+// the operands' classes, registered: the special results follow from them in stage 2
+// (timing: classify and the special-case decision did not fit one clock after the operand's
+// route in the lane)
 reg        s1_valid;
-reg        s1_special;
-reg [31:0] s1_special_y;
-reg        s1_special_invalid;
+reg        s1_nan, s1_inf, s1_zero;  // either operand NaN, infinite, zero
+reg        s1_inf_times_zero;
+reg        s1_snan;
 reg        s1_sign;
 reg [8:0]  s1_exp_sum;
 reg [23:0] s1_a_sig;
@@ -87,9 +85,11 @@ reg [23:0] s1_b_sig;
 always @(posedge clk) begin
     if (ce) begin
         s1_valid           <= in_valid;
-        s1_special         <= special;
-        s1_special_y       <= special_y;
-        s1_special_invalid <= special_invalid;
+        s1_nan             <= a_nan || b_nan;
+        s1_inf             <= a_inf || b_inf;
+        s1_zero            <= a_zero || b_zero;
+        s1_inf_times_zero  <= (a_inf && b_zero) || (a_zero && b_inf);
+        s1_snan            <= a_snan || b_snan;
         s1_sign            <= sign;
         s1_exp_sum         <= {1'b0, a_exp} + {1'b0, b_exp};
         s1_a_sig           <= a_sig;
@@ -104,6 +104,10 @@ end
 // a * b = (ah * 2^18 + al) * (bh * 2^18 + bl), al and bl 18 bits, ah and bh 6.
 // Side band of the datapath: special, special_y, special_invalid, sign.
 localparam SIDE_W = 1 + 32 + 1 + 1;
+wire special = s1_nan || s1_inf || s1_zero;
+wire [31:0] special_y = (s1_nan || s1_inf_times_zero) ? QNAN :
+                        s1_inf ? {s1_sign, 8'hFF, 23'd0} : {s1_sign, 31'd0};
+wire special_invalid = s1_snan || s1_inf_times_zero;
 
 reg              s2_valid;
 reg [SIDE_W-1:0] s2_side;
@@ -115,7 +119,7 @@ reg [11:0]       s2_pp_hh;
 always @(posedge clk) begin
     if (ce) begin
         s2_valid   <= s1_valid;
-        s2_side    <= {s1_special, s1_special_y, s1_special_invalid, s1_sign};
+        s2_side    <= {special, special_y, special_invalid, s1_sign};
         s2_exp_sum <= s1_exp_sum;
         s2_pp_ll   <= s1_a_sig[17:0] * s1_b_sig[17:0];
         s2_pp_lh   <= s1_a_sig[17:0] * s1_b_sig[23:18];
