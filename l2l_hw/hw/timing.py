@@ -68,12 +68,12 @@ FP_UNITS = ("fp32_add", "fp32_mul", "fp32_div", "fp32_sqrt",
 # The whole kernel at a size that fits the ECP5-85 (DEVICE_TOTALS): one lane (~20k LUT4,
 # ~29k FF, 32 multipliers) on the narrowest bus, 64 bits (64/8/14 = 0.57 elements per clock).
 KERNEL_PARAMETERS = {"DATA_WIDTH": 64, "LANES": 1}
-# The most lanes the ECP5-85 holds at >= 100 MHz: one. LANES is a power of two; two lanes on a
-# 128-bit bus (65k LUT4 + carry, 77%; 54k FF with the long delay lines in block RAM) place, at
-# 73 MHz after placement, and did not finish routing in 15 minutes (measured, yosys 0.70 /
-# nextpnr 0.11, docs/BENCHMARKS.md). So one lane on a 128-bit bus, which feeds it an element
-# per clock (min(1, 128/8/14 = 1.14) with fp32 state, where 64 bits feed 0.57).
-MOST_LANES_PARAMETERS = {"DATA_WIDTH": 128, "LANES": 1}
+# The most lanes the ECP5-85 holds at >= 100 MHz: two, on a 128-bit bus (1.14 elements per
+# clock with fp32 state, the bus's bound; one lane takes at most one). LANES is a power of two,
+# and four lanes (~90k LUT4) exceed the part. Two lanes place and route under flow 3 (the
+# placer weighted to timing, from 781d019); before, they did not finish routing in 15 minutes
+# (docs/BENCHMARKS.md).
+MOST_LANES_PARAMETERS = {"DATA_WIDTH": 128, "LANES": 2}
 DESIGNS = {**{u: Design(u, u) for u in FP_UNITS},
            "l2l_optim_lane": Design("l2l_optim_lane", "l2l_optim_lane"),
            "l2l_optim": Design("l2l_optim", "l2l_optim", KERNEL_PARAMETERS),
