@@ -11,9 +11,10 @@ IO (the lane alone has ~600 input bits, the CABGA381 365 pins), and no output ca
 optimized away. The wrapper's registers (`wrapper_ff`) are counted in the resources.
 
 nextpnr's placer is weighted to timing (PLACER). Reported per run: fmax (nextpnr's achieved
-frequency of the clock, its --freq target FREQ_MHZ), the resources (LUT4/carry cells, flip-flops, DSP multipliers, block RAM), and the
-source lines (hdl/ file:line) along the critical path, from nextpnr's critical path report
-(where synthesis kept none, the hierarchical names of the registers the path runs between).
+frequency of the clock, its --freq target FREQ_MHZ), the resources (LUT4/carry cells,
+flip-flops, DSP multipliers, block RAM), and the source lines (hdl/ file:line) along the
+critical path, from nextpnr's critical path report (where synthesis kept none, the
+hierarchical names of the registers the path runs between).
 The yowasp tools run sandboxed (WebAssembly): they see only their working directory, so the
 sources are copied there and every path given to them is relative.
 
