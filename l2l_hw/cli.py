@@ -16,7 +16,7 @@ import torch
 
 import l2l_hw
 from l2l_hw.checkpoint import CheckpointError
-from l2l_hw.options import OptionError, allowed_choices, option_fields, spec
+from l2l_hw.options import OptionError, allowed_choices, help_for, option_fields, parse_size, spec
 from l2l_hw.relay.pipeline import PipelineError
 from l2l_hw.train import (COMPONENTS, CONTROL_FIELDS, NonFiniteLoss, RunOptions, TrainConfig, TrainingInterrupted,
                           finetune, resume_config, train)
@@ -53,7 +53,7 @@ def flag_message(e: OptionError) -> str:
         return str(e)
     flag = flag_of(e.field)
     value = "" if isinstance(e.value, bool) else " ''" if e.value == "" else f" {e.value}"  # a switch has no value
-    return f"{flag}{value}: {e.rule}"
+    return f"{flag}{value}: {e.rule.removesuffix(' or None')}"  # None is Python's "not set": no flag value
 
 
 class Terminated(Exception):
@@ -146,6 +146,9 @@ def cmd_info(args) -> int:
                 from l2l_hw.hw.verilator import verilator_bin
                 verilator_bin()
                 state = "usable (the RTL is Verilated on first use and cached)"
+            elif name == "fpga-pynq":  # needs a board and its bitstream: say what is here
+                state = (f"needs a PYNQ board: --eps fpga-pynq --overlay PATH.bit on the board (docs/BOARD.md); "
+                         f"pynq {_version('pynq')} here")
             else:
                 l2l_hw.make_eps(name)
                 state = "usable"
@@ -217,26 +220,38 @@ def add_option_flags(p: argparse.ArgumentParser, command: str) -> None:
     component in --help: type, choices, default and help from the field's declaration
     (l2l_hw/options.py). Run flags default to None, so --resume can tell what was given;
     TrainConfig fills the rest."""
-    for component in COMPONENTS:
-        fields = [f for f in option_fields(component) if command in spec(f)["commands"] and spec(f)["cli"]]
+    taken = [(component, [f for f in option_fields(component) if command in spec(f)["commands"] and spec(f)["cli"]])
+             for component in COMPONENTS]
+    required = p.add_argument_group("required")  # first in --help, whichever component declares them
+    for component, fields in taken:
         if not fields:
             continue
         group = p.add_argument_group(component.__doc__.strip().split(". ")[0].splitlines()[0].rstrip("."))
         for f in fields:
             meta, name = spec(f), f.name
             default = meta["command_defaults"].get(command, FIELDS[name].default)
+            text = help_for(meta, command)
             kwargs = dict(dest=name, default=default if name in CONTROL_FIELDS else None,
-                          help=meta["help"] + ("" if default is None or isinstance(default, bool)
-                                               else f" (default {default})"))
+                          help=text + ("" if default is None or isinstance(default, bool) else f" (default {default})"))
             if meta["kind"] == "bool":
                 kwargs["action"] = "store_false" if flag_of(name).startswith("--no-") else "store_true"
             else:
-                kwargs.update(type={"int": int, "float": float}.get(meta["kind"], str), metavar=meta["metavar"])
+                kwargs.update(type={"int": int, "float": float, "bytes": size}.get(meta["kind"], str),
+                              metavar=meta["metavar"])
                 if meta["kind"] == "choice":
                     kwargs.update(choices=allowed_choices(meta), metavar=None)
             if command in meta["required_in"]:
-                kwargs.update(required=True, help=meta["help"])
-            group.add_argument(flag_of(name), *meta["aliases"], **kwargs)
+                kwargs.update(required=True, help=text)
+            (required if command in meta["required_in"] else group).add_argument(flag_of(name), *meta["aliases"],
+                                                                                  **kwargs)
+
+
+def size(text: str) -> int:
+    """A flag's byte size, with or without a unit (argparse names the flag in its message)."""
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 class Parser(argparse.ArgumentParser):

@@ -325,7 +325,9 @@ def _dataset_rows(folder: Path, column: str) -> Iterator[tuple[str, dict]]:
 
 def _record_text(record, field: str, where: str) -> str:
     if not isinstance(record, dict) or not isinstance(record.get(field), str):
-        raise ValueError(f"{where}: no text field {field!r} (a JSON object with {field!r}: a string)")
+        hint = ("; it holds \"messages\": give --chat (chat=True) to train on conversations"
+                if isinstance(record, dict) and "messages" in record else "")
+        raise ValueError(f"{where}: no text field {field!r} (a JSON object with {field!r}: a string){hint}")
     return record[field]
 
 

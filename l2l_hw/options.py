@@ -17,9 +17,14 @@ import dataclasses
 import math
 import numbers
 import os
+import re
 from typing import Any, Callable
 
-KINDS = ("int", "float", "bool", "choice", "path", "text")
+KINDS = ("int", "float", "bool", "choice", "path", "text", "bytes")
+# Units of a size on the command line (`--activation-budget 1.5GiB`): SI and binary, as DeepSpeed's
+# configs and `--state-dir` users write them; a bare number is bytes.
+SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+              "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 COMMANDS = ("train", "finetune")  # the `l2l` commands whose flags come from the options
 
 
@@ -32,7 +37,7 @@ class OptionError(ValueError):
         super().__init__(message)
 
 
-def option(default: Any, help: str, *, kind: str, choices: tuple | Callable[[], tuple] | None = None,
+def option(default: Any, help: str | dict[str, str], *, kind: str, choices: tuple | Callable[[], tuple] | None = None,
            low: float | None = None, high: float | None = None, low_open: bool = False, high_open: bool = False,
            check: Callable[[Any], str | None] | None = None, function_ok: bool = False, optional: bool = False,
            flag: str | None = None, aliases: tuple[str, ...] = (),
@@ -40,8 +45,11 @@ def option(default: Any, help: str, *, kind: str, choices: tuple | Callable[[], 
            command_defaults: dict[str, Any] | None = None, cli: bool = True) -> Any:
     """A dataclass field that is an option.
 
-    kind: "int" (a whole number), "float" (a finite number), "bool", "choice" (one of
-    `choices`, a tuple or a function giving one), "path" (a non-empty path), "text".
+    help: one text, or a text per command ({"train": ..., "finetune": ...}: each command's --help
+    says only what holds for it; help_for). kind: "int" (a whole number), "float" (a finite
+    number), "bool", "choice" (one of `choices`, a tuple or a function giving one), "path" (a
+    non-empty path), "text", "bytes" (a whole number of bytes; the command line also takes units:
+    parse_size).
     low/high (with low_open/high_open): the allowed range of a number. A default of None
     (or optional=True) makes None allowed ("not set"). `check(value)` returns what is wrong with a value the
     kind allows, or None; function_ok: a function (of the step, say) is allowed too. The command line: `flag` (default --name-with-dashes) and its
@@ -64,6 +72,27 @@ def spec(f: dataclasses.Field) -> dict:
     return f.metadata["option"]
 
 
+def help_for(meta: dict, command: str | None = None) -> str:
+    """An option's help text for `command` (its own text where it has one per command)."""
+    text = meta["help"]
+    if isinstance(text, str):
+        return text
+    return text[command] if command in text else " / ".join(f"{c}: {t}" for c, t in text.items())
+
+
+def parse_size(text: str) -> int:
+    """A size as a user writes it: `1073741824`, `1e9`, `512MB`, `1.5GiB`, `2G` -> bytes (ValueError
+    naming the units otherwise)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if m is None or m.group(2).lower() not in SIZE_UNITS:
+        raise ValueError(f"{text!r} is not a size: give bytes, or a number with a unit "
+                         "(KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
+    size = float(m.group(1)) * SIZE_UNITS[m.group(2).lower()]
+    if not math.isfinite(size) or size != int(size):
+        raise ValueError(f"{text!r} is not a whole number of bytes")
+    return int(size)
+
+
 def allowed_choices(meta: dict) -> tuple:
     choices = meta["choices"]
     return tuple(choices() if callable(choices) else choices)
@@ -83,6 +112,8 @@ def rule(meta: dict, optional: bool) -> str:
         text = "must be True or False"
     elif kind == "choice":
         text = f"must be one of {', '.join(map(str, allowed_choices(meta)))}"
+    elif kind == "bytes" and meta["low"] is not None:
+        text = f"must be a size of at least {meta['low']:g} bytes (a number of bytes, or with a unit: 512MB, 1.5GiB)"
     elif kind in ("path", "text"):
         text = "must be a path (a non-empty str)" if kind == "path" else "must be a str"
     else:
@@ -114,7 +145,7 @@ def problem(meta: dict, value: Any, optional: bool) -> str | None:
     elif kind == "text":
         bad = not isinstance(value, str)
     else:
-        integral = isinstance(value, numbers.Integral) if kind == "int" else isinstance(value, numbers.Real)
+        integral = isinstance(value, numbers.Integral) if kind in ("int", "bytes") else isinstance(value, numbers.Real)
         bad = isinstance(value, bool) or not integral or not math.isfinite(value) or _out_of_range(meta, value)
     if bad:
         return rule(meta, optional)

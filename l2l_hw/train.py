@@ -48,7 +48,7 @@ from l2l_hw.distributed import Ranks, join_torchrun, leave_torchrun, rank_shard
 from l2l_hw.eps import make_eps
 from l2l_hw.eps.base import STATE_SLOTS, updated_slots
 from l2l_hw.eps.golden import QUANT_BLOCK
-from l2l_hw.eps.options import EpsOptions, ScheduleOptions
+from l2l_hw.eps.options import LAMB_LR, EpsOptions, ScheduleOptions
 from l2l_hw.models import Corpus, GPTConfig, build_gpt, generate, lm_loss
 from l2l_hw.models.gpt import ModelOptions
 from l2l_hw.options import OptionError, check_options, fail, option, pick, with_default
@@ -94,9 +94,11 @@ class TrainingInterrupted(KeyboardInterrupt):
 class DataOptions:
     """What the run trains on: the text, cut into minibatches of sequences."""
 
-    data: str | None = option(None, "the text to train on: for l2l train a file or a folder (default: this Python's "
-                              "stdlib sources); for l2l finetune a UTF-8 text file, a JSON Lines file, a folder of "
-                              "text files (each a document) or a datasets dataset (save_to_disk's folder)",
+    data: str | None = option(None, {"train": "the text to train on: a file or a folder (default: this Python's "
+                                       "stdlib sources)",
+                                       "finetune": "the text to fine-tune on: a UTF-8 text file, a JSON Lines file, a "
+                                       "folder of text files (each a document) or a datasets dataset (save_to_disk's "
+                                       "folder)"},
                               kind="path", metavar="PATH", required_in=("finetune",))
     val_data: str | None = option(None, "data to validate on, read as --data is (default: a tenth of --data's "
                                   "minibatches, held out)", kind="path", metavar="PATH", commands=("finetune",))
@@ -109,7 +111,8 @@ class DataOptions:
     chat: bool = option(False, "--data holds conversations, {\"messages\": [{\"role\": ..., \"content\": ...}]} a "
                         "line (or a datasets column messages), rendered by the tokenizer's chat template; the loss "
                         "counts the assistant's tokens only", kind="bool", commands=("finetune",))
-    context: int = option(GPTConfig.block_size, "tokens per sequence (bytes for l2l train's GPT)", kind="int", low=1)
+    context: int = option(GPTConfig.block_size, {"train": "bytes per sequence (the reference GPT reads bytes)",
+                                                 "finetune": "tokens per sequence"}, kind="int", low=1)
     batch_size: int = option(32, "sequences per minibatch", kind="int", low=1)
     seed: int = option(1337, "seeds the weights, dropout and batches", kind="int", low=0, high=2**63, high_open=True)
 
@@ -359,8 +362,11 @@ def train(cfg: TrainConfig | None = None, *, layers=None, loss_fn: Callable | No
         except (ValueError, TypeError, OSError) as e:
             raise ConfigError(str(e)) from e
         loop.callbacks = list(callbacks)
-        if cfg.verbose and ranks.lead:
-            print(_banner(cfg, loop.relay, ranks, corpus))
+        if cfg.verbose:
+            stages = _trained_by_stage(loop.relay, cfg, ranks)  # every rank: a collective in a pipeline
+            if ranks.lead:
+                print(_banner(cfg, loop.relay, ranks, corpus, stages, checkpoint))
+                loop.callbacks.append(_PlanAnnouncer(loop.relay))
         result = loop.run()
         if cfg.verbose:  # every rank: the report gathers the weights (a collective when sharded)
             loop.report(result, sample=corpus is not None)
@@ -420,6 +426,8 @@ def finetune(cfg: TrainConfig, callbacks: Iterable[Callable[[dict], None]] = ())
             return
         if lead:
             hf.save_replacing(relay, out / MODEL, files_from=cfg.model)
+            if relay.step < cfg.steps:  # the last save is reported with the run's end
+                say(f"saved the model for transformers in {out / MODEL} at step {relay.step}")
         else:  # the export is a collective when the state is sharded: every rank takes part
             collections.deque(relay.export(), maxlen=0)
         saved_step = relay.step
@@ -430,7 +438,8 @@ def finetune(cfg: TrainConfig, callbacks: Iterable[Callable[[dict], None]] = ())
         if tokenizer is not None and "val_loss" in row:  # an evaluation
             model = relay.materialize()  # every rank: with a sharded EPS the weights are gathered
             if lead:
-                print(f"sample at step {row['step']}: {cfg.prompt}{hf.generate(model, tokenizer, cfg.prompt)}")
+                sample = cfg.prompt + hf.generate(model, tokenizer, cfg.prompt)
+                print(f"sample at step {row['step']}: {one_line(sample)}")
 
     epochs = -(-cfg.steps // len(fit))  # passes enough for the steps
     result = train(cfg, relay=relay, data=itertools.chain.from_iterable(itertools.repeat(fit, epochs)),
@@ -579,9 +588,36 @@ def eps_bytes_per_parameter(cfg: TrainConfig) -> float:
     return 2 * single + working if doubled else single
 
 
-def _banner(cfg: TrainConfig, relay, ranks: Ranks, corpus: Corpus | None) -> str:
-    """What the run is: the model, the data per step and in all, the optimizer's settings, the EPS."""
+def _trained_by_stage(relay, cfg: TrainConfig, ranks: Ranks) -> list[int]:
+    """The parameters each pipeline stage's EPS trains (one entry without a pipeline)."""
     trained = sum(math.prod(shape) for names in relay.eps.shapes.values() for shape in names.values())
+    if cfg.pipeline_stages == 1 or ranks.world == 1:
+        return [trained]
+    import torch.distributed as dist
+
+    counts = [0] * ranks.world
+    dist.all_gather_object(counts, trained)
+    return counts
+
+
+class _PlanAnnouncer:
+    """A training-loop callback that prints the planned recompute once the first step has made it."""
+
+    def __init__(self, relay):
+        self.relay, self.said = relay, relay.keep.describe()
+
+    def __call__(self, row: dict) -> None:
+        now = self.relay.keep.describe()
+        if now != self.said:
+            print(f"recompute {now}")
+            self.said = now
+
+
+def _banner(cfg: TrainConfig, relay, ranks: Ranks, corpus: Corpus | None, stages: list[int],
+            checkpoint=None) -> str:
+    """What the run is: the model, the data per step and in all, the optimizer's settings, the EPS,
+    the pipeline's stages, and where a resumed run picks up."""
+    trained = sum(stages)
     total = sum(p.numel() for p in {id(p): p for layer in relay.layers for p in layer.parameters()}.values())
     config = getattr(relay.layers[0], "config", None)  # a Hugging Face model's
     if corpus is not None:
@@ -591,15 +627,30 @@ def _banner(cfg: TrainConfig, relay, ranks: Ranks, corpus: Corpus | None) -> str
     else:
         model = f"{len(relay.layers)} relay layers"
     step_tokens = cfg.batch_size * cfg.context
-    ranks_note = f" on each of {ranks.world} ranks" if ranks.world > 1 else ""
-    run = (f"l2l {'finetune' if cfg.model else 'train'}: {model}, {total:,} parameters ({trained:,} trained), "
-           f"context {cfg.context}, batch {cfg.batch_size} in {cfg.micro_batches} micro-batches{ranks_note}, "
+    pipeline = cfg.pipeline_stages > 1
+    if pipeline:  # every rank runs the whole minibatch through its own stage
+        where = f" through {len(stages)} pipeline stages, one a rank"
+        split = ", ".join(f"stage {s} layers {a}-{b - 1} {n:,}" for s, (a, b, n) in
+                          enumerate(zip(relay.bounds, relay.bounds[1:], stages)))
+        held = f"{trained:,} trained: {split}"
+    else:
+        where = f", a shard on each of {ranks.world} data-parallel ranks" if ranks.world > 1 else ""
+        held = f"{trained:,} trained"
+    run = (f"l2l {'finetune' if cfg.model else 'train'}: {model}, {total:,} parameters ({held}), "
+           f"context {cfg.context}, batch {cfg.batch_size} in {cfg.micro_batches} micro-batches{where}, "
            f"{step_tokens:,} tokens a step, {cfg.steps * step_tokens:,} tokens in {cfg.steps} steps")
+    if checkpoint is not None:
+        step = checkpoint[1]["step"]
+        run += (f"\nresumed from {Path(cfg.out) / CHECKPOINT} at step {step} ({step * step_tokens:,} tokens "
+                f"trained), on to step {cfg.steps}")
     rule = (f"betas ({cfg.adam_beta1:g}, {cfg.adam_beta2:g}), eps {cfg.adam_eps:g}" if "v" in STATE_SLOTS[cfg.optimizer]
             else f"momentum {cfg.momentum:g}")
     schedule = "constant" if cfg.schedule == "constant" else f"{cfg.schedule} to {cfg.floor(cfg.lr):g}"
     optimizer = (f"optimizer: {cfg.optimizer}, lr {cfg.lr:g}, {schedule}, warm-up {cfg.warmup_steps} steps, "
                  f"weight decay {cfg.weight_decay:g}, {rule}")
+    if cfg.optimizer == "lamb" and cfg.lr < LAMB_LR:  # AdamW's lr barely moves a trust-ratio update
+        optimizer += (f" (a low lr for lamb: its trust ratio scales each layer's step to lr x the layer's norm; "
+                      f"{LAMB_LR:g} trains the reference GPT at batch 32, docs/BENCHMARKS.md)")
     per_parameter = eps_bytes_per_parameter(cfg)
     eps = (f"EPS {cfg.eps_backend}{' (state sharded)' if sharded(cfg, ranks) else ''}: about "
            f"{_size(trained * per_parameter)} of host memory ({per_parameter:.3g} B a trained parameter"
@@ -615,7 +666,7 @@ def _banner(cfg: TrainConfig, relay, ranks: Ranks, corpus: Corpus | None) -> str
         data += "optimizer state whole in this one process (the checkpoint's run was sharded), "
     updates = "between layers" if not relay.transport.asynchronous else "beside the device's compute"
     threads = (f"threads: {relay.threads} (torch intra-op {torch.get_num_threads()}; EPS updates {updates}), "
-               f"recompute {cfg.recompute if isinstance(cfg.recompute, str) else 'by a policy function'}, "
+               f"recompute {relay.keep.describe()}, "
                f"OpenMP waits {os.environ.get('OMP_WAIT_POLICY', 'default').lower()}")
     plan = getattr(relay, "plan", None)  # a pipeline's, with --pipeline-boundaries auto
     return "\n".join((run, optimizer, f"{eps}, {data}out {cfg.out}", threads, *([plan.describe()] if plan else [])))
@@ -784,7 +835,7 @@ class _Loop:
         if val_loss is None:  # nothing left to train: report the checkpoint as it is
             val_loss = self.evaluate()
         if self.files and self.history:
-            plot(self.history, self.out / PLOT)
+            plot(self.history, self.out / PLOT, title=f"l2l finetune {Path(cfg.model).name}" if cfg.model else "l2l train")
         return TrainResult(relay, self.history, val_loss, self.elapsed)
 
     def _last_checkpoint(self) -> str:
@@ -877,6 +928,12 @@ class StopSignals:
         return bool(flag.item())
 
 
+def one_line(text: str) -> str:
+    """A sample as one line of the log: newlines, tabs and other control characters escaped
+    (`\\n`), everything else as it is."""
+    return "".join(c if c.isprintable() or c == " " else c.encode("unicode_escape").decode() for c in text)
+
+
 def perplexity(loss: float) -> float:
     """exp(mean token loss), inf where that overflows a float."""
     return math.exp(loss) if loss < 700 else math.inf
@@ -927,7 +984,7 @@ def _tensorboard(out: Path, step: int):
     return SummaryWriter(str(out / TENSORBOARD), purge_step=step + 1 if step else None)
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], path: Path, title: str = "l2l train") -> None:
     """The loss curves as a PNG; nothing without matplotlib (the `plot` extra; the metrics hold it all)."""
     try:
         import matplotlib
@@ -940,7 +997,7 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train", lw=1)
     val = [r for r in rows if r.get("val_loss") is not None]
     ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation")
-    ax.set(xlabel="step", ylabel="loss", title="l2l train")
+    ax.set(xlabel="step", ylabel="loss", title=title)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

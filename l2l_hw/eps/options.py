@@ -23,7 +23,8 @@ class ScheduleOptions:
     schedule: str = option("cosine", "lr schedule: constant; cosine down to --min-lr; or linear down to --min-lr "
                            "(transformers' default)", kind="choice", choices=SCHEDULES,
                            command_defaults={"finetune": "linear"})
-    warmup: int | None = option(None, "linear warm-up steps (l2l train's default: a tenth of --steps)", kind="int",
+    warmup: int | None = option(None, {"train": "linear warm-up steps (default: a tenth of --steps)",
+                                       "finetune": "linear warm-up steps"}, kind="int",
                                 low=0, command_defaults={"finetune": 0})
     warmup_ratio: float | None = option(None, "warm-up as a share of the steps: ceil(steps x this) steps, as "
                                         "transformers' Trainer takes a warmup_steps below 1 (a --warmup above 0 wins)",
@@ -60,6 +61,11 @@ OPTIMIZER_ARGUMENTS = {"optimizer": "optimizer", "lr": "lr", "weight_decay": "we
                        "trust_coefficient": "trust_coefficient"}
 
 
+# LAMB's base learning rate for the reference GPT at batch 32 (docs/BENCHMARKS.md, "LAMB (and LARS) at a 4x
+# larger batch": within 0.03 nats/byte of AdamW there; AdamW's 2e-3 leaves LAMB far behind in 30 steps).
+LAMB_LR = 2e-2
+
+
 @dataclass(frozen=True)
 class EpsOptions:
     """Which EPS keeps the weights and how it updates them."""
@@ -67,7 +73,9 @@ class EpsOptions:
     eps_backend: str = option("cpu", "EPS backend", kind="choice", choices=lambda: tuple(known_backends()),
                               flag="--eps", aliases=("--eps-backend",))
     optimizer: str = option("adamw", "the update rule: adamw, adam, sgd as torch.optim's; lamb, lars: layer-wise "
-                            "trust ratios for large batches (docs/NUMERICS.md)", kind="choice", choices=OPTIMIZERS)
+                            "trust ratios for large batches (docs/NUMERICS.md), which want a larger --lr than AdamW's: 2e-2 trains "
+                            "the reference GPT at batch 32, x sqrt(k) at k times the batch (docs/BENCHMARKS.md)",
+                            kind="choice", choices=OPTIMIZERS)
     # lr, momentum, weight_decay: their ranges and rules are OptimConfig's (OPTIMIZER_ARGUMENTS)
     lr: float = option(2e-3, "peak learning rate", kind="float", command_defaults={"finetune": 5e-5})
     momentum: float = option(0.0, "SGD and LARS momentum, in [0, 1)", kind="float")

@@ -92,7 +92,7 @@ def tool_versions() -> dict:
             versions[tool] = metadata.version(tool)
         except metadata.PackageNotFoundError as exc:
             raise ToolError(f"the timing flow needs the PyPI package `{tool}` (pinned in requirements.txt: "
-                            f"pip install -r requirements.txt)") from exc
+                            f"pip install -r requirements-test.txt)") from exc
     return versions
 
 

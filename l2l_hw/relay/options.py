@@ -50,7 +50,7 @@ class RelayOptions(DataParallelOptions):
     activation_budget: int | None = option(
         None, "bytes of activations the relay may keep on the device for the backward: each layer keeps its "
         "forward graph, its matmul outputs (selective) or its input (full), as the plan that recomputes least "
-        "within it picks (planned from the first step, which runs full)", kind="int", low=1, metavar="BYTES")
+        "within it picks (planned from the first step, which runs full)", kind="bytes", low=1, metavar="SIZE")
     activations: str = option("device", "where stashed layer inputs live; host = constant device memory",
                               kind="choice", choices=POLICIES)
     precision: str = option("fp32", "compute dtype; fp16 uses dynamic loss scaling", kind="choice",
@@ -68,7 +68,7 @@ class RelayOptions(DataParallelOptions):
                                  "host kernel's (default: every core it may use); on the CPU the EPS updates run "
                                  "between layers on them, never beside them", kind="int", low=1)
     skip_nonfinite: bool = option(False, "discard a step whose gradients are not finite and go on (default: a "
-                                  "non-finite loss stops l2l train, keeping the last checkpoint)", kind="bool")
+                                  "non-finite loss stops the run, keeping the last checkpoint)", kind="bool")
 
     def __post_init__(self):
         check_options(self)

@@ -229,6 +229,10 @@ class KeepGraphs:
     def __init__(self):
         self._graphs: dict[tuple[int, int], tuple] = {}
 
+    def describe(self) -> str:
+        """The policy in a few words, for the run's banner."""
+        return "none"
+
     def recomputes(self, i: int) -> bool:
         """Whether layer i's forward runs again in the backward (else its graph holds its weights)."""
         return False
@@ -277,6 +281,9 @@ class Recompute(KeepGraphs):
         self._replay: dict[tuple[int, int], tuple] = {}  # (RNG state, buffer snapshot) per layer-micro-batch
         self._inputs: list | None = None
         self._tails: dict[tuple, dict[int, tuple]] = {}  # (layer, input shapes) -> the matmuls it may skip
+
+    def describe(self) -> str:
+        return "full"
 
     def recomputes(self, i: int) -> bool:
         return True
@@ -340,6 +347,9 @@ class SelectiveRecompute(Recompute):
         self._kept: dict[int, list] = {}  # the forward sweep's outputs of layer i, per micro-batch
         self._cache: dict[int, list] = {}  # layer i's in the backward
 
+    def describe(self) -> str:
+        return "selective" if self.policy is save_matmuls_and_attention else "selective, by a policy function"
+
     def _run_forward(self, i: int, j: int, x, run: Run, buffers: dict):
         with _Keep(self.policy) as keep:
             out = run(x, buffers)
@@ -398,6 +408,15 @@ class PlannedRecompute(KeepGraphs):
                          "full": _MeasuringRecompute(stash, device)}
         self.plan: dict[int, str] | None = None  # layer -> the policy it runs
 
+    def describe(self) -> str:
+        within = f"planned within {self.budget / 2**20:,.1f} MiB of kept activations"
+        if self.plan is None:
+            return within + " (the first step runs full and measures each layer)"
+        by_policy: dict[str, list[int]] = {}
+        for i, name in sorted(self.plan.items()):
+            by_policy.setdefault(name, []).append(i)
+        return within + ": " + "; ".join(f"{name} at layers {_ranges(layers)}" for name, layers in by_policy.items())
+
     def _of(self, i: int) -> KeepGraphs:
         return self.policies["full" if self.plan is None else self.plan.get(i, "full")]
 
@@ -435,6 +454,17 @@ class PlannedRecompute(KeepGraphs):
     def clear(self):
         for p in self.policies.values():
             p.clear()
+
+
+def _ranges(layers: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    runs: list[list[int]] = []
+    for i in layers:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in runs)
 
 
 def _bytes(tensors) -> int:
