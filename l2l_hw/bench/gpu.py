@@ -62,7 +62,6 @@ import argparse
 import gc
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -134,7 +133,7 @@ REAL = Sizes(width=2048, heads=16, context=1024, micro_batch=8, micro_batch_coun
              cap_bytes=16 * 2**30, host_bytes=None, loss_layers=20, loss_batch=16, loss_steps=50, matmul_n=8192,
              rounds=3, llama=gpu_llama.LLAMA_3_8B)
 DRY = Sizes(width=64, heads=4, context=32, micro_batch=2, micro_batch_counts=(4, 2), resident_layers=2,
-            capacity_batch=8, capacity_micro_batches=2, capacity_start=(16, 4), capacity_resolution=(0.5, 0.5),
+            capacity_batch=8, capacity_micro_batches=2, capacity_start=(16, 8), capacity_resolution=(1.0, 1.0),
             cap_bytes=24 * 2**20, host_bytes=160 * 2**20, loss_layers=2, loss_batch=4, loss_steps=8, matmul_n=256,
             rounds=3, llama={**gpu_llama.LLAMA_3_8B, "hidden_size": 64, "num_attention_heads": 4,
                              "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 512,
@@ -559,10 +558,8 @@ def run(out: str, dry_run: bool = False, parts: tuple[str, ...] = PARTS, work: s
                          "--dry-run runs it at toy size on the CPU")
     if work is not None:
         return Campaign(Path(out), Path(work), dry_run).run(parts)
-    with tempfile.TemporaryDirectory(prefix="l2l-bench-gpu-") as tmp:
-        summary = Campaign(Path(out), Path(tmp), dry_run).run(parts)
-        shutil.rmtree(tmp, ignore_errors=True)
-        return summary
+    with tempfile.TemporaryDirectory(prefix="l2l-bench-gpu-", ignore_cleanup_errors=True) as tmp:
+        return Campaign(Path(out), Path(tmp), dry_run).run(parts)
 
 
 def format_report(summary: dict) -> str:
