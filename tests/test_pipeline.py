@@ -258,6 +258,12 @@ def test_l2l_train_with_the_planners_boundaries_prints_its_plan_and_trains_as_on
     out = l2l_train(2, "--steps", "3", "--pipeline-stages", "2", "--pipeline-boundaries", "auto",
                     "--out", str(tmp_path / "auto"))
     assert "pipeline plan: 2 stages, 2 micro-batches" in out and "stage 1: layers" in out
+    # the banner counts every stage's parameters and says the batch goes through the stages
+    from l2l_hw.train import TrainConfig
+
+    model = build_gpt(TrainConfig(layers=2, width=32, heads=2, context=16, dropout=0.1).model_config())
+    trained = sum(p.numel() for p in model.parameters())
+    assert f"({trained:,} trained: stage 0 layers 0-" in out and "through 2 pipeline stages, one a rank" in out
     for a, b in zip(metrics(tmp_path / "single"), metrics(tmp_path / "auto")):
         assert a["loss"] == pytest.approx(b["loss"], rel=TOL)
 
