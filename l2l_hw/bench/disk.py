@@ -1,19 +1,27 @@
-"""`l2l bench disk`: the disk tier's GB/s against the raw disk; step time, state on disk against in RAM.
+"""`l2l bench disk`: the disk tier against the raw disk and DeepSpeed's aio at its best; steps on disk against in RAM.
 
 All in one run, on files under --dir (a disk filesystem; everything written there is
 removed at the end). A shared machine's disk drifts by tens of percent within seconds, so
-the I/O measurements take turns, one pass of each per round, and each figure is the
-median of its rounds; a ratio is the median of the ratios within a round.
+the I/O measurements take turns, one pass of each per round (bench/timer.py), and each
+figure is the min / median / max of its rounds; a ratio is taken within a round.
 
-  raw device   fio (libaio, O_DIRECT, the tier's request size, queue depth 8) where it is
-               installed, and dd (1 MiB requests, oflag=direct / iflag=direct)
+  raw device   fio (libaio, O_DIRECT, the tier's request size, queue depth 8; the write
+               overwrites a file fio laid out first) where it is installed, and dd (1 MiB
+               requests, oflag=direct / iflag=direct)
   tier         the EPS's RegionStore (l2l_hw/eps/disk_store.py) writing --size-gib as regions
                of --region-mib, then reading them back: images, checksums and all
-  aio          DeepSpeed's aio handle on the same files with the same request size, where
-               its op builds (DS_ACCELERATOR=cpu, libaio-dev)
+  aio          DeepSpeed's aio handle at its best, where its op builds (DS_ACCELERATOR=cpu,
+               libaio-dev): first tuned in DeepSpeed's own manner (bench/aio.py: ds_nvme_tune's
+               sweep over block size, queue depth, submission, completion and threads, on
+               pre-allocated files from a page-locked buffer), then its best write and best
+               read setting on the same bytes as the tier, in files of the region size
   steps        the same GPT and minibatch trained with the CPU EPS in RAM and with
                state_dir (8-bit m and v), taking turns step by step; the median step, and
                the share of the disk run's step that its main thread spent waiting on the disk
+
+fio, the tier and aio each write over blocks written before, as the tier's write-back does
+in training: fio's laid-out file, the tier's regions and aio's pre-allocated files after an
+untimed first pass.
 
 `--llama-layers N` runs the large-model benchmark instead: a Llama-2-7B-shaped model
 (hidden 4096, MLP 11008, 32 heads, vocabulary 32000) with N decoder layers, random
@@ -26,7 +34,6 @@ the share of each step the main thread waited on the disk.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import resource
 import sys
@@ -41,16 +48,17 @@ from pathlib import Path
 import torch
 
 import l2l_hw
-from l2l_hw.bench import print_report, train_steps
+from l2l_hw.bench import aio, print_report, train_steps
 from l2l_hw.bench.timer import round_robin
 from l2l_hw.eps.disk import GROUPS_IN_FLIGHT
-from l2l_hw.eps.disk_store import CHUNK_BYTES, IO_THREADS, RegionStore, aligned_buffer
+from l2l_hw.eps.disk_store import CHUNK_BYTES, IO_THREADS, RegionStore
 from l2l_hw.models import GPTConfig, build_gpt, lm_loss
 
 MODEL = GPTConfig(n_layer=6, n_embd=384, n_head=6, block_size=128)
 BATCHES = (1, 16)  # 1: the disk's I/O is the step; 16: compute per layer exceeds the layer's I/O
 MICRO_BATCHES = 4
 FIO_DEPTH = 8
+AIO_SWEEP_MIB = 512  # bytes each point of the aio sweep writes and reads: ds_nvme_tune's 400M, in regions
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -58,14 +66,16 @@ def _gbps(nbytes: int, seconds: float) -> float:
 
 
 def raw_fio(path: Path, nbytes: int) -> dict | None:
-    """fio's sequential write then read of `nbytes` at `path` (GB/s); None without fio."""
+    """fio's sequential write (over a file it lays out first) then read of `nbytes` at `path` (GB/s);
+    None without fio."""
     if shutil.which("fio") is None:
         return None
     out = {}
     for rw in ("write", "read"):
         result = subprocess.run(["fio", "--name=raw", f"--filename={path}", f"--size={nbytes}", f"--rw={rw}",
-                                 f"--bs={CHUNK_BYTES}", f"--iodepth={FIO_DEPTH}", "--ioengine=libaio", "--direct=1",
-                                 "--output-format=json"], capture_output=True, text=True, check=True)
+                                 f"--bs={min(CHUNK_BYTES, nbytes)}", f"--iodepth={FIO_DEPTH}", "--ioengine=libaio",
+                                 "--direct=1", "--overwrite=1", "--output-format=json"],
+                                capture_output=True, text=True, check=True)
         job = json.loads(result.stdout)["jobs"][0][rw]
         out[rw] = job["bw_bytes"] / 1e9
     path.unlink()
@@ -117,36 +127,9 @@ def tier(folder: Path, nbytes: int, region_bytes: int) -> dict:
             "memory_bytes": GROUPS_IN_FLIGHT * region_bytes}
 
 
-def deepspeed_aio(folder: Path, nbytes: int, region_bytes: int) -> dict | str:
-    """DeepSpeed's aio handle writing, then reading, the same regions (GB/s); why not, if its op
-    does not build here."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    try:
-        from deepspeed.ops.op_builder import AsyncIOBuilder
-
-        from deepspeed.utils import logger
-
-        logger.setLevel(logging.ERROR)  # its warnings go to stdout, into the report
-        builder = AsyncIOBuilder()
-        if not builder.is_compatible(verbose=False):
-            return "the aio op does not build here (it needs libaio-dev)"
-        handle = builder.load(verbose=False).aio_handle(CHUNK_BYTES, FIO_DEPTH, False, True, IO_THREADS)
-    except Exception as e:  # an optional comparison: say why it is missing
-        return f"unavailable: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    folder.mkdir(parents=True, exist_ok=True)
-    paths = [str(folder / f"aio{i}") for i in range(nbytes // region_bytes)]
-    buffer = aligned_buffer(region_bytes)
-    buffer.fill_(1)
-    t0 = time.perf_counter()
-    for p in paths:
-        handle.sync_pwrite(buffer, p)
-    write = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for p in paths:
-        handle.sync_pread(buffer, p)
-    read = time.perf_counter() - t0
-    shutil.rmtree(folder)
-    return {"write": _gbps(len(paths) * region_bytes, write), "read": _gbps(len(paths) * region_bytes, read)}
+def load_aio():
+    """DeepSpeed's aio op, or why not (bench/aio.py)."""
+    return aio.load_op()
 
 
 def _trainer(batch: int, state_dir: Path | None):
@@ -188,38 +171,49 @@ def steps(folder: Path, batch: int, rounds: int) -> dict:
     return report
 
 
-def io(root: Path, nbytes: int, region: int, rounds: int) -> dict:
-    """Every I/O measurement, taking turns round by round: medians, and the tier's ratios."""
+def _spread(values) -> dict:
+    values = list(values)
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def io(root: Path, nbytes: int, region: int, rounds: int, aio_best: tuple | None) -> dict:
+    """Every I/O measurement, taking turns round by round: min / median / max of each, and of the
+    tier's ratios within a round. `aio_best` is DeepSpeed's aio op and its best settings, or None."""
     passes = {"fio": lambda: raw_fio(root / "fio", nbytes), "dd": lambda: raw_dd(root / "dd", nbytes),
-              "tier": lambda: tier(root / "tier", nbytes, region),
-              "deepspeed_aio": lambda: deepspeed_aio(root / "aio", nbytes, region)}
-    runs = {name: [] for name in passes}
-    for _ in range(rounds):
-        for name, measure in passes.items():
-            runs[name].append(measure())
-    report = {}
-    for name, results in runs.items():
-        ok = isinstance(results[0], dict)
-        report[name] = {rw: statistics.median(r[rw] for r in results) for rw in ("write", "read")} if ok \
-            else results[0]
-    for reference in ("fio", "dd", "deepspeed_aio"):
-        if isinstance(runs[reference][0], dict):
-            report[f"tier_vs_{reference}"] = {rw: statistics.median(
-                t[rw] / r[rw] for t, r in zip(runs["tier"], runs[reference])) for rw in ("write", "read")}
+              "tier": lambda: tier(root / "tier", nbytes, region)}
+    if aio_best is not None:
+        op, best = aio_best
+        passes["deepspeed_aio"] = lambda: aio.at_best(op, best, root / "aio", nbytes // region, region)
+    runs = {name: r for name, r in round_robin(passes, rounds, warmup=0, self_timed=True).items()
+            if r[0] is not None}  # fio: None where it is not installed
+    report = {name: {rw: _spread(r[rw] for r in results) for rw in aio.DIRECTIONS}
+              for name, results in runs.items()}
+    pairs = [("tier", name) for name in runs if name != "tier"]
+    pairs += [("deepspeed_aio", "fio")] if {"deepspeed_aio", "fio"} <= runs.keys() else []  # the peer's own standing
+    for name, reference in pairs:
+        report[f"{name}_vs_{reference}"] = {rw: _spread(a[rw] / b[rw] for a, b in zip(runs[name], runs[reference]))
+                                            for rw in aio.DIRECTIONS}
     return report
 
 
 def run(folder: str, size_gib: float = 2.0, region_mib: int = 256, rounds: int = 3,
-        batches: tuple[int, ...] = BATCHES) -> dict:
+        batches: tuple[int, ...] = BATCHES, aio_sweep_mib: int = AIO_SWEEP_MIB) -> dict:
     root = Path(folder) / f"l2l-bench-disk-{os.getpid()}"
     root.mkdir(parents=True)
     try:
         region = region_mib << 20
         nbytes = max(1, int(size_gib * 2**30) // region) * region  # whole regions
+        op, aio_best = load_aio(), None
+        if isinstance(op, str):
+            peer = {"deepspeed_aio": op}  # why it is not measured
+        else:  # DeepSpeed's own tuning first, on files of the tier's region size
+            peer = {"deepspeed_aio_sweep": aio.sweep(op, root / "aio-sweep", max(1, (aio_sweep_mib << 20) // region),
+                                                     region, rounds)}
+            aio_best = op, peer["deepspeed_aio_sweep"]["best"]
         return {
             "folder": str(Path(folder).resolve()), "bytes": nbytes, "region_bytes": region,
             "request_bytes": CHUNK_BYTES, "io_threads": IO_THREADS, "groups_in_flight": GROUPS_IN_FLIGHT,
-            "rounds": rounds, **io(root, nbytes, region, rounds),
+            "rounds": rounds, **peer, **io(root, nbytes, region, rounds, aio_best),
             "model": {"n_layer": MODEL.n_layer, "n_embd": MODEL.n_embd, "block_size": MODEL.block_size,
                       "params": sum(p.numel() for p in build_gpt(MODEL).parameters())},
             "steps": [steps(root / f"state{b}", b, rounds) for b in batches],
@@ -354,20 +348,29 @@ def format_llama(r: dict) -> str:
 
 
 def format_report(r: dict) -> str:
-    def pair(d):
-        return f"write {d['write']:5.2f}  read {d['read']:5.2f} GB/s" if isinstance(d, dict) else str(d)
+    def spread(d, unit):
+        return f"{d['median']:5.2f}{unit} ({d['min']:.2f}-{d['max']:.2f})"
 
-    def ratio(reference):
-        q = r.get(f"tier_vs_{reference}")
-        return f"tier/{reference} {q['write']:.2f}x write, {q['read']:.2f}x read" if q else ""
+    def pair(name, unit=""):
+        d = r.get(name)
+        if not isinstance(d, dict):
+            return str(d)
+        return f"write {spread(d['write'], unit)}  read {spread(d['read'], unit)}"
 
     lines = [f"disk tier on {r['folder']}: {r['bytes'] / 2**30:.1f} GiB, regions of {r['region_bytes'] >> 20} MiB, "
-             f"{r['request_bytes'] >> 20} MiB requests on {r['io_threads']} threads, median of {r['rounds']} rounds",
-             f"  fio (libaio QD{FIO_DEPTH})  {pair(r['fio']) if r['fio'] else 'not installed'}",
-             f"  dd (1 MiB direct)   {pair(r['dd'])}",
-             f"  tier                {pair(r['tier'])}",
-             f"  deepspeed aio       {pair(r['deepspeed_aio'])}",
-             "  " + "; ".join(x for x in (ratio("fio"), ratio("dd"), ratio("deepspeed_aio")) if x)]
+             f"{r['request_bytes'] >> 20} MiB requests on {r['io_threads']} threads; GB/s, median (min-max) of "
+             f"{r['rounds']} rounds",
+             f"  {f'fio (libaio QD{FIO_DEPTH})':<22}{pair('fio') if 'fio' in r else 'not installed'}",
+             f"  {'dd (1 MiB direct)':<22}{pair('dd')}",
+             f"  {'tier':<22}{pair('tier')}",
+             f"  {'deepspeed aio, best':<22}{pair('deepspeed_aio')}"]
+    sweep = r.get("deepspeed_aio_sweep")
+    if sweep:
+        lines.append(f"    its sweep ({len(sweep['points'])} settings on {sweep['files']} x "
+                     f"{sweep['file_bytes'] >> 20} MiB files, {sweep['seconds']:.0f} s): best write "
+                     f"{sweep['best_named']['write']}; best read {sweep['best_named']['read']}")
+    lines += [f"  {name.replace('_vs_', ' / '):<22}{pair(name, 'x')}" for name in
+              ("tier_vs_fio", "tier_vs_dd", "tier_vs_deepspeed_aio", "deepspeed_aio_vs_fio") if name in r]
     m = r["model"]
     lines.append(f"steps: GPT {m['n_layer']} x {m['n_embd']}, context {m['block_size']} ({m['params'] / 1e6:.1f} M "
                  f"params), 8-bit m and v, median of the timed steps")
@@ -384,8 +387,11 @@ def add_arguments(p) -> None:
     p.add_argument("--dir", default=".", help="where the files go (a disk filesystem; default: here)")
     p.add_argument("--size-gib", type=float, default=2.0, help="bytes each I/O measurement moves (default 2 GiB)")
     p.add_argument("--region-mib", type=int, default=256, help="the tier's region size (default 256 MiB)")
-    p.add_argument("--rounds", type=int, default=3, help="timed steps per variant, after one warm-up (default 3)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds of each timed variant: I/O passes, aio's finalists, steps (after a warm-up; default 3)")
     p.add_argument("--batches", type=int, nargs="+", default=list(BATCHES), help="batch sizes of the step timing")
+    p.add_argument("--aio-sweep-mib", type=int, default=AIO_SWEEP_MIB,
+                   help=f"bytes each point of DeepSpeed aio's tuning sweep moves (default {AIO_SWEEP_MIB} MiB)")
     p.add_argument("--llama-layers", type=int, default=None, metavar="N",
                    help="the large-model run instead: a Llama-2-7B-shaped model with N decoder layers (32: 6.74 B)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -394,5 +400,5 @@ def add_arguments(p) -> None:
 def run_from_args(args) -> int:
     if args.llama_layers is not None:
         return print_report(llama(args.dir, args.llama_layers), args.json, format_llama)
-    report = run(args.dir, args.size_gib, args.region_mib, args.rounds, tuple(args.batches))
+    report = run(args.dir, args.size_gib, args.region_mib, args.rounds, tuple(args.batches), args.aio_sweep_mib)
     return print_report(report, args.json, format_report)

@@ -12,11 +12,12 @@ from typing import Callable
 
 
 def round_robin(fns: dict[str, Callable[[], object]], rounds: int, warmup: int,
-                self_timed: bool = False) -> dict[str, list[float]]:
+                self_timed: bool = False) -> dict[str, list]:
     """Seconds of each function in each round, in the order of `fns`: `warmup` untimed calls
     of each function first, then `rounds` rounds in which every function runs once, back to
-    back. With `self_timed` each function returns its own seconds (a step that waits for its
-    device, or that times only its work and not its set-up); otherwise the call is timed."""
+    back. With `self_timed` each function returns its own measure, recorded as it is (its
+    seconds: a step that waits for its device, or that times only its work and not its set-up;
+    or a record such as a disk pass's GB/s each way); otherwise the call is timed."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
