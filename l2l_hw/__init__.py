@@ -8,6 +8,10 @@ import os
 # `l2l bench relay --contention`). Read once, when torch is first imported.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from l2l_hw import startup  # noqa: E402  (before torch: the l2l command's signal handlers; l2l_hw/startup.py)
+
+startup.install()
+
 from l2l_hw.version import __version__
 from l2l_hw.eps import make_eps
 from l2l_hw.relay import Relay

@@ -15,7 +15,9 @@ import sys
 import torch
 
 import l2l_hw
+from l2l_hw import startup
 from l2l_hw.checkpoint import CheckpointError
+from l2l_hw.distributed import DataParallelError, rank_and_world
 from l2l_hw.options import OptionError, allowed_choices, help_for, option_fields, parse_size, spec
 from l2l_hw.relay.pipeline import PipelineError
 from l2l_hw.train import (COMPONENTS, CONTROL_FIELDS, NonFiniteLoss, RunOptions, TrainConfig, TrainingInterrupted,
@@ -72,15 +74,17 @@ def out_of_memory(e: BaseException) -> bool:
 def run_command(command: str, body) -> int:
     """Run `body()` as `l2l COMMAND`: every failure the user can act on is one line on stderr
     (exit 2: a bad value, file or checkpoint, a run gone non-finite, too little memory; exit 1:
-    an output that cannot be written; 130/143: interrupted by SIGINT/SIGTERM)."""
-    previous = signal.signal(signal.SIGTERM, _terminate)
+    an output that cannot be written, another rank or pipeline stage lost; 130/143: interrupted
+    by SIGINT/SIGTERM). Under torchrun every rank says its own line, naming the rank."""
+    previous = {signum: signal.signal(signum, handler) for signum, handler in
+                ((signal.SIGTERM, _terminate), (signal.SIGINT, signal.default_int_handler))}
     try:
         body()
     except OptionError as e:  # a bad flag value or input file: say which, no traceback
         return _fail(command, flag_message(e), 2)
     except (CheckpointError, NonFiniteLoss, FileNotFoundError, ValueError) as e:
         return _fail(command, str(e), 2)
-    except PipelineError as e:  # a pipeline stage failed or stopped answering: every rank says which, once
+    except (PipelineError, DataParallelError) as e:  # a rank failed or stopped answering: every rank says so, once
         return _fail(command, str(e), 1)
     except OSError as e:  # an output that cannot be written (read-only, full disk): one line
         return _fail(command, str(e), 1)
@@ -95,11 +99,15 @@ def run_command(command: str, body) -> int:
         return _fail(command, f"out of memory ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
                               "make the model, --context or --batch-size smaller", 2)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     return 0
 
 
 def _fail(command: str, message: str, code: int) -> int:
+    rank, world = rank_and_world()
+    if world > 1 and not message.startswith(f"rank {rank} of {world}"):  # which of the ranks' lines this is
+        message = f"rank {rank} of {world}: {message}"
     print(f"l2l {command}: {' '.join(message.split())}", file=sys.stderr)  # one line, whatever the message
     return code
 
@@ -298,6 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    startup.started()
     return args.func(args)
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -10,6 +11,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+
+FAILURE_KEY = "l2l/failure"  # in the process group's store: the first failure of a rank, "rank R of N: what"
 
 
 class DataParallelError(RuntimeError):
@@ -40,11 +44,28 @@ class Ranks:
         return self.rank == 0
 
 
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank and the world's size: the process group's, else torchrun's environment
+    (before the group is joined), else (0, 1)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def failed_ranks(failure: str | None, what: str) -> dict[int, str]:
+    """Every rank's failure in `what` (its message; None where it went well), gathered on every
+    rank (a collective): a rank that did not fail learns which did and why."""
+    messages = [None] * dist.get_world_size()
+    guarded(None, what, dist.all_gather_object, messages, failure)
+    return {rank: message for rank, message in enumerate(messages) if message is not None}
+
+
 def join_torchrun(device: str, timeout_s: float) -> Ranks:
     """Under torchrun (WORLD_SIZE > 1): join the process group, gloo on CPU, NCCL on CUDA
     (each rank on its LOCAL_RANK's GPU). An initialized group is used as it is."""
-    if dist.is_initialized():
-        return Ranks(dist.get_rank(), dist.get_world_size())
+    if dist.is_initialized():  # joined by the caller (l2l finetune, a user's script): left by it too
+        nccl = dist.get_backend() == "nccl"
+        return Ranks(dist.get_rank(), dist.get_world_size(), f"cuda:{torch.cuda.current_device()}" if nccl else None)
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return Ranks()
     cuda = device.startswith("cuda")
@@ -71,13 +92,50 @@ def comm_device(group, device: str | torch.device | None = None) -> torch.device
 
 
 def guarded(process_group, what: str, fn, /, *args, **kwargs):
-    """Run a collective (or wait for one); a failure names this rank and what it was doing."""
+    """Run a collective (or wait for one); a failure names this rank, what it was doing, and the
+    rank that failed first where it said so (report_failure)."""
     try:
         return fn(*args, **kwargs)
     except Exception as exc:
         rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
-        raise DataParallelError(f"rank {rank} of {world}: {what} failed; another rank has probably died or "
-                                f"stopped answering within the process group's timeout ({exc})") from exc
+        peer = reported_failure()
+        cause = (f"{peer}" if peer else "another rank has probably died or stopped answering within the process "
+                 f"group's timeout ({short_cause(exc)})")
+        raise DataParallelError(f"rank {rank} of {world}: {what} failed; {cause}") from exc
+
+
+def short_cause(exc: BaseException) -> str:
+    """A torch.distributed error in a few words: gloo's and the store's messages carry a source
+    location, advice and sometimes a C++ stack ("[.../pair.cc:537] Read error [127.0.0.1]:7089:
+    Connection reset by peer. This is typically caused by ...")."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = re.sub(r"^\[[^\]]*\.(cc|cpp|hpp|h):\d+\]\s*", "", text)
+    return re.split(r"\.\s+(This is typically|Check the logs|Did the remote)", text)[0].rstrip(".")
+
+
+def report_failure(message: str) -> None:
+    """Say in the process group's store why this rank stops (the first report stays), so that the
+    other ranks, whose next collective fails, name it. Best effort: the store may be gone."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        if store.add(f"{FAILURE_KEY}/count", 1) == 1:
+            store.set(FAILURE_KEY, f"rank {dist.get_rank()} of {dist.get_world_size()} stopped: {message}")
+    except Exception:
+        pass
+
+
+def reported_failure() -> str | None:
+    """What a rank reported with report_failure; None if none did, or the store does not answer
+    (it lives in rank 0's process, or torchrun's agent)."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        if store.check([FAILURE_KEY]):
+            return store.get(FAILURE_KEY).decode()
+    except Exception:
+        pass
+    return None
 
 
 def free_port() -> int:

@@ -176,11 +176,11 @@ def _write_cache(cache: Path, key: dict, runs: Iterator[tuple[list[int], bool]],
     """Tokenize into the cache: each file written under a temporary name and renamed, the key
     last, so a key on disk always describes whole files (a kill leaves the cache unused)."""
     ids_file, counted_file, key_file = _cache_files(cache)
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    key_file.unlink(missing_ok=True)
     files = [ids_file, *([counted_file] if chat else []), key_file]  # in the order they are renamed
     temporaries = {}
     try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        key_file.unlink(missing_ok=True)
         for path in files:
             temporaries[path] = _temporary(path)
         with open(temporaries[ids_file], "wb") as ids, \
@@ -189,6 +189,10 @@ def _write_cache(cache: Path, key: dict, runs: Iterator[tuple[list[int], bool]],
         temporaries[key_file].write_text(json.dumps({"key": key, "tokens": n}, indent=1), encoding="utf-8")
         for path in files:
             os.replace(temporaries[path], path)
+    except OSError as e:  # a full or read-only disk, named; an error reading the data (its path in it) as it is
+        if e.filename is not None and Path(e.filename) not in {cache.parent, *files, *temporaries.values()}:
+            raise
+        raise OSError(f"{cache.parent}: cannot write the token cache ({e.strerror or e})") from e
     finally:
         for temporary in temporaries.values():
             temporary.unlink(missing_ok=True)

@@ -576,12 +576,36 @@ def save_pretrained(relay, path, max_shard_size: int | str = "2GB", tokenizer=No
     return folder
 
 
+def foreign_files(folder, files_from=None) -> list[str]:
+    """What in `folder` save_pretrained(..., files_from=files_from) does not write (its config,
+    weights and index, the source folder's other files): a user's files and folders, which
+    save_replacing would remove. Nothing where `folder` does not exist."""
+    folder = Path(folder)
+    if path_kind(folder) == "missing":
+        return []
+    if path_kind(folder) != "a folder":  # a file of that name: the folder would take its place
+        return [folder.name]
+    copied = set()
+    if files_from is not None and path_kind(files_from) == "a folder":
+        copied = {p.name for p in Path(files_from).iterdir() if path_kind(p) == "a regular file"}
+    ours = (lambda p: path_kind(p) == "a regular file" and (
+        p.name in copied or p.name in ("config.json", INDEX_FILE)
+        or (p.name.startswith("model") and p.name.endswith(".safetensors"))))
+    return sorted(p.name for p in folder.iterdir() if not ours(p))
+
+
 def save_replacing(relay, path, files_from=None) -> Path:
     """save_pretrained into a new folder beside `path`, then renamed into its place (the folder it
     replaces is removed): `path` holds a whole model at every moment, the previous one or the new
     one. A kill while writing leaves a hidden temporary folder beside it; a kill between the two
-    renames leaves no `path` and the previous model in the hidden `.NAME.l2l-old-PID` folder."""
+    renames leaves no `path` and the previous model in the hidden `.NAME.l2l-old-PID` folder.
+    A `path` holding anything save_pretrained does not write (foreign_files) is refused
+    (FileExistsError), unchanged."""
     target = Path(path)
+    foreign = foreign_files(target, files_from)
+    if foreign:
+        raise FileExistsError(f"{target}: holds what replacing it with the model would remove "
+                              f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); move it away")
     target.parent.mkdir(parents=True, exist_ok=True)
     written = temporary_beside(target, folder=True)
     try:

@@ -27,12 +27,12 @@ Files in `cfg.out` (rank 0 only; nothing when out is None):
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import json
 import math
 import os
-import shutil
 import signal
 import threading
 import time
@@ -43,12 +43,15 @@ from typing import Callable, Iterable
 import torch
 
 from l2l_hw import finetune_data, hf
-from l2l_hw.checkpoint import Checkpoint, CheckpointError, open_checkpoint, remove_stale_temporaries, save_checkpoint
-from l2l_hw.distributed import Ranks, join_torchrun, leave_torchrun, rank_shard
+from l2l_hw.checkpoint import (Checkpoint, CheckpointError, open_checkpoint, remove_stale_temporaries, save_checkpoint,
+                               temporary_beside)
+from l2l_hw.distributed import (Ranks, failed_ranks, guarded, join_torchrun, leave_torchrun, rank_and_world, rank_shard,
+                                report_failure)
 from l2l_hw.eps import make_eps
 from l2l_hw.eps.base import STATE_SLOTS, updated_slots
 from l2l_hw.eps.golden import QUANT_BLOCK
 from l2l_hw.eps.options import LAMB_LR, EpsOptions, ScheduleOptions
+from l2l_hw.inputs import path_kind
 from l2l_hw.models import Corpus, GPTConfig, build_gpt, generate, lm_loss
 from l2l_hw.models.gpt import ModelOptions
 from l2l_hw.options import OptionError, check_options, fail, option, pick, with_default
@@ -60,8 +63,12 @@ CHECKPOINT, METRICS, PLOT, TENSORBOARD = "checkpoint.safetensors", "metrics.json
 MODEL, TOKEN_CACHE = "model", "tokens"  # finetune's: the Hugging Face folder, the tokens (finetune_data's cache)
 EVAL_BATCHES = 4  # validation minibatches per eval point of the reference corpus; the same windows every time
 RUN_FILES = (CHECKPOINT, METRICS, PLOT, TENSORBOARD)  # what a run writes into out: an earlier run is these
+EVENT_FILES = "events.out.tfevents.*"  # the names SummaryWriter gives its files in out/tensorboard
 MAX_DISCARDED = 100  # steps discarded in a row (non-finite) before the run stops: fp16's scale needs <= 24
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# A second signal of the same kind this soon after the first is the same request: under torchrun
+# a Ctrl-C reaches each rank twice, from the terminal and forwarded by the agent (milliseconds apart).
+REPEAT_S = 1.0
 SAMPLE_PROMPT, SAMPLE_BYTES = b"def ", 200
 # What --resume may change: the step target (a longer one also stretches a cosine schedule)
 # and where the run happens. Every other field of the run is the checkpoint's.
@@ -85,9 +92,9 @@ class TrainingInterrupted(KeyboardInterrupt):
     """SIGINT or SIGTERM stopped the run at a step boundary, after a checkpoint of that step
     (when the run writes files). `signal` is the signal's number, `step` the step reached."""
 
-    def __init__(self, signum: int, step: int, saved: bool):
+    def __init__(self, signum: int, step: int, saved: bool, where: str = ""):
         self.signal, self.step, self.saved = signum, step, saved
-        super().__init__(f"interrupted at step {step}" + ("; resume with --resume" if saved else ""))
+        super().__init__(f"interrupted{where} at step {step}" + ("; resume with --resume" if saved else ""))
 
 
 @dataclass(frozen=True)
@@ -179,6 +186,9 @@ class TrainConfig(RunOptions, PipelineOptions, RelayOptions, EpsOptions, Schedul
                 fail("micro_batches", self.micro_batches, f"must be at most batch_size ({self.batch_size})")
             if self.min_lr is not None and self.min_lr > self.lr:
                 fail("min_lr", self.min_lr, f"must be at most lr ({self.lr})")
+            if self.pipeline_stages > 1 and self.grad_compression != "none":
+                fail("grad_compression", self.grad_compression, "compresses the gradient all-reduce of data "
+                     f"parallelism, and a pipeline (pipeline_stages {self.pipeline_stages}) has none: drop it")
         except OptionError as e:
             raise ConfigError(e.rule, e.field, e.value) from None
 
@@ -256,10 +266,14 @@ def _saved_config(meta: dict, path: Path) -> dict:
 
 
 def build_eps(cfg: TrainConfig, shard_state: bool | None = None):
-    """The EPS of `cfg`: optimizer, schedule and backend."""
+    """The EPS of `cfg`: optimizer, schedule and backend. Under torchrun each rank keeps its state
+    (a pipeline stage's layers, or a data-parallel replica) in a state_dir of its own, state_dir/rankR."""
     arguments = pick(EpsOptions, cfg).make_eps_arguments(pick(ScheduleOptions, cfg))
     if shard_state is not None:
         arguments["shard_state"] = shard_state
+    rank, world = rank_and_world()
+    if world > 1 and arguments.get("state_dir") is not None:
+        arguments["state_dir"] = str(Path(arguments["state_dir"]) / f"rank{rank}")
     return make_eps(**arguments)
 
 
@@ -270,10 +284,10 @@ def relay_options(cfg: TrainConfig, device: str | None = None) -> RelayOptions:
 
 
 def build_relay(cfg: TrainConfig, layers=None, loss_fn: Callable | None = None, *, device: str | None = None,
-                shard_state: bool | None = None, init: Callable | None = None) -> Relay:
-    """The relay of `cfg`: its EPS around `layers` and `loss_fn`, the reference GPT and its
-    loss when not given. Seeds torch with cfg.seed first. `init` fills layers on the meta
-    device (Relay's init=)."""
+                shard_state: bool | None = None, eps=None, init: Callable | None = None) -> Relay:
+    """The relay of `cfg`: its EPS (`eps`, else built here) around `layers` and `loss_fn`, the
+    reference GPT and its loss when not given. Seeds torch with cfg.seed first. `init` fills
+    layers on the meta device (Relay's init=)."""
     torch.manual_seed(cfg.seed)
     reference = layers is None
     if reference:
@@ -291,9 +305,10 @@ def build_relay(cfg: TrainConfig, layers=None, loss_fn: Callable | None = None, 
             x = torch.randint(0, 256, (cfg.batch_size, cfg.context), generator=torch.Generator().manual_seed(cfg.seed))
             plan = plan_on_ranks(list(layers), loss_fn, x, torch.roll(x, -1, 1), cfg.pipeline_stages,
                                  cfg.micro_batches, threads=cfg.threads or 1)
-        return PipelineRelay(layers, loss_fn, build_eps(cfg, shard_state), relay_options(cfg, device),
+        return PipelineRelay(layers, loss_fn, eps or build_eps(cfg, shard_state), relay_options(cfg, device),
                              pipeline=cfg.pipeline_config(), init=init, plan=plan)
-    return Relay(layers, loss_fn, eps=build_eps(cfg, shard_state), options=relay_options(cfg, device), init=init)
+    return Relay(layers, loss_fn, eps=eps or build_eps(cfg, shard_state), options=relay_options(cfg, device),
+                 init=init)
 
 
 class OutputError(OSError):
@@ -351,16 +366,11 @@ def train(cfg: TrainConfig | None = None, *, layers=None, loss_fn: Callable | No
     if checkpoint is not None and cfg.warmup is None:  # "a tenth of steps" was settled when the run began
         cfg = dataclasses.replace(cfg, warmup=checkpoint[1]["config"]["warmup"])
     ranks = join_torchrun(cfg.device, cfg.dist_timeout)
-    try:
+    with _in_group(ranks):
         if cfg.shard_state and ranks.world == 1 and not cfg.resume:  # a resumed sharded run may go on whole
             raise ConfigError("shards the optimizer state across ranks: run under torchrun with 2 or more "
                               "processes (torchrun --nproc-per-node N); this is one process", "shard_state", True)
-        try:  # set-up: what fails here is a value or a file of the config, named in the message
-            loop, corpus = _set_up(cfg, ranks, layers, loss_fn, data, val_data, relay, checkpoint)
-        except ConfigError:
-            raise
-        except (ValueError, TypeError, OSError) as e:
-            raise ConfigError(str(e)) from e
+        loop, corpus = _set_up(cfg, ranks, layers, loss_fn, data, val_data, relay, checkpoint)
         loop.callbacks = list(callbacks)
         if cfg.verbose:
             stages = _trained_by_stage(loop.relay, cfg, ranks)  # every rank: a collective in a pipeline
@@ -371,12 +381,8 @@ def train(cfg: TrainConfig | None = None, *, layers=None, loss_fn: Callable | No
         if cfg.verbose:  # every rank: the report gathers the weights (a collective when sharded)
             loop.report(result, sample=corpus is not None)
         if ranks.world > 1:  # leave together: rank 0 may still write while a peer tears the group down
-            import torch.distributed as dist
-
-            dist.barrier()
+            _all_here(ranks)
         return result
-    finally:
-        leave_torchrun(ranks)
 
 
 def finetune(cfg: TrainConfig, callbacks: Iterable[Callable[[dict], None]] = ()) -> TrainResult:
@@ -388,15 +394,30 @@ def finetune(cfg: TrainConfig, callbacks: Iterable[Callable[[dict], None]] = ())
     The weights stream into the EPS (hf.from_pretrained), train() trains them; out/model is the
     model as transformers saves it (the folder's other files copied unchanged), written at the
     end and every cfg.save_every steps, each time whole (hf.save_replacing). cfg.prompt: a
-    greedy sample printed at each evaluation (the last step is one)."""
-    lead = int(os.environ.get("RANK", "0")) == 0  # torchrun's rank 0, before train() joins the group
+    greedy sample printed at each evaluation (the last step is one). Under torchrun the ranks
+    join their group first: the relay built here averages its gradients across them."""
+    ranks = join_torchrun(cfg.device, cfg.dist_timeout)
+    with _in_group(ranks):
+        return _finetune(cfg, ranks, callbacks)
+
+
+def _finetune(cfg: TrainConfig, ranks: Ranks, callbacks: Iterable[Callable[[dict], None]]) -> TrainResult:
+    lead = ranks.lead
     say = print if cfg.verbose and lead else (lambda *_: None)
     out = Path(cfg.out) if cfg.out is not None else None
-    if cfg.prompt is not None and hf.masked_lm(hf.load_config(cfg.model)):
-        raise ConfigError(f"a sample continues a causal LM's text, and {cfg.model} holds a masked LM", "prompt",
-                          cfg.prompt)
-    if out is not None and lead:  # before anything is read: the token cache goes there, a run there is refused
-        prepare_out(cfg)
+    failure = None
+    try:  # before anything is read or written (the token cache goes into out), on every rank
+        if cfg.prompt is not None and hf.masked_lm(hf.load_config(cfg.model)):
+            raise ConfigError(f"a sample continues a causal LM's text, and {cfg.model} holds a masked LM", "prompt",
+                              cfg.prompt)
+        for name in ("data", "val_data"):
+            if getattr(cfg, name) is not None and path_kind(getattr(cfg, name)) == "missing":
+                raise ConfigError("does not exist", name, getattr(cfg, name))
+        if out is not None and lead:  # a run there is refused, or continued, or replaced once all is checked
+            check_out(cfg)
+    except Exception as e:
+        failure = _config_error(e)
+    _agree(ranks, failure)
 
     def minibatches(data, role: str):
         return finetune_data.finetune_batches(cfg.model, data, cfg.batch_size, cfg.context, seed=cfg.seed,
@@ -416,7 +437,8 @@ def finetune(cfg: TrainConfig, callbacks: Iterable[Callable[[dict], None]] = ())
     if cfg.epochs is not None and not cfg.resume:  # the run's length in steps: its schedule needs it
         cfg = dataclasses.replace(cfg, steps=cfg.epochs * len(fit))
         say(f"{cfg.epochs} epoch(s) of {len(fit)} minibatches: {cfg.steps} steps")
-    relay = hf.from_pretrained(cfg.model, eps=build_eps(cfg), options=relay_options(cfg))
+    relay = hf.from_pretrained(cfg.model, eps=build_eps(cfg, sharded(cfg, ranks)),
+                               options=relay_options(cfg, ranks.device))
     tokenizer = hf.load_tokenizer(cfg.model) if cfg.prompt is not None and cfg.verbose else None
     saved_step = None
 
@@ -425,7 +447,11 @@ def finetune(cfg: TrainConfig, callbacks: Iterable[Callable[[dict], None]] = ())
         if out is None or saved_step == relay.step:
             return
         if lead:
-            hf.save_replacing(relay, out / MODEL, files_from=cfg.model)
+            try:
+                hf.save_replacing(relay, out / MODEL, files_from=cfg.model)
+            except OSError as e:
+                raise OutputError(f"{out / MODEL}: cannot save the model ({e.strerror or e}); the one saved before "
+                                  "is unchanged") from e
             if relay.step < cfg.steps:  # the last save is reported with the run's end
                 say(f"saved the model for transformers in {out / MODEL} at step {relay.step}")
         else:  # the export is a collective when the state is sharded: every rank takes part
@@ -445,59 +471,161 @@ def finetune(cfg: TrainConfig, callbacks: Iterable[Callable[[dict], None]] = ())
     result = train(cfg, relay=relay, data=itertools.chain.from_iterable(itertools.repeat(fit, epochs)),
                    val_data=val, callbacks=[at_each_step, *callbacks])
     save()
+    if ranks.world > 1:  # leave together: rank 0 writes the model while a peer would tear the group down
+        _all_here(ranks)
     if out is not None:
         say(f"saved the fine-tuned model for transformers in {out / MODEL}")
     return result
 
 
 def _set_up(cfg: TrainConfig, ranks: Ranks, layers, loss_fn, data, val_data, relay, checkpoint):
-    if layers is None and relay is None:
-        check_memory(cfg)
+    """The loop of a run, every input checked first: the output folder, the data, the EPS (its
+    state_dir) on every rank, then the relay and the checkpoint it resumes. Only then is an
+    earlier run in the output folder removed (overwrite)."""
+    corpus = eps = None
+    try:  # what may refuse the run on one rank alone, before the ranks' first collective
+        if layers is None and relay is None:
+            check_memory(cfg)
+        if cfg.out is not None and ranks.lead:
+            check_out(cfg)
+        if layers is None and relay is None:  # the reference GPT on the reference corpus
+            corpus = load_corpus(cfg)
+            data = CorpusBatches(corpus, cfg.batch_size, cfg.context, cfg.seed)
+            val_data = corpus_val_batches(corpus, cfg)
+        if relay is None:
+            eps = build_eps(cfg, sharded(cfg, ranks))
+        failure = None
+    except Exception as e:
+        failure = _config_error(e)
+    _agree(ranks, failure)
+    try:
+        if relay is None:  # resuming, layers on the meta device (or a relay's, which keep only structure) are filled
+            init = init_from_state(checkpoint[0].view("relay.")) if checkpoint is not None else None  # from the file
+            relay = build_relay(cfg, layers, loss_fn, device=ranks.device, eps=eps, init=init)
+        loop = _Loop(cfg, relay, data, val_data, ranks)
+        if checkpoint is not None:  # after building: construction draws from the RNGs restored now
+            loop.restore(*checkpoint)
+    except Exception as e:
+        raise _config_error(e)
     if cfg.out is not None and ranks.lead:
         prepare_out(cfg)
-    corpus = None
-    if layers is None and relay is None:  # the reference GPT on the reference corpus
-        corpus = load_corpus(cfg)
-        data = CorpusBatches(corpus, cfg.batch_size, cfg.context, cfg.seed)
-        val_data = corpus_val_batches(corpus, cfg)
-    if relay is None:  # resuming, layers on the meta device (or a relay's, which keep only structure) are filled
-        init = init_from_state(checkpoint[0].view("relay.")) if checkpoint is not None else None  # from the file
-        relay = build_relay(cfg, layers, loss_fn, device=ranks.device, shard_state=sharded(cfg, ranks), init=init)
-    loop = _Loop(cfg, relay, data, val_data, ranks)
-    if checkpoint is not None:  # after building: construction draws from the RNGs restored now
-        loop.restore(*checkpoint)
     return loop, corpus
 
 
+@contextlib.contextmanager
+def _in_group(ranks: Ranks):
+    """A run on `ranks`: what stops it here is told to the other ranks (their next collective
+    fails naming it: report_failure); the group is left at the end where it was joined here."""
+    try:
+        yield
+    except BaseException as e:
+        if ranks.world > 1:
+            report_failure(" ".join(str(e).split()) or type(e).__name__)
+        raise
+    finally:
+        leave_torchrun(ranks)
+
+
+def _all_here(ranks: Ranks) -> None:
+    import torch.distributed as dist
+
+    guarded(None, "waiting for every rank at the end", dist.barrier)
+
+
+def _agree(ranks: Ranks, failure: Exception | None) -> None:
+    """Every rank learns whether another could not start (a collective): `failure` is raised on
+    its rank, and on each of the others a ConfigError naming the rank and its reason."""
+    if ranks.world > 1:
+        failed = failed_ranks(str(failure) if failure else None, "agreeing that every rank can start")
+        if failure is None and failed:
+            rank, why = next(iter(failed.items()))
+            raise ConfigError(f"rank {ranks.rank} of {ranks.world}: stopped before training: rank {rank} cannot "
+                              f"start: {why}")
+    if failure is not None:
+        raise failure
+
+
+def _config_error(e: Exception) -> Exception:
+    """Set-up's errors: a value or a file of the config, named in the message (a ConfigError);
+    anything else as it is."""
+    if isinstance(e, ConfigError) or not isinstance(e, (ValueError, TypeError, OSError)):
+        return e
+    error = ConfigError(str(e))
+    error.__cause__ = e
+    return error
+
+
 def earlier_run(out: Path) -> list[str]:
-    """The files of a run already in `out` (an empty metrics file is none: a run that failed to start)."""
-    found = [name for name in RUN_FILES if (out / name).exists()]
-    if METRICS in found and (out / METRICS).is_file() and (out / METRICS).stat().st_size == 0:
+    """The files of a run already in `out`, by the names in RUN_FILES (an empty metrics file is
+    none: a run that failed to start; tensorboard counts where it holds event files)."""
+    found = [name for name in RUN_FILES if (out / name).is_file()]  # a folder of that name is not the run's
+    if METRICS in found and (out / METRICS).stat().st_size == 0:
         found.remove(METRICS)
-    return found
+    return found + ([TENSORBOARD] if _event_files(out) else [])
 
 
-def prepare_out(cfg: TrainConfig) -> None:
-    """The output folder exists and takes files; what an interrupted checkpoint write of this
-    program left is removed. A run already there is continued (resume), replaced (overwrite), or
-    the run is refused: nothing of it is changed."""
+def _event_files(out: Path) -> list[Path]:
+    folder = out / TENSORBOARD
+    return sorted(p for p in folder.glob(EVENT_FILES) if p.is_file()) if folder.is_dir() else []
+
+
+def check_out(cfg: TrainConfig) -> None:
+    """Everything about the output folder that can refuse the run, before anything in it changes
+    (what is made to try it is removed again): it is a folder, or can be made, that takes files;
+    a run already there is continued (resume), replaced (overwrite: prepare_out, once every input
+    was checked), or the run is refused; the model folder a fine-tune saves holds nothing that
+    saving would remove."""
     out = Path(cfg.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError("is a file, not a folder", "out", str(cfg.out))
     found = earlier_run(out) if out.is_dir() else []
     if found and not cfg.resume and not cfg.overwrite:
         raise ConfigError(f"already holds a run ({', '.join(found)}); continue it with --resume, replace it with "
                           "--overwrite, or give another --out", "out", str(cfg.out))
-    if out.exists() and not out.is_dir():
-        raise ConfigError("is a file, not a folder", "out", str(cfg.out))
-    try:
+    if cfg.model is not None:
+        foreign = hf.foreign_files(out / MODEL, cfg.model)
+        if foreign:
+            raise ConfigError(f"{out / MODEL} holds what saving the fine-tuned model there would remove "
+                              f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}): move it, or give "
+                              "another --out", "out", str(cfg.out))
+    if cfg.tensorboard:
+        _summary_writer()
+    made = [p for p in (*reversed(out.absolute().parents), out.absolute(), out.absolute() / METRICS)
+            if not p.exists()]
+    try:  # the metrics file opened as the run opens it; what this made is removed again
         out.mkdir(parents=True, exist_ok=True)
-        if cfg.overwrite:  # what this program wrote there, and nothing else
-            for name in found:
-                shutil.rmtree(out / name) if (out / name).is_dir() else (out / name).unlink()
-        remove_stale_temporaries(out / CHECKPOINT)
         with open(out / METRICS, "a"):
             pass
     except OSError as e:
         raise ConfigError(f"cannot write there ({e.strerror or e})", "out", str(cfg.out)) from e
+    finally:
+        for path in reversed(made):
+            with contextlib.suppress(OSError):
+                path.rmdir() if path.is_dir() else path.unlink()
+
+
+def prepare_out(cfg: TrainConfig) -> None:
+    """Once every input of the run was checked: the output folder is made; with overwrite, the
+    earlier run's files go (the names in RUN_FILES; of tensorboard/, its event files: nothing
+    this program did not write); and the temporaries an interrupted checkpoint write of this
+    program left."""
+    out = Path(cfg.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        if cfg.overwrite:
+            for name in earlier_run(out):
+                if name == TENSORBOARD:
+                    for events in _event_files(out):
+                        events.unlink()
+                    with contextlib.suppress(OSError):  # kept where it holds anything else
+                        (out / TENSORBOARD).rmdir()
+                else:
+                    (out / name).unlink()
+        remove_stale_temporaries(out / CHECKPOINT)
+        with open(out / METRICS, "a"):
+            pass
+    except OSError as e:
+        raise OutputError(f"{out}: cannot prepare the output folder ({e.strerror or e})") from e
 
 
 def load_corpus(cfg: TrainConfig) -> Corpus:
@@ -745,7 +873,8 @@ class _Loop:
             return
         # Streamed to the file, read one tensor at a time; every rank: a collective if sharded.
         tensors = {f"relay.{k}": v for k, v in self.relay.state_entries().items()}
-        if not self.files:
+        if not self.files:  # saved by rank 0: every rank knows the step, so none gathers it twice
+            self.saved_step = self.relay.step
             return
         tensors.update(rng_tensors())
         if hasattr(self.data, "state_dict"):
@@ -792,7 +921,8 @@ class _Loop:
                 if signals.agreed(self.ranks):  # a safe point: between steps, nothing half written
                     if self.saved_step != relay.step:
                         self.save()
-                    raise TrainingInterrupted(signals.received, relay.step, saved=self.out is not None)
+                    raise TrainingInterrupted(signals.received, relay.step, saved=self.out is not None,
+                                              where=signals.where)
                 chunk = list(itertools.islice(batches, self.chunk(stop)))
                 if not chunk:  # a finite iterable ran out: validate and checkpoint where it ended
                     if self.history and "val_loss" not in self.history[-1]:
@@ -893,11 +1023,14 @@ class _Loop:
 class StopSignals:
     """SIGINT and SIGTERM, while training, ask the loop to stop at the next step boundary (where
     it checkpoints and raises TrainingInterrupted) instead of killing it mid-step. A second
-    signal of the same kind acts as it did before (Ctrl-C twice raises KeyboardInterrupt). Only
-    the main thread can take signals; elsewhere this does nothing."""
+    signal of the same kind, REPEAT_S after the first or later, acts as it did before (Ctrl-C
+    twice raises KeyboardInterrupt). Only the main thread can take signals; elsewhere this does
+    nothing."""
 
     def __init__(self):
         self.received: int | None = None
+        self.at = 0.0  # when it was received (time.monotonic)
+        self.where = ""  # under torchrun: which rank it reached first, for the ranks' lines
         self.previous: dict[int, object] = {}
 
     def __enter__(self):
@@ -908,8 +1041,14 @@ class StopSignals:
 
     def _handle(self, signum, frame):
         if self.received is None:
-            self.received = signum
-            signal.signal(signum, self.previous[signum])
+            self.received, self.at = signum, time.monotonic()
+        elif signum == self.received and time.monotonic() - self.at >= REPEAT_S:
+            previous = self.previous[signum]
+            signal.signal(signum, previous)
+            if callable(previous):
+                previous(signum, frame)
+            else:  # the default action (SIGTERM: the end), or nothing where it was ignored
+                signal.raise_signal(signum)
 
     def __exit__(self, *exc):
         for signum, handler in self.previous.items():
@@ -921,11 +1060,15 @@ class StopSignals:
             return self.received is not None
         import torch.distributed as dist
 
-        flag = torch.tensor([0 if self.received is None else self.received], device=ranks.device or "cpu")
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() and self.received is None:
-            self.received = int(flag.item())
-        return bool(flag.item())
+        flags = torch.zeros(ranks.world, dtype=torch.int64, device=ranks.device or "cpu")
+        flags[ranks.rank] = self.received or 0
+        guarded(None, "agreeing whether to stop at a signal", dist.all_reduce, flags)
+        got = [(rank, int(signum)) for rank, signum in enumerate(flags.tolist()) if signum]
+        if got and self.received is None:
+            self.received = got[0][1]
+        if got:
+            self.where = f" by {signal.Signals(got[0][1]).name} to rank {got[0][0]}"
+        return bool(got)
 
 
 def one_line(text: str) -> str:
@@ -975,13 +1118,20 @@ def read_metrics(path: Path, up_to_step: int | None = None) -> list[dict]:
     return [r for r in rows if up_to_step is None or r["step"] <= up_to_step]
 
 
-def _tensorboard(out: Path, step: int):
-    """A SummaryWriter in out/tensorboard; events past `step` (a run resumed from there) are purged."""
+def _summary_writer():
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as e:
         raise ConfigError("--tensorboard needs the tensorboard package (pip install tensorboard)") from e
-    return SummaryWriter(str(out / TENSORBOARD), purge_step=step + 1 if step else None)
+    return SummaryWriter
+
+
+def _tensorboard(out: Path, step: int):
+    """A SummaryWriter in out/tensorboard; events past `step` (a run resumed from there) are purged."""
+    try:
+        return _summary_writer()(str(out / TENSORBOARD), purge_step=step + 1 if step else None)
+    except OSError as e:
+        raise OutputError(f"{out / TENSORBOARD}: cannot write the TensorBoard events ({e.strerror or e})") from e
 
 
 def plot(rows: list[dict], path: Path, title: str = "l2l train") -> None:
@@ -1001,6 +1151,15 @@ def plot(rows: list[dict], path: Path, title: str = "l2l train") -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        written = temporary_beside(path)  # renamed into place once whole: the last plot survives a full disk
+        try:
+            fig.savefig(written, dpi=100, format="png")
+            os.replace(written, path)
+        finally:
+            written.unlink(missing_ok=True)
+    except OSError as e:
+        raise OutputError(f"{path}: cannot write the plot ({e.strerror or e})") from e
+    finally:
+        plt.close(fig)
 

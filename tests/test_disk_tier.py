@@ -388,3 +388,60 @@ def test_read_ahead_spares_a_group_whose_update_is_queued_and_a_demand_does_not_
     with store.use("d"):  # a demand takes one (never waits for updates queued behind its caller)
         assert "d" in store.images and len(store.images) == 2
     store.close()
+
+
+def files_of(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("layers", ["1", "3", "4"])
+def test_a_state_dir_of_a_model_with_other_layers_is_refused_before_any_region_is_written(tmp_path, capsys,
+                                                                                          layers):
+    # Same width: the embedding and the first blocks match; the check runs on the whole manifest
+    # before the first registration, so none of those regions is overwritten (issue 46, case 4).
+    state = tmp_path / "state"
+    rc, err = run_cli(capsys, *SMALL, "--steps", "1", "--out", str(tmp_path / "a"), "--state-dir", str(state))
+    assert rc == 0, err
+    before = files_of(state)
+    flags = dict(zip(SMALL[::2], SMALL[1::2]), **{"--layers": layers})
+    rc, err = run_cli(capsys, *[x for kv in flags.items() for x in kv], "--steps", "1", "--out", str(tmp_path / "b"),
+                      "--state-dir", str(state))
+    assert rc == 2
+    assert_one_clear_line(err, str(state), "another model", f"this one has {int(layers) + 2}", "nothing in it was changed")
+    assert files_of(state) == before
+    with pytest.raises(StateDirError, match="holds the state of another model"):  # the Python API alike
+        l2l_hw.Relay(gpt(), lm_loss, eps=disk_eps(state), micro_batches=2)
+    assert files_of(state) == before
+
+
+def test_a_state_dir_refused_for_lack_of_space_leaves_nothing_behind(tmp_path, monkeypatch, capsys):
+    user = tmp_path / "user"  # a folder of the user's: it and its file stay, nothing of the EPS's does
+    user.mkdir()
+    (user / "notes.txt").write_text("mine")
+
+    class Statvfs:
+        f_bavail, f_frsize = 1, 4096  # 4 KiB free: less than one region (two sections of 4 KiB at least)
+
+    monkeypatch.setattr(disk_store.os, "statvfs", lambda path: Statvfs())
+    for state in (tmp_path / "new" / "state", user):
+        with pytest.raises(StateDirError, match=r"no space for the state: its regions need [\d,]+ more bytes, "
+                                                r"4,096 are free \(nothing was written\)"):
+            l2l_hw.Relay(gpt(), lm_loss, eps=disk_eps(state), micro_batches=2)
+    assert not (tmp_path / "new").exists() and files_of(user) == {"notes.txt": b"mine"}
+    assert sorted(p.name for p in user.iterdir()) == ["notes.txt"]
+    monkeypatch.undo()
+
+    calls = []
+
+    def full_at_the_third(fd, offset, length):  # the space went while the regions were made
+        calls.append(fd)
+        if len(calls) == 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, offset, length)
+
+    real = os.posix_fallocate
+    monkeypatch.setattr(disk_store.os, "posix_fallocate", full_at_the_third)
+    rc, err = run_cli(capsys, *SMALL, "--steps", "1", "--out", str(tmp_path / "out"), "--state-dir", str(user))
+    assert rc == 2
+    assert_one_clear_line(err, str(user), "no space for region 2", "regions this run made are removed")
+    assert sorted(p.name for p in user.iterdir()) == ["notes.txt"]

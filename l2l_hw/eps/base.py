@@ -5,6 +5,7 @@ An EPS holds fp32 master weights and optimizer state for named groups of tensors
 The relay only ever talks to the interface `EPS` (abstract methods only):
 
     configure(...)             what the relay needs of it (working copy, double buffering, deferral)
+    expect(groups)             every group about to be registered (a backend laying out storage checks it whole)
     register(key, params)      take the fp32 master copy, allocate state
     fetch(key) / fetch_async   host working copy the device computes with next
     push_grads(key, grads)     schedule the eager update of that group; returns at once
@@ -229,6 +230,13 @@ class EPS(ABC):
         there too runs between layers rather than beside them (l2l_hw/eps/worker.py)."""
 
     @abstractmethod
+    def expect(self, groups: dict[str, dict[str, torch.Size]]) -> None:
+        """The groups the relay is about to register, in order, with their tensors' shapes: said once,
+        after configure() and before the first register(). A backend that lays out storage for them
+        (the disk tier's state_dir) checks the whole model against what it holds before it writes
+        anything; the others need nothing of it."""
+
+    @abstractmethod
     def register(self, key: str, params: dict[str, torch.Tensor], no_decay: frozenset[str] = frozenset()) -> None:
         """Take the fp32 master copy of a group's parameters and allocate its state; the tensors
         named in `no_decay` are updated without weight decay (biases and norms, as transformers'
@@ -388,6 +396,9 @@ class LocalEps(EPS):
             self.pushes.defer = bool(defer_updates)
 
     # -- registration ---------------------------------------------------------
+    def expect(self, groups: dict[str, dict[str, torch.Size]]) -> None:
+        """Nothing to check in memory (the disk tier overrides it)."""
+
     def register(self, key: str, params: dict[str, torch.Tensor], no_decay: frozenset[str] = frozenset()) -> None:
         """Take the fp32 master copy of a group's parameters and allocate its state."""
         self._register(key, new_group(self.shapes, key, params, no_decay))

@@ -77,12 +77,25 @@ class DiskEps(CpuEps):
             return super()._allocate(shape, dtype, fetched)
         return self._layout.add(shape, dtype, "fetched" if fetched else "state")
 
-    def _register(self, key, params):
+    def _laid_out(self, key: str, shapes: dict[str, torch.Size]) -> tuple[dict, RegionLayout]:
+        """Group `key`'s buffers as slices of its region, and the region's layout."""
         layout = self._layout = RegionLayout(key)
         try:
-            group = {name: self._new_tensor(p.shape) for name, p in params.items()}
+            return {name: self._new_tensor(torch.Size(shape)) for name, shape in shapes.items()}, layout
         finally:
             self._layout = None
+
+    def expect(self, groups):
+        """The whole model's groups, checked against the state_dir's manifest, its rule and its free
+        space before the first region is written (RegionStore.expect)."""
+        entries = []
+        for key, shapes in groups.items():
+            _, layout = self._laid_out(key, shapes)
+            entries.append({"key": key, "tensors": {n: list(s) for n, s in shapes.items()}, "sizes": layout.sizes()})
+        self.store.expect(entries, self._rule())
+
+    def _register(self, key, params):
+        group, layout = self._laid_out(key, {name: p.shape for name, p in params.items()})
         self.store.add_region(key, {n: list(p.shape) for n, p in params.items()}, layout.sizes(), self._rule())
         self.buffers[key] = group
         self._order[key] = len(self._order)

@@ -183,6 +183,8 @@ class RegionStore:
         self._cond = threading.Condition()
         self._tick = 0
         self._lock_fd = None
+        self.expected: list[dict] | None = None  # the whole model's groups, where expect() was told them
+        self._made: list[Path] = []  # what this store created (folders, lock, manifest, regions), oldest first
         self._open()
         self._io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="l2l-disk-io")
         self._tasks = ThreadPoolExecutor(self.groups_in_flight, thread_name_prefix="l2l-disk-region")
@@ -193,24 +195,31 @@ class RegionStore:
         return StateDirError(f"state_dir {self.path}: {what}{reason}")
 
     def _open(self) -> None:
-        """Create or check the folder: writable, direct I/O, not in use."""
+        """Create or check the folder: writable, direct I/O, not in use. Refused, it is left as it
+        was: what this store made of it is removed (refuse())."""
+        if self.path.exists() and not self.path.is_dir():
+            raise self._fail("is a file, not a folder")
         try:
+            missing = [p for p in (*reversed((self.path / REGIONS).parents), self.path / REGIONS) if not p.exists()]
             (self.path / REGIONS).mkdir(parents=True, exist_ok=True)
+            self._made += missing
         except FileExistsError as e:
             raise self._fail("is not a folder", e) from None
         except OSError as e:
             raise self._fail("cannot be created or written (a read-only filesystem or folder?)", e) from None
         try:
+            if not (self.path / LOCK).exists():
+                self._made.append(self.path / LOCK)
             self._lock_fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
-            raise self._fail("cannot be written (a read-only filesystem or folder?)", e) from None
+            raise self.refuse("cannot be written (a read-only filesystem or folder?)", e) from None
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(self._lock_fd)
             self._lock_fd = None
             raise self._fail("is in use by another EPS (its lock file is held); give each run its own "
-                             "state_dir") from None
+                             "state_dir") from None  # another's: nothing of it is ours to remove
         for stale in [*self.path.glob(".probe-*"), self.path / f".{MANIFEST}.tmp"]:  # a killed run's; the lock is ours
             with contextlib.suppress(FileNotFoundError):
                 stale.unlink()
@@ -220,29 +229,28 @@ class RegionStore:
     def _probe_direct_io(self) -> None:
         kind = filesystem_type(self.path)
         if kind in IN_MEMORY_FILESYSTEMS:
-            self.close()
-            raise self._fail(f"is on {kind}, a filesystem in memory: the state would take RAM, and tmpfs has no "
-                             "direct I/O before Linux 6.6; put the state on a disk filesystem (ext4, xfs)")
+            raise self.refuse(f"is on {kind}, a filesystem in memory: the state would take RAM, and tmpfs has no "
+                              "direct I/O before Linux 6.6; put the state on a disk filesystem (ext4, xfs)")
         probe = self.path / f".probe-{os.getpid()}"
         try:
             fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o644)
         except OSError as e:
-            self.close()
             if e.errno == errno.EINVAL:
-                raise self._fail("its filesystem has no direct I/O (O_DIRECT; tmpfs, for one): put the state on "
-                                 "a disk filesystem (ext4, xfs)") from None
-            raise self._fail("cannot be written (a read-only filesystem or folder?)", e) from None
+                raise self.refuse("its filesystem has no direct I/O (O_DIRECT; tmpfs, for one): put the state on "
+                                  "a disk filesystem (ext4, xfs)") from None
+            raise self.refuse("cannot be written (a read-only filesystem or folder?)", e) from None
         try:
             buf = aligned_buffer(ALIGN)
             if os.pwritev(fd, [memoryview(buf.numpy())], 0) != ALIGN:
                 raise OSError(errno.EIO, "short write")
         except OSError as e:
-            self.close()
-            raise self._fail("cannot be written", e) from None
-        finally:
             os.close(fd)
             with contextlib.suppress(OSError):
                 probe.unlink()
+            raise self.refuse("cannot be written", e) from None
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            probe.unlink()
 
     def _read_manifest(self) -> dict:
         path = self.path / MANIFEST
@@ -253,12 +261,61 @@ class RegionStore:
             if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
                 raise ValueError(f"format {manifest.get('format') if isinstance(manifest, dict) else '?'}")
         except (ValueError, OSError) as e:
-            self.close()
-            raise self._fail(f"its {MANIFEST} is not one this version wrote ({e}); give an empty folder") from None
+            raise self.refuse(f"its {MANIFEST} is not one this version wrote ({e}); give an empty folder") from None
         return manifest
+
+    def refuse(self, what: str, e: OSError | None = None) -> StateDirError:
+        """The folder cannot be used: close it and remove what this store made of it (folders,
+        lock, manifest, regions: nothing that was there before), so a refusal leaves nothing
+        behind. The error to raise."""
+        self.close()
+        for path in reversed(self._made):
+            with contextlib.suppress(OSError):
+                path.rmdir() if path.is_dir() else path.unlink()  # a folder the user filled meanwhile stays
+        self._made = []
+        return self._fail(what, e)
+
+    def expect(self, groups: list[dict], rule: dict) -> None:
+        """The whole model's groups (each {"key", "tensors", "sizes"}, in registration order) and
+        the rule, checked against the folder before any region is written: a folder holding
+        another model's or another rule's state is refused unchanged, and so is one whose disk
+        cannot take the regions still to be made."""
+        held = self.manifest.get("groups", [])
+        if self.manifest.get("rule", rule) != rule:
+            raise self.refuse(f"holds the state of another run (rule {self.manifest['rule']}; this EPS: {rule}); "
+                              "give an empty folder (nothing in it was changed)")
+        if held and held != groups:
+            k = next((k for k, (a, b) in enumerate(zip(held, groups)) if a != b), min(len(held), len(groups)))
+            which = (f"its group {k} is {held[k]['key']} {held[k]['tensors']}, this model's is {groups[k]['key']} "
+                     f"{groups[k]['tensors']}" if k < min(len(held), len(groups)) else "")
+            raise self.refuse(f"holds the state of another model ({len(held)} groups; this one has {len(groups)}"
+                              f"{'; ' + which if which else ''}); give an empty folder (nothing in it was changed)")
+        need = sum(sum(g["sizes"].values()) for g in groups) - sum(
+            self._allocated(self.path / REGIONS / f"{k:05d}.region") for k in range(len(groups)))
+        free = self._free_bytes()
+        if free is not None and need > free:
+            raise self.refuse(f"no space for the state: its regions need {need:,} more bytes, {free:,} are free "
+                              "(nothing was written)")
+        self.expected = groups
+
+    @staticmethod
+    def _allocated(path: Path) -> int:
+        try:
+            return path.stat().st_blocks * 512
+        except OSError:
+            return 0
+
+    def _free_bytes(self) -> int | None:
+        try:
+            free = os.statvfs(self.path)
+        except OSError:
+            return None
+        return free.f_bavail * free.f_frsize
 
     def _write_manifest(self) -> None:
         path, tmp = self.path / MANIFEST, self.path / f".{MANIFEST}.tmp"
+        if not path.exists() and path not in self._made:
+            self._made.append(path)
         try:
             with open(tmp, "w") as f:
                 json.dump(self.manifest, f, indent=1)
@@ -274,31 +331,37 @@ class RegionStore:
         """Create (or take over, for the same model and rule) group `key`'s region, its space
         reserved on disk. `rule`: what else the bytes depend on (optimizer, formats)."""
         index = len(self.regions)
+        entry = {"key": key, "tensors": tensors, "sizes": sizes}
+        if self.expected is not None and (index >= len(self.expected) or self.expected[index] != entry):
+            raise StateDirError(f"state_dir {self.path}: group {index} registered as {key} {tensors}, not as the "
+                                "EPS was told to expect (a bug: expect() and registration disagree)")
         if index == 0:
             held = self.manifest.get("rule", rule)
             if held != rule:
                 raise self._fail(f"holds the state of another run (rule {held}; this EPS: {rule}); give an empty "
                                  f"folder (nothing in it was changed)")
             self.manifest = {"format": FORMAT, "rule": rule, "groups": self.manifest.get("groups", [])}
-        entry = {"key": key, "tensors": tensors, "sizes": sizes}
         groups = self.manifest["groups"]
         if index < len(groups) and groups[index] != entry:
             raise self._fail(f"holds the state of another model: its group {index} is {groups[index]['key']} "
                              f"{groups[index]['tensors']}, this model's is {key} {tensors}; give an empty folder "
                              f"(nothing of group {index} onwards was changed)")
         path = self.path / REGIONS / f"{index:05d}.region"
+        made = not path.exists()
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o644)
         except OSError as e:
             raise self._fail(f"cannot create {path.name}", e) from None
+        if made:
+            self._made.append(path)
         region = Region(index, key, path, fd, sizes)
         try:
             os.posix_fallocate(fd, 0, region.nbytes)
         except OSError as e:
             os.close(fd)
-            free = os.statvfs(self.path)
-            raise self._fail(f"no space for {region.name()}: it needs {region.nbytes:,} bytes, "
-                             f"{free.f_bavail * free.f_frsize:,} are free", e) from None
+            free = self._free_bytes()
+            raise self.refuse(f"no space for {region.name()}: it needs {region.nbytes:,} bytes, {free or 0:,} are "
+                              "free (the regions this run made are removed)", e) from None
         self.regions[key] = region
         if index >= len(groups):
             groups.append(entry)

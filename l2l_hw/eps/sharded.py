@@ -92,6 +92,11 @@ class ShardedEps(EPS):
             self.pushes.defer = bool(defer_updates)
 
     # -- registration and the step ---------------------------------------------
+    def expect(self, groups: dict[str, dict[str, torch.Size]]) -> None:
+        """The backend registers this rank's slices: it expects their shapes."""
+        self.inner.expect({key: {n: torch.Size([size]) for n, size in shard_sizes(shapes, self.world).items()}
+                           for key, shapes in groups.items()})
+
     def register(self, key: str, params: dict[str, torch.Tensor], no_decay: frozenset[str] = frozenset()) -> None:
         whole = new_group(self.shapes, key, params, no_decay)
         self.sizes[key] = sizes = shard_sizes(self.shapes[key], self.world)

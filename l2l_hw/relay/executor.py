@@ -101,6 +101,19 @@ def _to_float(x: Activation) -> Activation:
     return _unflatten(x, [t.float() if t.is_floating_point() else t for t in _flatten(x)])
 
 
+def registered_groups(layers) -> dict[str, dict[str, torch.Size]]:
+    """The EPS groups Relay._plan registers, in order: layer i's trainable parameters that no
+    earlier layer holds (a tied one is its first layer's), by name, with their shapes."""
+    seen: set[int] = set()
+    groups = {}
+    for i, module in enumerate(layers):
+        own = {name: p.shape for name, p in module.named_parameters() if p.requires_grad and id(p) not in seen}
+        seen.update(id(p) for p in module.parameters())
+        if own:
+            groups[f"layer{i}"] = own
+    return groups
+
+
 def _replace_tensors(module: nn.Module, make: Callable[[str, torch.Tensor], torch.Tensor],
                      which: Callable[[torch.Tensor], bool]) -> None:
     """Swap every parameter and buffer of `module` that `which` selects for `make(name, old)`,
@@ -257,7 +270,9 @@ class Relay:
         keep only the modules' structure: their trainable parameters move to the meta device,
         so the EPS holds the only copy of the weights. A layer built on the meta device gets
         its values from `init(i, module)` just before its registration; its trainable
-        parameters stay on meta, and only frozen parameters and buffers are filled in."""
+        parameters stay on meta, and only frozen parameters and buffers are filled in. The EPS is
+        told every group first (EPS.expect)."""
+        self.eps.expect(registered_groups(self.layers))
         owner: dict[int, tuple[str, str]] = {}  # id(parameter) -> (EPS group, name); ids of the modules' own
         released: dict[int, nn.Parameter] = {}  # id(parameter) -> its meta stand-in (one for a tied one)
         trainable = (lambda t: isinstance(t, nn.Parameter) and t.requires_grad)

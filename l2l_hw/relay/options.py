@@ -3,6 +3,7 @@
 config and turned into `l2l train` / `l2l finetune` flags."""
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from typing import Callable
@@ -72,6 +73,9 @@ class RelayOptions(DataParallelOptions):
 
     def __post_init__(self):
         check_options(self)
+        if self.threads is not None and self.threads > len(os.sched_getaffinity(0)):  # 10,000 threads ran 100x slower
+            fail("threads", self.threads, f"must be at most {len(os.sched_getaffinity(0))}, the cores this process "
+                 "may use (more threads than cores only wait for each other)")
         if self.activation_budget is not None and self.recompute != "full":
             fail("recompute", self.recompute, "is planned per layer under activation_budget: leave it at full")
         if self.activations == "host" and self.recompute == "none":
@@ -89,7 +93,7 @@ def _boundaries_problem(value) -> str | None:
     if value is None or value == "auto":
         return None
     parts = value.split(",") if isinstance(value, str) else None
-    if not parts or not all(p.strip().isdigit() for p in parts):
+    if not parts or not all(re.fullmatch(r"[0-9]+", p.strip()) for p in parts):  # "²".isdigit(), int("²") fails
         return "must be the first layer of each stage after the first, ascending, e.g. '3,6', or 'auto'"
     numbers_ = [int(p) for p in parts]
     if numbers_[0] < 1 or any(b <= a for a, b in zip(numbers_, numbers_[1:])):

@@ -54,6 +54,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from l2l_hw.distributed import short_cause
 from l2l_hw.relay.executor import Relay, RelayError, layer_output
 from l2l_hw.relay.options import PipelineConfig, RelayOptions
 from l2l_hw.relay.recompute import grad_leaf, rng_state, set_rng_state
@@ -270,6 +271,10 @@ class Links:
             self.sends.append((t, self._guard(f"sending to stage {stage}", dist.isend, t, self._peer(stage),
                                               group=self.group, tag=tag + k), stage))
 
+    def gather(self, parts: list, mine, what: str) -> None:
+        """Every stage's `mine` into `parts` (all_gather_object); a lost stage is a PipelineError."""
+        self._guard(what, dist.all_gather_object, parts, mine, group=self.group)
+
     def _guard(self, what: str, fn, *args, **kwargs):
         try:
             return fn(*args, **kwargs)
@@ -305,7 +310,7 @@ class Links:
             message = self.store.get(f"{self.slot}/error").decode() if failed else None
         except Exception as exc:  # the store lives on rank 0's process: it has gone
             raise PipelineError(f"pipeline stage {self.stage}: rank 0's process has gone (its store does not "
-                                f"answer: {exc})") from None
+                                f"answer: {short_cause(exc)})") from None
         if message is not None:
             self._seen()
             raise PipelineError(message)
@@ -329,6 +334,7 @@ class Links:
             self._raise_if_failed()
         except PipelineError as reported:
             return reported
+        cause = short_cause(cause) if isinstance(cause, BaseException) else cause
         return PipelineError(self.report(f"pipeline stage {self.stage} (rank {dist.get_rank()}): {what} failed; a "
                                          f"neighbouring stage died or stopped answering ({cause})"))
 
@@ -394,7 +400,10 @@ class PipelineRelay:
                        (options.clip_grad_norm is not None and options.clip_mode == "global",
                         "clip_mode='global' (the norm spans stages); use clip_mode='layer'"),
                        (options.precision == "fp16" or options.skip_nonfinite,
-                        "fp16 or skip_nonfinite (a step skipped on one stage must be skipped on all)")]
+                        "fp16 or skip_nonfinite (a step skipped on one stage must be skipped on all)"),
+                       (options.grad_compression != "none",
+                        f"grad_compression={options.grad_compression!r} (it compresses data parallelism's gradient "
+                        "all-reduce; the stages have none)")]
         for bad, what in unsupported:
             if bad:
                 raise ValueError(f"the pipeline does not support {what} yet")
@@ -776,7 +785,7 @@ class PipelineRelay:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state, gathered on every rank (small models: tests, export)."""
         parts = [None] * self.stages
-        dist.all_gather_object(parts, self.state_dict(), group=self.group)
+        self.links.gather(parts, self.state_dict(), "gathering the stages' state")
         out = {}
         for part in parts:
             out.update(part)
@@ -791,7 +800,7 @@ class PipelineRelay:
         mine = [Exported(e.layer + self.first, e.name, e.tensor, (e.first[0] + self.first, e.first[1]))
                 for e in self.relay.export()]
         parts = [None] * self.stages
-        dist.all_gather_object(parts, mine, group=self.group)
+        self.links.gather(parts, mine, "gathering the stages' weights")
         return GatheredModel(self.layers, [e for part in parts for e in part], self._meta)
 
     def materialize(self) -> nn.Sequential:
