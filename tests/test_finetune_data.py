@@ -17,6 +17,7 @@ import l2l_hw
 from l2l_hw import finetune_data, hf
 from l2l_hw.cli import main
 from l2l_hw.train import TrainConfig, finetune
+from l2l_hw.train import one_line as log_line
 from tests.test_finetune import PARAGRAPHS, finetune_argv, gpt2_folder  # noqa: F401 (a fixture)
 from tests.test_nothing_lost import cli, one_line
 
@@ -296,7 +297,7 @@ def test_the_banner_says_the_model_the_tokens_the_defaults_and_the_eps_memory_an
     tokenizer = hf.load_tokenizer(folder)
     prompt = tokenizer("The cat", return_tensors="pt", add_special_tokens=False)["input_ids"]
     greedy = model.generate(prompt, do_sample=False, max_new_tokens=32, pad_token_id=tokenizer.eos_token_id)
-    expected = "The cat" + tokenizer.decode(greedy[0, prompt.shape[1]:])
+    expected = log_line("The cat" + tokenizer.decode(greedy[0, prompt.shape[1]:]))
     assert out[out.index("sample at step 20: "):].startswith(f"sample at step 20: {expected}")
 
 

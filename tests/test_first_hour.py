@@ -8,6 +8,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import transformers
+from tokenizers import Tokenizer, models
 
 from l2l_hw.cli import build_parser, main
 from l2l_hw.options import parse_size
@@ -101,10 +103,15 @@ def test_a_sample_is_one_line_with_its_control_characters_escaped():
 
 
 def test_conversations_without_chat_are_refused_with_the_way_to_train_on_them(tmp_path):
-    from l2l_hw.finetune_data import _record_text
+    from l2l_hw.finetune_data import tokenize_text
 
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel({"hi": 0, "<eos>": 1, "<unk>": 2}, unk_token="<unk>")),
+        eos_token="<eos>")
     with pytest.raises(ValueError, match=r"no text field 'text'.*give --chat"):
-        _record_text({"messages": [{"role": "user", "content": "hi"}]}, "text", "data.jsonl line 1")
+        tokenize_text(tokenizer, data)
 
 
 def test_info_says_what_fpga_pynq_needs(capsys):

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 import l2l_hw
-from l2l_hw.cli import build_parser
+from l2l_hw.cli import build_parser, size
 from l2l_hw.options import OptionError, allowed_choices, option_fields, spec
 from l2l_hw.relay import RelayOptions
 from l2l_hw.train import COMPONENTS, CONTROL_FIELDS, ConfigError, TrainConfig
@@ -56,7 +56,7 @@ def test_every_option_field_is_exactly_one_flag_and_every_flag_is_a_field(comman
         elif meta["kind"] == "bool":
             assert action.nargs == 0, name
         else:
-            assert action.type is {"int": int, "float": float}.get(meta["kind"], str), name
+            assert action.type is {"int": int, "float": float, "bytes": size}.get(meta["kind"], str), name
         assert action.required == (command in meta["required_in"]), name
 
 
