@@ -291,3 +291,23 @@ def test_bf16_gradient_sums_hold_under_recompute_policies_2bw_and_clipping(optio
     want = {key: s * coef[key.partition("/")[0]] for key, s in exact.items()}
     got = {f"{k}/{n}": g.double() for k, group in pushed.items() for n, g in group.items() if n != "inv_scale"}
     assert_within_one_rounding(got, want, dtype, str(options))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grad_sums_compute_opt_in_pushes_exactly_pytorchs_bf16_grad_accumulation(device):
+    # The opt-in keeps autograd's running sum in bf16: plain PyTorch on the bf16 model, accumulating
+    # .grad over the same micro-batches, gives the same bits.
+    u = MICRO_BATCHES
+    x, t = coherent_batches(1, u * PER_MICRO_BATCH)[0]
+    model = copy.deepcopy(coherent_layers()).to(torch.bfloat16)
+    for xs, ts in zip(x.chunk(u), t.chunk(u)):
+        (nn.functional.mse_loss(model(xs.to(torch.bfloat16)).float(), ts) * (len(xs) / len(x))).backward()
+    eps = l2l_hw.make_eps("cpu", optimizer="sgd", lr=1e-3)
+    relay = l2l_hw.Relay(coherent_layers(), nn.functional.mse_loss, eps=eps, micro_batches=u, precision="bf16",
+                         grad_sums="compute", device=device)
+    pushed = {}
+    record_pushes(eps, pushed)
+    relay.train_step(x, t)
+    for i, layer in enumerate(model):
+        for name, p in layer.named_parameters():
+            assert torch.equal(pushed[f"layer{i}"][name], p.grad), f"layer{i}/{name}"

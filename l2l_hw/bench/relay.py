@@ -13,7 +13,10 @@ the CPU); the relay runs it in 4 micro-batches (--micro-batches) with its CPU EP
 l2l_hw.train as a user would. With more than one micro-batch, plain PyTorch also runs in the
 relay's micro-batches (gradient accumulation): the cost of the smaller GEMMs by themselves.
 --precision bf16 runs the relay in bf16 (its EPS keeps fp32 masters and writes the bf16 working
-copy) and PyTorch under bf16 autocast (fp32 weights: PyTorch's own recipe).
+copy) and PyTorch under bf16 autocast (fp32 weights: PyTorch's own recipe). The relay sums each
+layer's gradient over its micro-batches in fp32; beside it, taking turns in the same run, the
+same relay summing in bf16 (grad_sums="compute"): fp32_sums_cost = the first's step time over
+the second's.
 Warm-up steps are not timed; the six take turns step by step
 (l2l_hw/bench/timer.py), and each figure is the median of its timed steps. ratio = relay
 step time / its PyTorch partner's.
@@ -106,8 +109,9 @@ def _relay(device: torch.device, micro_batches: int = MICRO_BATCHES, **options) 
     return l2l_hw.Relay(build_gpt(MODEL), lm_loss, eps=eps, device=str(device), micro_batches=micro_batches, **options)
 
 
-def _relay_trainer(x, y, device: torch.device, recompute: str, micro_batches: int, precision: str = "fp32"):
-    relay = _relay(device, micro_batches, recompute=recompute, precision=precision)
+def _relay_trainer(x, y, device: torch.device, recompute: str, micro_batches: int, precision: str = "fp32",
+                   **options):
+    relay = _relay(device, micro_batches, recompute=recompute, precision=precision, **options)
     return lambda: train_steps(relay, [(x, y)], 1)[0]  # the float loss waits for the device
 
 
@@ -173,6 +177,9 @@ def run(steps: int = 5, device: str = "cpu", contention: bool = False, budgets: 
         trainers[f"relay_{policy}"] = _relay_trainer(x, y, dev, policy, micro_batches, precision)
         if micro_batches > 1:  # the partner at the relay's GEMM sizes: what the micro-batches cost by themselves
             trainers[f"torch_{keeps}_accumulating"] = _torch_trainer(x, y, dev, keeps, micro_batches, precision)
+        if precision != "fp32":  # the same relay summing its gradients in bf16: what the fp32 sums cost
+            trainers[f"relay_{policy}_compute_sums"] = _relay_trainer(x, y, dev, policy, micro_batches, precision,
+                                                                      grad_sums="compute")
     # each trainer returns its step's own seconds (train()'s, or synchronized with the device)
     quiet = round_robin(trainers, steps, WARMUP_STEPS, self_timed=True)
     median = {name: statistics.median(t) for name, t in quiet.items()}
@@ -202,6 +209,9 @@ def run(steps: int = 5, device: str = "cpu", contention: bool = False, budgets: 
         if micro_batches > 1:
             pair.update(torch_accumulating_step_s=median[f"{partner}_accumulating"],
                         ratio_to_accumulating=median[relay] / median[f"{partner}_accumulating"])
+        if precision != "fp32":
+            pair.update(compute_sums_step_s=median[f"{relay}_compute_sums"],
+                        fp32_sums_cost=median[relay] / median[f"{relay}_compute_sums"])
     report["torch_plain_peak_bytes"] = peak["torch_plain"]
     if budgets:
         report["planned"] = planned(x, y, dev, steps, precision)
@@ -228,6 +238,10 @@ def format_report(r: dict) -> str:
         if "ratio_to_accumulating" in p:
             lines.append(f"  {policy:<12}{p['partner'] + ', in ' + str(m['micro_batches']) + ' micro-batches':<28}"
                          f"torch {p['torch_accumulating_step_s']:.3f} s, ratio {p['ratio_to_accumulating']:.2f}")
+    for policy, p in r["pairs"].items():
+        if "fp32_sums_cost" in p:
+            lines.append(f"  {policy:<12}gradients summed in fp32 {p['relay_step_s']:.3f} s, in {m['precision']} "
+                         f"{p['compute_sums_step_s']:.3f} s: {p['fp32_sums_cost']:.3f}x")
     for name, p in r.get("planned", {}).items():
         plan = "" if p["plan"] is None else " ".join(f"{i}:{v}" for i, v in p["plan"].items())
         lines.append(f"  planned {name:<18}{p['step_s']:>9.3f} s, kept {p['kept_peak_bytes'] / 1e6:.1f} MB  {plan}")

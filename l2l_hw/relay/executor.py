@@ -160,7 +160,7 @@ class Relay:
                  init: Callable[[int, nn.Module], dict[str, torch.Tensor]] | None = None,
                  no_decay: Callable[[int, str], bool] | None = None, **option_values):
         """`options` (RelayOptions), or its fields as keyword arguments (over `options` where
-        both are given): device, micro_batches, recompute, activations, precision,
+        both are given): device, micro_batches, recompute, activations, precision, grad_sums,
         pipedream_2bw, layer_drop, clip_grad_norm, clip_mode, skip_nonfinite.
         `no_decay(i, name)`: whether layer i's parameter `name` is updated without weight decay
         (transformers' Trainer exempts biases and norms; hf.from_pretrained passes its rule)."""
@@ -204,7 +204,7 @@ class Relay:
             raise ValueError(f"precision={precision!r} needs an EPS whose working copy is {precision}; this "
                              f"one already holds groups with working_dtype={eps.working_dtype!r}")
         self.scaler = LossScaler() if precision == "fp16" else None
-        self.grad_sums = GradSums(self.compute_dtype)  # each group's gradient, summed in fp32 until it leaves
+        self.grad_sums = GradSums(self.compute_dtype, in_fp32=options.grad_sums == "fp32")  # until a group leaves
         # PipeDream-2BW: step t+1 computes on the weights without step t's update (the EPS's
         # previous buffer), so no layer waits for its update: W(t+1) = W(t) - lr * grad(W(t-1)).
         self.pipedream_2bw = options.pipedream_2bw

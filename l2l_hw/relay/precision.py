@@ -4,7 +4,7 @@ Layers run in bf16 or fp16 on weights the EPS rounds from its fp32 masters. A la
 gradient is summed over its micro-batches (and, for a tied parameter, over every layer
 that uses it) in fp32 on the device (`GradSums`), as PyTorch autocast and Megatron do:
 autograd would accumulate into the low-precision leaf's .grad, a running sum rounded at
-every micro-batch (3.5-5.8x the error of one rounding at 32 micro-batches,
+every micro-batch (2.8-6.6x the error of one rounding at 32 micro-batches,
 docs/NUMERICS.md). The sum is rounded once, to the working dtype, when it leaves for the
 EPS (the copy down keeps its width), and the EPS widens it to fp32 exactly.
 
@@ -23,6 +23,7 @@ from functools import partial
 import torch
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+GRAD_SUMS = ("fp32", "compute")  # RelayOptions.grad_sums: where a low-precision layer's gradient is summed
 
 
 def compute_dtype(precision: str) -> torch.dtype:
@@ -48,11 +49,12 @@ class GradSums:
     .grad, so autograd never sums in `dtype`; `take(leaves)` hands the sums over when the
     group's gradients leave and forgets them (the accumulator is freed with its last use).
     `rounded(grads)` is the one rounding to `dtype` on the way to the EPS. With fp32 leaves
-    autograd already sums in fp32: no hook, no copy, `take` gives the leaves' .grad."""
+    autograd already sums in fp32, and with `in_fp32` False (grad_sums="compute") it sums in
+    `dtype`: no hook, no copy, `take` gives the leaves' .grad."""
 
-    def __init__(self, dtype: torch.dtype):
+    def __init__(self, dtype: torch.dtype, in_fp32: bool = True):
         self.dtype = dtype
-        self.active = dtype != torch.float32
+        self.active = in_fp32 and dtype != torch.float32
         self._sums: weakref.WeakValueDictionary[int, _Sum] = weakref.WeakValueDictionary()  # id(leaf) -> its sum
 
     def watch(self, leaf: torch.Tensor) -> torch.Tensor:
