@@ -2,13 +2,15 @@
 
     python -m tests.dp_worker '<json>'    with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set
 
-The json: model (gpt | mlp), optimizer, steps, batch, micro_batches, shard_state,
-clip_grad_norm, clip_mode, precision and pipedream_2bw (Relay's), inf_at_step (rank 0's
-gradient of layer1 overflows in that step; the worker records whether the step left the
-state unchanged and halved the loss scale), start (first step index, for resumed runs), load (a state file to resume from),
-save (write relay.state_dict() there at the end), out (rank 0 writes the trained
-parameters, the per-step losses and every rank's share of the EPS there),
-die_before_step (this rank exits abruptly), timeout (seconds, the process group's).
+The json: model (gpt | mlp | coherent), optimizer, steps, batch, micro_batches, shard_state,
+clip_grad_norm, clip_mode, precision, pipedream_2bw, grad_compression and powersgd_rank
+(Relay's), inf_at_step (rank 0's gradient of layer1 overflows in that step; the worker
+records whether the step left the state unchanged and halved the loss scale), start (first
+step index, for resumed runs), load (a state file to resume from), save (write
+relay.state_dict() there at the end), out (rank 0 writes the trained parameters, the
+per-step losses and every rank's share of the EPS there), die_before_step (this rank exits
+abruptly), timeout (seconds, the process group's), record (each rank writes the gradients its
+EPS received in the first step to "{record}.{rank}", as received).
 """
 import datetime
 import json
@@ -20,9 +22,11 @@ import torch
 import torch.distributed as dist
 
 import l2l_hw
-from tests.helpers import exit_worker
 from l2l_hw.distributed import rank_shard
+from tests.helpers import coherent_batches, coherent_layers, exit_worker, record_pushes
 from tests.test_relay_equivalence import MODELS, OPTIMIZERS
+
+MODELS = {**MODELS, "coherent": (coherent_layers, coherent_batches, torch.nn.functional.mse_loss)}
 
 
 def main(cfg: dict) -> None:
@@ -34,9 +38,14 @@ def main(cfg: dict) -> None:
     relay = l2l_hw.Relay(make_model(), loss_fn, eps=eps, micro_batches=cfg.get("micro_batches", 2),
                          precision=cfg.get("precision", "fp32"),
                          clip_grad_norm=cfg.get("clip_grad_norm"), clip_mode=cfg.get("clip_mode", "layer"),
-                         pipedream_2bw=cfg.get("pipedream_2bw", False), device=cfg.get("device", "cpu"))
+                         pipedream_2bw=cfg.get("pipedream_2bw", False), device=cfg.get("device", "cpu"),
+                         grad_compression=cfg.get("grad_compression", "none"),
+                         powersgd_rank=cfg.get("powersgd_rank", 4))
     if cfg.get("load"):
         relay.load_state_dict(safetensors.torch.load_file(cfg["load"]))
+    pushed = {}
+    if cfg.get("record"):
+        record_pushes(eps, pushed)
     batches = make_batches(cfg["steps"], batch=cfg["batch"])
     losses, report = [], {}
     for step, (x, y) in enumerate(batches[cfg.get("start", 0):], start=cfg.get("start", 0)):
@@ -61,6 +70,9 @@ def main(cfg: dict) -> None:
             report["scale_halved"] = torch.tensor([relay.loss_scale == scale / 2])
             continue
         losses.append(relay.train_step(x, y))
+        if cfg.get("record") and step == cfg.get("start", 0):
+            safetensors.torch.save_file({f"{k}/{n}": g.contiguous() for k, group in pushed.items()
+                                         for n, g in group.items()}, f"{cfg['record']}.{rank}")
     state = relay.state_dict()  # a collective with a sharded EPS: every rank calls it
     params = {f"{i}.{n}": p for i, layer in enumerate(relay.materialize()) for n, p in layer.state_dict().items()}
     flags = torch.stack([report.get(k, torch.tensor([True])).int() for k in ("unchanged", "scale_halved")]).view(-1)

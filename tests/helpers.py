@@ -47,6 +47,42 @@ def mlp_layers(seed=0, width=19, hidden=45, depth=3, n_in=11, n_out=7, dropout=0
                          nn.Sequential(nn.LayerNorm(width), nn.Linear(width, n_out)))
 
 
+COHERENT_WIDTH = 32
+
+
+def coherent_layers(tied: bool = False) -> nn.Sequential:
+    """Three linear layers (the last one sharing the first's weight when `tied`) whose gradients
+    point the same way in every micro-batch on `coherent_batches`: the case where a running sum's
+    rounding errors grow with the sum, as a mean gradient's do over many micro-batches."""
+    torch.manual_seed(0)
+    first, middle = nn.Linear(COHERENT_WIDTH, COHERENT_WIDTH, bias=False), nn.Linear(COHERENT_WIDTH, COHERENT_WIDTH)
+    last = nn.Linear(COHERENT_WIDTH, COHERENT_WIDTH, bias=not tied)
+    if tied:
+        last.weight = first.weight
+    return nn.Sequential(first, middle, last)
+
+
+def coherent_batches(steps: int, batch: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Inputs around 1 and MSE targets around 8, far from the outputs: every sample pulls alike."""
+    g = torch.Generator().manual_seed(seed)
+    return [(1 + 0.5 * torch.randn(batch, COHERENT_WIDTH, generator=g),
+             8 + torch.randn(batch, COHERENT_WIDTH, generator=g)) for _ in range(steps)]
+
+
+def record_pushes(eps, pushed: dict) -> None:
+    """Make `eps` record every gradient pushed to it, as it receives it (landed; dtype kept), in
+    `pushed[group][name]`, and the inverse loss scale in `pushed[group]["inv_scale"]`."""
+    from l2l_hw.eps.base import landed
+
+    push = eps.push_grads
+
+    def record(key, grads, inv_scale=1.0):
+        pushed[key] = {**{n: g.clone() for n, g in landed(grads).items()}, "inv_scale": torch.tensor(inv_scale)}
+        push(key, grads, inv_scale)
+
+    eps.push_grads = record
+
+
 def launch_ranks(worker: str, world: int, cfg: dict, timeout_s: float) -> list:
     """Run the module `worker` (tests.dp_worker, tests.pipe_worker) as `world` local ranks with the
     JSON of `cfg`; their CompletedProcesses once all have exited. A hang fails the test."""

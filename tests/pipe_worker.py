@@ -7,7 +7,9 @@ schedule (flush | 2bw), boundaries, start (first step index), load (a whole-mode
 resume from), save (rank 0 writes the whole model's relay state there at the end), out (rank 0
 writes the trained parameters and per-step losses there), fail_at_step (the last stage's last
 layer raises in that step), die_at_step (the last rank exits abruptly), timeout (seconds), stream (steps per
-train_steps call: one schedule over their micro-batches; default one train_step a step).
+train_steps call: one schedule over their micro-batches; default one train_step a step), precision,
+record (each rank writes the gradients its EPS received in the first step to "{record}.{rank}", by
+the whole model's group names).
 A PipelineError is printed as one line on stderr, exit code 2.
 """
 import datetime
@@ -22,7 +24,7 @@ import torch.distributed as dist
 import l2l_hw
 from l2l_hw.relay.options import PipelineConfig
 from l2l_hw.relay.pipeline import PipelineError, PipelineRelay
-from tests.helpers import exit_worker
+from tests.helpers import exit_worker, record_pushes
 from tests.test_pipeline import EPS_BACKEND, MODELS, OPTIMIZERS, RNG_SEED
 
 
@@ -73,7 +75,11 @@ def main(cfg: dict) -> None:
     eps = l2l_hw.make_eps(EPS_BACKEND, **OPTIMIZERS[cfg["optimizer"]][0])
     pipeline = PipelineConfig(stages=world, schedule=cfg.get("schedule", "flush"), boundaries=cfg.get("boundaries"),
                               timeout_s=cfg.get("timeout", 60))
-    relay = PipelineRelay(layers, loss_fn, eps, pipeline=pipeline, micro_batches=cfg.get("micro_batches", 4))
+    relay = PipelineRelay(layers, loss_fn, eps, pipeline=pipeline, micro_batches=cfg.get("micro_batches", 4),
+                          precision=cfg.get("precision", "fp32"))
+    pushed = {}
+    if cfg.get("record"):
+        record_pushes(eps, pushed)
     if cfg.get("load"):
         relay.load_state_dict(safetensors.torch.load_file(cfg["load"]))
     start = cfg.get("start", 0)
@@ -89,6 +95,10 @@ def main(cfg: dict) -> None:
             if step == cfg.get("die_at_step") and rank == world - 1:
                 os._exit(3)  # no clean-up, no goodbye: as a killed or crashed process
             losses.append(relay.train_step(x, y))
+            if cfg.get("record") and step == start:  # the stage's own groups layer{k} are layer{first + k}
+                safetensors.torch.save_file({f"layer{int(k[5:]) + relay.first}/{n}": g.contiguous()
+                                             for k, group in pushed.items() for n, g in group.items()},
+                                            f"{cfg['record']}.{rank}")
     except PipelineError as exc:
         print(f"rank {rank}: PipelineError: {exc}", file=sys.stderr, flush=True)
         if cfg.get("clean_exit"):  # the interpreter's own exit, process group torn down

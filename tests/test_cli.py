@@ -129,3 +129,14 @@ def test_bench_relay_json_pairs_each_policy_with_its_pytorch_partner_and_content
     assert set(planned) >= {"full", "none"} and len(planned) == 5
     for p in planned.values():
         assert p["budget_bytes"] is None or p["kept_peak_bytes"] <= p["budget_bytes"]
+
+
+def test_bench_relay_runs_the_relay_in_bf16_beside_pytorch_autocast_and_prices_the_fp32_sums(monkeypatch, capsys):
+    monkeypatch.setattr(bench_relay, "MODEL", GPTConfig(n_layer=1, n_embd=32, n_head=2, block_size=16))
+    monkeypatch.setattr(bench_relay, "BATCH_SIZE", 8)
+    assert main(["bench", "relay", "--json", "--steps", "1", "--precision", "bf16"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["model"]["precision"] == "bf16"
+    for pair in report["pairs"].values():
+        assert pair["ratio"] == pytest.approx(pair["relay_step_s"] / pair["torch_step_s"])
+        assert pair["fp32_sums_cost"] == pytest.approx(pair["relay_step_s"] / pair["compute_sums_step_s"])

@@ -16,7 +16,7 @@ import l2l_hw
 from l2l_hw.distributed import run_local_ranks
 from l2l_hw.models.gpt import GPTConfig, build_gpt, lm_loss
 from l2l_hw.relay.pipeline import OneFOneB, even_split
-from tests.helpers import launch_ranks, mlp_layers, ranks_ok, rel_diff
+from tests.helpers import coherent_batches, coherent_layers, launch_ranks, mlp_layers, ranks_ok, rel_diff
 from tests.test_relay_equivalence import OPTIMIZERS, gpt_batches, mlp_batches
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,6 +36,7 @@ MODELS = {
     "gpt": (gpt, gpt_batches, lm_loss),
     "gpt-dropout": (lambda: gpt(dropout=0.2), gpt_batches, lm_loss),
     "mlp": (lambda: mlp_layers(depth=4), mlp_batches, nn.functional.mse_loss),
+    "coherent": (coherent_layers, coherent_batches, nn.functional.mse_loss),  # tests/test_precision.py
 }
 
 

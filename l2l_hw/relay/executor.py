@@ -5,7 +5,9 @@
     last      the last layer runs forward, loss and backward at once per micro-batch
     backward  for layer i = L-2..0: fetch w_i, recompute layer i per micro-batch with
               its forward RNG state replayed, backprop, accumulate dW_i over
-              micro-batches, push dW_i to the EPS (its update overlaps layer i-1)
+              micro-batches (in fp32 whatever the compute dtype: precision.GradSums),
+              push dW_i to the EPS, rounded once to the working dtype (its update
+              overlaps layer i-1)
               (what the forward keeps for the backward is the recompute policy,
               l2l_hw/relay/recompute.py: "full" as above, "selective" also keeps the
               matmuls' outputs, "none" keeps each layer's forward graph)
@@ -39,7 +41,7 @@ from l2l_hw.eps.base import EPS, Landing, StateEntry, check_number, tensor_of
 from l2l_hw.relay.data_parallel import GradReducer, check_compression
 from l2l_hw.relay.memory import DeviceMemory
 from l2l_hw.relay.options import RelayOptions
-from l2l_hw.relay.precision import LossScaler, compute_dtype
+from l2l_hw.relay.precision import GradSums, LossScaler, compute_dtype
 from l2l_hw.relay.prefetch import WeightStream
 from l2l_hw.relay.recompute import grad_leaf, recompute_policy
 from l2l_hw.relay.stash import ActivationStash
@@ -171,7 +173,7 @@ class Relay:
                  init: Callable[[int, nn.Module], dict[str, torch.Tensor]] | None = None,
                  no_decay: Callable[[int, str], bool] | None = None, **option_values):
         """`options` (RelayOptions), or its fields as keyword arguments (over `options` where
-        both are given): device, micro_batches, recompute, activations, precision,
+        both are given): device, micro_batches, recompute, activations, precision, grad_sums,
         pipedream_2bw, layer_drop, clip_grad_norm, clip_mode, skip_nonfinite.
         `no_decay(i, name)`: whether layer i's parameter `name` is updated without weight decay
         (transformers' Trainer exempts biases and norms; hf.from_pretrained passes its rule)."""
@@ -215,6 +217,7 @@ class Relay:
             raise ValueError(f"precision={precision!r} needs an EPS whose working copy is {precision}; this "
                              f"one already holds groups with working_dtype={eps.working_dtype!r}")
         self.scaler = LossScaler() if precision == "fp16" else None
+        self.grad_sums = GradSums(self.compute_dtype, in_fp32=options.grad_sums == "fp32")  # until a group leaves
         # PipeDream-2BW: step t+1 computes on the weights without step t's update (the EPS's
         # previous buffer), so no layer waits for its update: W(t+1) = W(t) - lr * grad(W(t-1)).
         self.pipedream_2bw = options.pipedream_2bw
@@ -359,7 +362,7 @@ class Relay:
         plan = self.plans[i]
         for key in plan.groups:
             if key not in live:
-                live[key] = {n: t.detach().requires_grad_(t.is_floating_point())
+                live[key] = {n: self.grad_sums.watch(t.detach().requires_grad_(t.is_floating_point()))
                              for n, t in self.weights.get(key).items()}
         frozen = f"frozen:{i}"
         if plan.frozen and frozen not in live:
@@ -531,7 +534,8 @@ class Relay:
 
     def _sample(self, *held) -> None:
         """Account what is on the device now: `held` plus what is kept for the backward and weights in flight."""
-        self.memory.sample(*held, self.weights.on_device(), kept=[self.stash.on_device(), self.keep.held()])
+        self.memory.sample(*held, self.weights.on_device(), self.grad_sums.held(),
+                           kept=[self.stash.on_device(), self.keep.held()])
 
     @staticmethod
     def _input_grads(x: Activation) -> list[torch.Tensor | None]:
@@ -545,7 +549,7 @@ class Relay:
         for key in self.plans[i].groups:
             if backward and i == users[key][0]:
                 tensors = live.pop(key)
-                self._push(key, {n: t.grad for n, t in tensors.items() if t.grad is not None})
+                self._push(key, self.grad_sums.take(tensors))
             elif not backward and len(users[key]) == 1:
                 live.pop(key)  # fetched again for the backward sweep
 
@@ -565,8 +569,10 @@ class Relay:
             self.eps.push_grads(reduction.key, self._to_host(self._clip(grads)), inv_scale=1.0 / self.loss_scale)
 
     def _to_host(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A group's gradients on their way down, right after its backward: a Landing the EPS's
+        """A group's gradients on their way down, right after its backward (and its reduction
+        and clipping): the fp32 sums rounded once to the working dtype, then a Landing the EPS's
         update waits for, in reused staging buffers it gives back (on the CPU, the gradients)."""
+        grads = self.grad_sums.rounded(grads)
         if not self.transport.asynchronous or not grads:
             return grads
         pool = self.transport.grad_pool

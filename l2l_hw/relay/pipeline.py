@@ -183,8 +183,9 @@ class Trace:
         return any(ops for layer in self.ops for ops in layer)
 
 
-def trace_model(layers: Sequence[nn.Module], xs: list) -> Trace:
-    """Run meta copies of `layers` on meta micro-batches `xs`, recording random ops and output shapes."""
+def trace_model(layers: Sequence[nn.Module], xs: list, dtype: torch.dtype = torch.float32) -> Trace:
+    """Run meta copies of `layers` on meta micro-batches `xs`, recording random ops and output shapes;
+    their trainable parameters in `dtype`, as the relay computes on the EPS's working copy."""
     ops, outputs, single = [[] for _ in layers], [[] for _ in layers], [[] for _ in layers]
     for x in xs:
         x = unflatten(x, [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in flatten(x)])
@@ -192,7 +193,8 @@ def trace_model(layers: Sequence[nn.Module], xs: list) -> Trace:
             recorder = _RandomOpRecorder()
             try:
                 with torch.no_grad(), recorder:
-                    out = layer(x)
+                    out = functional_call(layer, {n: p.to(dtype) for n, p in layer.named_parameters()
+                                                  if p.requires_grad}, (x,))
             except Exception as exc:
                 raise PipelineError(f"layer {i} ({type(layer).__name__}) cannot run on the meta device, which the "
                                     f"pipeline uses to size its transfers and replay random draws: {exc}") from exc
@@ -477,7 +479,7 @@ class PipelineRelay:
     def _trace(self, xs: list) -> Trace:
         key = tuple((t.shape, t.dtype) for x in xs for t in flatten(x))
         if key not in self._traces:
-            self._traces[key] = trace_model(self._meta, xs)
+            self._traces[key] = trace_model(self._meta, xs, self.relay.compute_dtype)
         return self._traces[key]
 
     def _rng_plan(self, trace: Trace) -> tuple[dict, object] | None:
@@ -673,9 +675,8 @@ class PipelineRelay:
                 for key in relay.plans[k].groups:
                     if users[key][0] == i:
                         tensors = live.pop(key)
-                        relay.eps.push_grads(key, relay._to_host(relay._clip(
-                            {n: t.grad for n, t in tensors.items() if t.grad is not None})),
-                            inv_scale=1.0 / relay.loss_scale)
+                        relay.eps.push_grads(key, relay._to_host(relay._clip(relay.grad_sums.take(tensors))),
+                                             inv_scale=1.0 / relay.loss_scale)
         if self.stage > 0:  # the gradients of the stage's floating-point inputs go back
             floating = [d for d, t in zip(grads, flatten(inputs)) if t.is_floating_point()]
             self.links.send(floating, self.stage - 1, (2 * g + 1) * 64)
