@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import math
 import os
 import shutil
@@ -709,14 +710,16 @@ def meminfo_bytes(field: str = "MemTotal") -> int | None:
 
 
 def free_disk_bytes(path) -> int | None:
-    """Free bytes of the file system that holds `path` (or its nearest existing parent)."""
+    """Free bytes of the file system that holds `path` (or its nearest existing parent); None
+    where it has no blocks (/proc, /sys: nothing is written there; the run says so itself)."""
     path = Path(path).expanduser().resolve()
     while not path.exists() and path != path.parent:
         path = path.parent
     try:
-        return shutil.disk_usage(path).free
+        usage = shutil.disk_usage(path)
     except OSError:
         return None
+    return usage.free if usage.total else None
 
 
 def device_memory_bytes(device: str) -> int | None:
@@ -730,7 +733,8 @@ def device_memory_bytes(device: str) -> int | None:
 
 # ---------------------------------------------------------------------------- host memory
 # Measured on this project's 2-core CPU machine (glibc malloc, torch's CPU allocator on it),
-# `l2l train` and `l2l finetune` at 3 to 170 M parameters (tests/test_estimate.py):
+# `l2l train` and `l2l finetune` at 1.5 to 160 M parameters (tests/test_estimate.py; the two
+# allocator figures were set from those runs' peaks, and are what this estimate knows least):
 CORPUS_RSS_PER_BYTE = 2.0  # the reference corpus: its bytes as tensors, and what reading them left (1.9)
 TOKENIZER_RSS_PER_BYTE = 4.0  # a fast tokenizer in memory, per byte of its files
 ALLOCATOR_SLACK = 1.0  # freed activations glibc keeps resident: RSS grows 1.5 to 3.1x the step's live bytes
@@ -739,9 +743,10 @@ TOKEN_BYTES = 4  # finetune's token cache: uint32 ids (finetune_data), mapped
 TEXT_BYTES_PER_TOKEN = 4.0  # where the tokens are not counted yet: about 4 bytes of text a token (BPE, English)
 
 
+@functools.lru_cache(maxsize=8)
 def corpus_bytes(data) -> int:
     """The bytes of the reference corpus l2l train reads (models.corpus: the files it takes, by
-    their sizes, up to its cap), without reading them."""
+    their sizes, up to its cap), without reading them (Corpus.load caches the corpus too)."""
     from l2l_hw.models.corpus import SIZE_CAP_BYTES, sorted_files, stdlib_root
 
     root = stdlib_root() if data is None else Path(data).expanduser()
@@ -790,10 +795,7 @@ def weights_files(folder: Path) -> list[int]:
     index = hf.weights_file(folder)
     if index.name == hf.WEIGHTS_FILE:
         return [index.stat().st_size]
-    import json
-
-    shards = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
-    return [(folder / s).stat().st_size for s in sorted(shards) if (folder / s).is_file()]
+    return [shard.stat().st_size for shard in sorted(set(hf.shard_map(index).values()))]
 
 
 def import_what_the_run_imports(cfg) -> None:
@@ -963,13 +965,15 @@ def figures(cfg, baseline: int) -> Estimate:
     if state_dir:
         disk["state_dir"] = state_dir
     if run.folder is not None and cfg.out is not None:  # out/model (fp32 safetensors) beside the one it replaces
-        disk["model"] = 2 * (whole_fp32 + _files_bytes(p for p in run.folder.iterdir() if not p.name.startswith("model")))
+        copied = _files_bytes(p for p in run.folder.iterdir() if not p.name.startswith("model"))  # tokenizer, config
+        disk["model"] = 2 * (whole_fp32 + copied)
         disk["tokens"] = token_bytes(cfg)
     trained = sum(math.prod(s) for t in model.shapes.values() for s in t.values())
     frozen = sum(p.numel() for layer in run.layers for p in layer.parameters() if not p.requires_grad)
+    every_rank = sum(sum(h.values()) for h, _ in hosts) if len(hosts) > 1 else sum(host.values()) * ranks
     return Estimate(model=run.name, parameters=trained + frozen, trained=trained, device=cfg.device, ranks=ranks,
-                    host_bytes=sum(sum(h.values()) for h, _ in hosts) if len(hosts) > 1 else sum(host.values()) * ranks,
-                    host=host, host_phases=phases, disk_bytes=sum(v for k, v in disk.items() if k != "checkpoint"), disk=disk,
+                    host_bytes=every_rank, host=host, host_phases=phases,
+                    disk_bytes=sum(v for k, v in disk.items() if k != "checkpoint"), disk=disk,
                     device_bytes=max(s["device_bytes"] for s in stages), stages=stages)
 
 
@@ -1266,11 +1270,13 @@ def describe(e: Estimate, cfg) -> str:
     if e.disk.get("tokens"):
         disk.append(f"tokens {_gib(e.disk['tokens'])}")
     lines.append(f"disk          {_gib(e.disk_bytes)}" + (f": {', '.join(disk)}" if disk else " (nothing written)"))
-    source = "the relay's accounting" if not e.device.startswith("cuda") else "allocated"
+    source = ("the relay's accounting" if len(e.stages) == 1 else "a model of the 1F1B schedule") + (
+        "" if not e.device.startswith("cuda") else ", without the allocator's transients")
     for s, stage in enumerate(e.stages):
         name = "device" if len(e.stages) == 1 else f"stage {s}"
+        first, end = stage["layers"]
         lines.append(f"{name:<13} {_gib(stage['device_bytes'])} peak on {e.device} ({source}; activations kept "
-                     f"{_gib(stage['kept_activation_bytes'])}), layers {stage['layers'][0]} to {stage['layers'][1] - 1}")
+                     f"{_gib(stage['kept_activation_bytes'])}), layers {first} to {end - 1}")
     have = e.available
     machine = [f"host {_gib(have['host'])} available" if have.get("host") is not None else None,
                f"disk {_gib(have['disk'])} free at {cfg.out}" if have.get("disk") is not None else None,

@@ -151,8 +151,8 @@ def test_the_eps_bytes_are_what_the_engine_allocates(options):
     cfg = TrainConfig(layers=2, width=48, heads=2, out=None, **options)
     with torch.device("meta"):
         layers = build_gpt(cfg.model_config())
-    relay = l2l_hw.Relay(layers, lm_loss, eps=l2l_hw.make_eps("cpu", optimizer=cfg.optimizer, state=cfg.optimizer_state),
-                         precision=cfg.precision, pipedream_2bw=cfg.pipedream_2bw,
+    eps = l2l_hw.make_eps("cpu", optimizer=cfg.optimizer, state=cfg.optimizer_state)
+    relay = l2l_hw.Relay(layers, lm_loss, eps=eps, precision=cfg.precision, pipedream_2bw=cfg.pipedream_2bw,
                          init=lambda i, m: {n: torch.zeros(p.shape) for n, p in m.named_parameters()})
     held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for group in relay.eps.buffers.values()
             for b in group.values() for t in b.all()}
@@ -212,6 +212,15 @@ def test_measure_gives_a_step_time_made_of_the_layers_and_the_updates(one_thread
     cfg = TrainConfig(layers=2, width=64, heads=2, context=32, batch_size=4, out=None)
     seconds, profile = est.measure_step(cfg)
     assert seconds == pytest.approx(profile["compute_s"] + profile["update_s"]) and profile["layer_kinds"] == 3
+
+
+def test_a_pipeline_is_estimated_per_stage_and_per_rank(one_thread):
+    cfg = TrainConfig(layers=6, width=64, heads=2, context=32, batch_size=8, out=None, pipeline_stages=3,
+                      pipeline_schedule="flush")
+    e = est.estimate(cfg)
+    assert [s["layers"] for s in e.stages] == [[0, 3], [3, 5], [5, 8]]  # PipelineRelay's even split of 8 layers
+    assert e.ranks == 3 and e.host_bytes > 3 * e.host["baseline"]  # a process per stage, each with its baseline
+    assert e.device_bytes == max(s["device_bytes"] for s in e.stages)
 
 
 if __name__ == "__main__":
