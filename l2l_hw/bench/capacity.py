@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from l2l_hw.bench import print_report
+from l2l_hw.estimate import meminfo_bytes, rss_bytes
 
 
 # name -> (working copy, PipeDream-2BW, optimizer state): the relay and EPS options each
