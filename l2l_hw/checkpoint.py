@@ -80,6 +80,13 @@ def _header(entries: dict, meta: dict, crcs: dict[str, int]) -> bytes:
     return len(text).to_bytes(8, "little") + text
 
 
+def file_bytes(entries: Mapping[str, StateEntry], meta: dict) -> int:
+    """The size of the file save_checkpoint(path, entries, meta) writes (its header's checksums
+    are of fixed width): what a checkpoint takes on disk, known before any tensor exists."""
+    data = sum(e.shape.numel() * e.dtype.itemsize for e in entries.values())
+    return len(_header(dict(entries), meta, {})) + data
+
+
 TEMPORARY_MARKER = "l2l-tmp"  # in the name of every temporary file save_checkpoint writes, with its pid
 
 

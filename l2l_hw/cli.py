@@ -7,6 +7,7 @@ benchmark of l2l_hw.bench.
 import argparse
 import importlib
 import importlib.metadata
+import json
 import platform
 import re
 import signal
@@ -18,7 +19,7 @@ import l2l_hw
 from l2l_hw import startup
 from l2l_hw.checkpoint import CheckpointError
 from l2l_hw.distributed import DataParallelError, rank_and_world
-from l2l_hw.options import OptionError, allowed_choices, help_for, option_fields, parse_size, spec
+from l2l_hw.options import COMMANDS, OptionError, allowed_choices, help_for, option_fields, parse_size, spec
 from l2l_hw.relay.pipeline import PipelineError
 from l2l_hw.train import (COMPONENTS, CONTROL_FIELDS, NonFiniteLoss, RunOptions, TrainConfig, TrainingInterrupted,
                           finetune, resume_config, train)
@@ -128,6 +129,24 @@ def cmd_finetune(args) -> int:
     return run_command("finetune", body)
 
 
+def cmd_estimate(args) -> int:
+    """`l2l estimate`: l2l_hw.estimate for the run that `l2l train` (or, with --model, `l2l
+    finetune`) would make of the same flags; exit 1 when it does not fit this machine."""
+    from l2l_hw import estimate
+
+    fits = []
+
+    def body():
+        command = "finetune" if args.model is not None else "train"
+        cfg = train_config(argparse.Namespace(**{**vars(args), "command": command}))
+        e = estimate.estimate(cfg, measure=args.measure, search=True)
+        print(json.dumps(e.to_json(), indent=2) if args.json else estimate.describe(e, cfg))
+        fits.append(e.fits)
+
+    code = run_command("estimate", body)
+    return code or (0 if fits[0] else 1)
+
+
 # ---------------------------------------------------------------------------- info
 
 def _version(dist: str) -> str:
@@ -228,7 +247,9 @@ def add_option_flags(p: argparse.ArgumentParser, command: str) -> None:
     component in --help: type, choices, default and help from the field's declaration
     (l2l_hw/options.py). Run flags default to None, so --resume can tell what was given;
     TrainConfig fills the rest."""
-    taken = [(component, [f for f in option_fields(component) if command in spec(f)["commands"] and spec(f)["cli"]])
+    commands = COMMANDS if command == "estimate" else (command,)  # estimate: a train's or a finetune's flags
+    taken = [(component, [f for f in option_fields(component)
+                          if any(c in spec(f)["commands"] for c in commands) and spec(f)["cli"]])
              for component in COMPONENTS]
     required = p.add_argument_group("required")  # first in --help, whichever component declares them
     for component, fields in taken:
@@ -294,6 +315,19 @@ def build_parser() -> argparse.ArgumentParser:
                                    "l2l train; the model is saved in transformers' format into --out/model.")
     add_option_flags(f, "finetune")
     f.set_defaults(func=cmd_finetune)
+
+    e = sub.add_parser("estimate", help="what a run needs (host memory, disk, device memory) and whether it fits",
+                       description="What the run of the same flags as l2l train (with --model: l2l finetune) "
+                                   "needs, worked out before anything loads (the model's config only, no weights): "
+                                   "host memory, disk, device memory per stage; whether it fits this machine, and "
+                                   "the largest context, micro-batch and optimizer state format that would. Exit "
+                                   "1 when it does not fit.")
+    add_option_flags(e, "estimate")
+    e.add_argument("--json", action="store_true", help="print the figures as JSON (host_bytes, disk_bytes, "
+                   "device_bytes, fits, ...)")
+    e.add_argument("--measure", action="store_true", help="also estimate the step time from a short measured "
+                   "profile: one layer of each kind on real data, and the EPS's update")
+    e.set_defaults(func=cmd_estimate)
 
     i = sub.add_parser("info", help="versions, EPS backends and devices usable here",
                        description="Print versions, EPS backends and devices usable on this machine.")

@@ -314,6 +314,20 @@ def weights_file(folder: Path) -> Path:
                             "(safetensors, as transformers' save_pretrained writes them)")
 
 
+def shard_map(index: Path) -> dict[str, Path]:
+    """A safetensors index (model.safetensors.index.json): each tensor's shard, every shard checked
+    to be a regular file; a bad index is one ValueError naming it."""
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        shards = {key: index.parent / file for key, file in weight_map.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{index} is not a safetensors index (a JSON object with a weight_map of "
+                         f"tensor name -> file): {first_line(e)}") from None
+    for shard in set(shards.values()):
+        regular_file(shard, f"the weights file named in {index},")
+    return shards
+
+
 def _model_class(config):
     transformers = _transformers()
     architectures = getattr(config, "architectures", None) or []
@@ -385,14 +399,7 @@ class Checkpoint:
         self._open = safe_open
         weights = weights_file(folder)
         if weights.name == INDEX_FILE:
-            try:
-                weight_map = json.loads(weights.read_text(encoding="utf-8"))["weight_map"]
-                self.shard_of = {key: folder / file for key, file in weight_map.items()}
-            except (ValueError, KeyError, TypeError, AttributeError) as e:
-                raise ValueError(f"{weights} is not a safetensors index (a JSON object with a weight_map of "
-                                 f"tensor name -> file): {first_line(e)}") from None
-            for shard in set(self.shard_of.values()):
-                regular_file(shard, f"the weights file named in {weights},")
+            self.shard_of = shard_map(weights)
         else:
             with self._opened(weights) as f:
                 self.shard_of = {key: weights for key in f.keys()}

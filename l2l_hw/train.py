@@ -48,9 +48,9 @@ from l2l_hw.checkpoint import (Checkpoint, CheckpointError, open_checkpoint, rem
 from l2l_hw.distributed import (Ranks, failed_ranks, guarded, join_torchrun, leave_torchrun, rank_and_world, rank_shard,
                                 report_failure)
 from l2l_hw.eps import make_eps
-from l2l_hw.eps.base import STATE_SLOTS, updated_slots
-from l2l_hw.eps.golden import QUANT_BLOCK
+from l2l_hw.eps.base import STATE_SLOTS
 from l2l_hw.eps.options import LAMB_LR, EpsOptions, ScheduleOptions
+from l2l_hw.estimate import check_fits, eps_bytes_per_parameter
 from l2l_hw.inputs import path_kind
 from l2l_hw.models import Corpus, GPTConfig, build_gpt, generate, lm_loss
 from l2l_hw.models.gpt import ModelOptions
@@ -413,6 +413,7 @@ def _finetune(cfg: TrainConfig, ranks: Ranks, callbacks: Iterable[Callable[[dict
         for name in ("data", "val_data"):
             if getattr(cfg, name) is not None and path_kind(getattr(cfg, name)) == "missing":
                 raise ConfigError("does not exist", name, getattr(cfg, name))
+        check_fits(cfg)  # before anything is read or loaded: a run this machine cannot hold is refused
         if out is not None and lead:  # a run there is refused, or continued, or replaced once all is checked
             check_out(cfg)
     except Exception as e:
@@ -485,7 +486,7 @@ def _set_up(cfg: TrainConfig, ranks: Ranks, layers, loss_fn, data, val_data, rel
     corpus = eps = None
     try:  # what may refuse the run on one rank alone, before the ranks' first collective
         if layers is None and relay is None:
-            check_memory(cfg)
+            check_fits(cfg)
         if cfg.out is not None and ranks.lead:
             check_out(cfg)
         if layers is None and relay is None:  # the reference GPT on the reference corpus
@@ -642,36 +643,6 @@ def load_corpus(cfg: TrainConfig) -> Corpus:
     return corpus
 
 
-def memory_needed(cfg: TrainConfig) -> int:
-    """A lower bound of the host memory (bytes) that training the reference GPT of `cfg` takes:
-    the EPS (fp32 param, m, v: 12 B per parameter, plus the gradients: 4), the layer inputs the
-    relay stashes (fp32, every layer and micro-batch), and one micro-batch's attention scores and
-    logits in one layer. The real need is higher; a config above this cannot run."""
-    c, t, vocab = cfg.width, cfg.context, 256
-    params = cfg.layers * 12 * c * c + (vocab + t) * c + (0 if cfg.tie_weights else vocab * c)
-    micro = -(-cfg.batch_size // cfg.micro_batches)
-    stash = cfg.batch_size * t * c * cfg.layers * 4
-    step = micro * (cfg.heads * t * t + t * vocab) * 4
-    return params * 16 + stash + step
-
-
-def host_memory() -> int | None:
-    """This machine's memory in bytes (None where the OS does not say)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def check_memory(cfg: TrainConfig) -> None:
-    """Refuse a reference-GPT config that cannot fit this machine, before anything is allocated."""
-    need, have = memory_needed(cfg), host_memory()
-    if have is not None and need > have:
-        raise ConfigError(f"the model and its training need at least {_gib(need)} of memory (parameters, optimizer "
-                          f"state, activations: layers {cfg.layers}, width {cfg.width}, context {cfg.context}, "
-                          f"batch {cfg.batch_size}); this machine has {_gib(have)}")
-
-
 def _gib(n: int) -> str:
     return f"{n / 2**30:,.1f} GiB" if n < 2**50 else f"{n / 2**30:.3g} GiB"
 
@@ -701,19 +672,6 @@ def _load_for_resume(cfg: TrainConfig):
         raise ConfigError(f"is below the checkpoint's step {meta['step']}; give at least that many", "steps",
                           cfg.steps)
     return tensors, meta
-
-
-def eps_bytes_per_parameter(cfg: TrainConfig) -> float:
-    """The EPS's host bytes per trained parameter, as `l2l bench capacity` measures them (README,
-    "What the EPS costs in host memory"): the fp32 master, the optimizer's moments in their
-    format, the low-precision working copy the device fetches, and all of it twice (plus the
-    previous working copy) where a step can be discarded whole or computes one version back."""
-    moments = len(updated_slots(cfg.optimizer, cfg.momentum))
-    moment = {"fp32": 4, "bf16": 2, "8bit": 1 + 4 / QUANT_BLOCK}[cfg.optimizer_state]  # 8-bit: one fp32 scale a block
-    working = 0 if cfg.precision == "fp32" else 2
-    single = 4 + moments * moment + working
-    doubled = cfg.precision == "fp16" or cfg.pipedream_2bw or cfg.skip_nonfinite
-    return 2 * single + working if doubled else single
 
 
 def _trained_by_stage(relay, cfg: TrainConfig, ranks: Ranks) -> list[int]:

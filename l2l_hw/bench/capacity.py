@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 
 from l2l_hw.bench import print_report
+from l2l_hw.estimate import meminfo_bytes, rss_bytes
+
 
 # name -> (working copy, PipeDream-2BW, optimizer state): the relay and EPS options each
 # configuration stands for.
@@ -45,14 +47,6 @@ MMAP_THRESHOLD = 1 << 16  # bytes: larger allocations are mmapped, and unmapped 
 # with torch ~0.45 GiB; a 50 M-parameter layer's gradients, activations and checkpoint
 # transients ~1 GiB), plus margin for the page cache the checkpoint's I/O needs.
 OVERHEAD_BYTES = 3 << 30
-
-
-def rss_bytes(field: str = "VmRSS") -> int:
-    """This process's resident memory (or its peak, VmHWM), from /proc."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
 def gpt_config(width: int, depth: int, context: int = 32):
@@ -112,10 +106,10 @@ def measure_bytes_per_param(config: str, width: int, depth: int) -> dict:
 
 
 def mem_total_bytes() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemTotal:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/meminfo has no MemTotal")
+    total = meminfo_bytes("MemTotal")
+    if total is None:
+        raise RuntimeError("/proc/meminfo has no MemTotal")
+    return total
 
 
 def largest_depth(bytes_per_param: float, width: int, memory_bytes: int) -> int:

@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 
 from l2l_hw.bench import print_report
-from l2l_hw.bench.capacity import in_fresh_process, rss_bytes
+from l2l_hw.bench.capacity import in_fresh_process
+from l2l_hw.estimate import rss_bytes
 
 MARGIN = 1.15  # the acceptance's allowance over the EPS plus one shard
 MODES = ("l2l", "transformers", "transformers+relay")

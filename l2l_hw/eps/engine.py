@@ -137,17 +137,28 @@ class AsyncEps(LocalEps):
     def stored_slots(self, shape):
         return {piece: layout for slot in self.slots() for piece, layout in self._pieces(slot, shape).items()}
 
-    def _new_tensor(self, shape: torch.Size) -> TensorBuffers:
-        low = WORKING_DTYPES[self.working_dtype]
+    def buffer_layout(self, shape: torch.Size) -> list[tuple[str, str, torch.Size, torch.dtype, bool]]:
+        """The buffers one tensor of `shape` takes, as (role, piece, shape, dtype, fetched): role
+        "current", "spare" or "previous" (the module docstring); fetched: the working copy, which
+        crosses to the device. What _new_tensor allocates, and what l2l_hw.estimate counts."""
         slots = self.slots() + (("working",) if self.working_dtype != "fp32" else ())
-        current = {piece: self._allocate(s, dtype, slot == self.working_slot)
-                   for slot in slots for piece, (s, dtype) in self._pieces(slot, shape).items()}
-        b = TensorBuffers(current)
+        layout = [("current", piece, s, dtype, slot == self.working_slot)
+                  for slot in slots for piece, (s, dtype) in self._pieces(slot, shape).items()]
         if self.out_of_place:
-            b.spare = {piece: self._allocate(s, dtype, slot == self.working_slot)
-                       for slot in self._slots_written() for piece, (s, dtype) in self._pieces(slot, shape).items()}
+            layout += [("spare", piece, s, dtype, slot == self.working_slot)
+                       for slot in self._slots_written() for piece, (s, dtype) in self._pieces(slot, shape).items()]
         if self.double_buffer:
-            b.previous = self._allocate(shape, low, True)
+            layout.append(("previous", "previous", shape, WORKING_DTYPES[self.working_dtype], True))
+        return layout
+
+    def _new_tensor(self, shape: torch.Size) -> TensorBuffers:
+        b = TensorBuffers({})
+        for role, piece, s, dtype, fetched in self.buffer_layout(shape):
+            buffer = self._allocate(s, dtype, fetched)
+            if role == "previous":
+                b.previous = buffer
+            else:
+                getattr(b, role)[piece] = buffer
         return b
 
     # -- registration and loading -----------------------------------------------------

@@ -1,0 +1,239 @@
+"""`l2l estimate` against what runs measure: the device peak the relay's accounting reports
+(relay.memory_report()), the peak resident memory of a real `l2l train` / `l2l finetune` in a
+fresh process (VmHWM), the checkpoint and state files as written; and `l2l train` / `l2l
+finetune` refusing, in one line and before anything loads, a run the estimate says cannot fit.
+
+    python -m tests.test_estimate      the estimate-vs-peak table of every family and size"""
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+import l2l_hw
+from l2l_hw import estimate as est
+from l2l_hw.models import build_gpt, lm_loss
+from l2l_hw.train import TrainConfig
+from tests.test_finetune import PARAGRAPHS, byte_level_tokenizer
+from tests.test_nothing_lost import cli, one_line
+
+ROOT = Path(__file__).resolve().parents[1]
+TOLERANCE = 0.10  # the acceptance: within 10% of the measured peaks
+TEXT = PARAGRAPHS * 30  # ~47 kB: enough 128-token blocks for a few minibatches of 8
+
+# family -> size -> the model (the reference GPT: l2l train's flags; Hugging Face: its config)
+SIZES = {
+    "gpt": {"small": ["--layers", "4", "--width", "256", "--heads", "4"],
+            "medium": ["--layers", "6", "--width", "768", "--heads", "6"],
+            "large": ["--layers", "8", "--width", "1280", "--heads", "10"]},
+    "gpt2": {"small": dict(n_embd=128, n_layer=2, n_head=4, vocab_size=8192),
+             "medium": dict(n_embd=512, n_layer=6, n_head=8, vocab_size=16384),
+             "large": dict(n_embd=1024, n_layer=8, n_head=16, vocab_size=32000)},
+    "llama": {"small": dict(hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, vocab_size=8192),
+              "medium": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=6, num_attention_heads=8,
+                             num_key_value_heads=4, vocab_size=16384),
+              "large": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+                            num_key_value_heads=8, vocab_size=32000)},
+}
+RUN = ["--context", "128", "--batch-size", "8", "--steps", "1"]  # one step, then validation, checkpoint, report
+IN_CI = {"small"}  # the sizes CI runs; the others are marked slow
+
+
+def hf_folder(family: str, size: str, where: Path) -> Path:
+    """A Hugging Face folder of `family` at `size` (random weights, bf16 as published checkpoints
+    are) with a small byte-level tokenizer."""
+    folder = where / f"{family}-{size}"
+    if (folder / "config.json").exists():
+        return folder
+    tokenizer = byte_level_tokenizer(TEXT)
+    torch.manual_seed(0)
+    shape = SIZES[family][size]
+    if family == "gpt2":
+        model = GPT2LMHeadModel(GPT2Config(n_positions=128, eos_token_id=tokenizer.eos_token_id,
+                                           bos_token_id=tokenizer.eos_token_id, **shape))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(max_position_embeddings=128, eos_token_id=tokenizer.eos_token_id,
+                                             bos_token_id=tokenizer.eos_token_id, **shape))
+    model.to(torch.bfloat16).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def run_argv(family: str, size: str, where: Path, *extra: str) -> list[str]:
+    """The command line of the run: `l2l train` of the reference GPT, `l2l finetune` of an HF model."""
+    out = str(where / f"out-{family}-{size}")
+    if family == "gpt":
+        return ["train", *SIZES["gpt"][size], *RUN, "--out", out, "--overwrite", *extra]
+    (where / "text.txt").write_text(TEXT)
+    return ["finetune", "--model", str(hf_folder(family, size, where)), "--data", str(where / "text.txt"), *RUN,
+            "--out", out, "--overwrite", *extra]
+
+
+MEASURE = """
+import json, sys
+from l2l_hw import cli
+from l2l_hw.estimate import rss_bytes
+train = sys.modules["l2l_hw.train"]
+args = cli.build_parser().parse_args(sys.argv[1:])
+result = (train.finetune if args.command == "finetune" else train.train)(cli.train_config(args))
+print(json.dumps({"host_bytes": rss_bytes("VmHWM"), "device_bytes": result.relay.memory_report()["peak_bytes"]}))
+"""
+ESTIMATE = """
+import argparse, json, sys
+from l2l_hw import cli, estimate
+args = cli.build_parser().parse_args(sys.argv[1:])
+print(json.dumps(estimate.estimate(cli.train_config(args)).to_json()))
+"""
+
+
+def in_fresh_process(code: str, argv: list[str]) -> dict:
+    """`code` run by a fresh interpreter with `argv`: its last line of output, as JSON."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    res = subprocess.run([sys.executable, "-c", code, *argv], env=env, capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def measure_and_estimate(family: str, size: str, where: Path) -> tuple[dict, dict]:
+    argv = run_argv(family, size, where)
+    estimated = in_fresh_process(ESTIMATE, argv)  # before the run: the run writes the token cache it reads
+    return in_fresh_process(MEASURE, argv), estimated
+
+
+CASES = [pytest.param(family, size, marks=() if size in IN_CI else pytest.mark.slow)
+         for family in SIZES for size in SIZES[family]]
+
+
+@pytest.mark.parametrize("family,size", CASES)
+def test_the_estimate_is_within_ten_percent_of_the_measured_peak_rss_and_device_memory(family, size, tmp_path):
+    measured, estimated = measure_and_estimate(family, size, tmp_path)
+    for what in ("host_bytes", "device_bytes"):
+        assert abs(estimated[what] / measured[what] - 1) <= TOLERANCE, (what, estimated[what], measured[what],
+                                                                        estimated["host"])
+
+
+RELAY_CASES = [dict(recompute=r, activations=a, precision=p, tie_weights=t, micro_batches=u)
+               for r, a in (("none", "device"), ("full", "device"), ("full", "host"), ("selective", "device"),
+                            ("selective", "host"))
+               for p, t, u in (("fp32", False, 4), ("bf16", True, 3))]
+RELAY_CASES += [dict(activation_budget=b) for b in (1_500_000, 4_000_000)]  # planned recompute: 1 and 3 graphs kept
+
+
+@pytest.mark.parametrize("options", RELAY_CASES, ids=lambda o: "-".join(str(v) for v in o.values()))
+def test_the_device_figure_is_the_peak_the_relay_s_accounting_reports(options, one_thread):
+    cfg = TrainConfig(layers=3, width=64, heads=2, context=32, batch_size=7, steps=2, out=None, verbose=False,
+                      **options)
+    relay = l2l_hw.train(cfg).relay  # two steps and a validation
+    # A budget's plan weighs recompute times the relay measures; the estimate weighs bytes instead
+    exact = 1e-3 if cfg.activation_budget is None else TOLERANCE
+    assert est.estimate(cfg).device_bytes == pytest.approx(relay.memory_report()["peak_bytes"], rel=exact)
+
+
+def test_the_checkpoint_and_the_state_dir_take_the_bytes_estimated(tmp_path, one_thread):
+    cfg = TrainConfig(layers=2, width=64, heads=2, context=32, batch_size=4, steps=1, out=str(tmp_path / "run"),
+                      state_dir=str(tmp_path / "state"), optimizer_state="8bit", precision="bf16", verbose=False)
+    estimated = est.estimate(cfg).disk
+    l2l_hw.train(cfg)
+    written = (tmp_path / "run" / "checkpoint.safetensors").stat().st_size
+    assert abs(written - estimated["checkpoint"]) <= 24  # the header's elapsed seconds: a float of a few digits
+    assert sum(f.stat().st_size for f in (tmp_path / "state" / "regions").iterdir()) == estimated["state_dir"]
+
+
+@pytest.mark.parametrize("options", [{}, dict(precision="bf16"), dict(precision="fp16"), dict(pipedream_2bw=True),
+                                     dict(optimizer_state="8bit", precision="bf16"), dict(optimizer="sgd")])
+def test_the_eps_bytes_are_what_the_engine_allocates(options):
+    cfg = TrainConfig(layers=2, width=48, heads=2, out=None, **options)
+    with torch.device("meta"):
+        layers = build_gpt(cfg.model_config())
+    eps = l2l_hw.make_eps("cpu", optimizer=cfg.optimizer, state=cfg.optimizer_state)
+    relay = l2l_hw.Relay(layers, lm_loss, eps=eps, precision=cfg.precision, pipedream_2bw=cfg.pipedream_2bw,
+                         init=lambda i, m: {n: torch.zeros(p.shape) for n, p in m.named_parameters()})
+    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for group in relay.eps.buffers.values()
+            for b in group.values() for t in b.all()}
+    assert est.eps_bytes(cfg, relay.eps.shapes).memory == sum(held.values())
+    relay.eps.close()
+
+
+def test_l2l_train_refuses_a_run_too_large_for_this_machine_in_one_line_before_anything_loads(tmp_path, capsys):
+    out = tmp_path / "run"
+    rc, _, err = cli(capsys, "train", "--layers", "80", "--width", "16384", "--heads", "128", "--out", str(out))
+    assert rc == 2
+    one_line(err, "train", "does not fit", "host memory", "needed", "available")
+    assert not out.exists()  # refused before the output folder is made, let alone the model
+
+
+def test_l2l_finetune_refuses_a_model_too_large_before_reading_its_weights(tmp_path, capsys):
+    folder = tmp_path / "huge"
+    tokenizer = byte_level_tokenizer(TEXT)
+    LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                num_key_value_heads=8, vocab_size=32000, architectures=["LlamaForCausalLM"]).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    (folder / "model.safetensors").write_bytes(b"not safetensors: never read")
+    (tmp_path / "text.txt").write_text(TEXT)
+    out = tmp_path / "run"
+    rc, _, err = cli(capsys, "finetune", "--model", str(folder), "--data", str(tmp_path / "text.txt"), "--out",
+                     str(out))
+    assert rc == 2
+    one_line(err, "finetune", "does not fit", "host memory")
+    assert not out.exists()
+
+
+def test_l2l_estimate_prints_the_figures_and_json_with_the_same_numbers(tmp_path, capsys):
+    argv = ["estimate", "--layers", "2", "--width", "64", "--heads", "2", "--out", str(tmp_path / "run")]
+    rc, text, _ = cli(capsys, *argv)
+    assert rc == 0 and "fits" in text and "host memory" in text
+    rc, text, _ = cli(capsys, *argv, "--json")
+    figures = json.loads(text)
+    assert rc == 0 and figures["fits"] is True
+    assert {"host_bytes", "disk_bytes", "device_bytes", "fits", "largest"} <= set(figures)
+    assert figures["host_bytes"] == sum(figures["host"].values())
+    assert figures["largest"]["context"] >= 128 and figures["largest"]["micro_batches"] == 1
+    assert not (tmp_path / "run").exists()  # an estimate writes nothing
+
+
+def test_the_largest_context_found_fits_and_one_more_token_does_not(one_thread):
+    cfg = TrainConfig(layers=2, width=64, heads=2, context=64, batch_size=4, out=None)
+    baseline = est.rss_bytes()
+    need = est.figures(cfg, baseline).host_bytes
+    have = {"host": need + (8 << 20), "device": None}  # 8 MiB more than the run of context 64 needs
+    largest = est.largest(cfg, baseline, have, None)
+    fits = lambda **change: est._memory_fits(dataclasses.replace(cfg, **change), baseline, have)
+    assert largest["context"] >= 64 and fits(context=largest["context"]) and not fits(context=largest["context"] + 1)
+    assert largest["optimizer_state"] == "fp32"
+
+
+def test_measure_gives_a_step_time_made_of_the_layers_and_the_updates(one_thread):
+    cfg = TrainConfig(layers=2, width=64, heads=2, context=32, batch_size=4, out=None)
+    seconds, profile = est.measure_step(cfg)
+    assert seconds == pytest.approx(profile["compute_s"] + profile["update_s"]) and profile["layer_kinds"] == 3
+
+
+def test_a_pipeline_is_estimated_per_stage_and_per_rank(one_thread):
+    cfg = TrainConfig(layers=6, width=64, heads=2, context=32, batch_size=8, out=None, pipeline_stages=3,
+                      pipeline_schedule="flush")
+    e = est.estimate(cfg)
+    assert [s["layers"] for s in e.stages] == [[0, 3], [3, 5], [5, 8]]  # PipelineRelay's even split of 8 layers
+    assert e.ranks == 3 and e.host_bytes > 3 * e.host["baseline"]  # a process per stage, each with its baseline
+    assert e.device_bytes == max(s["device_bytes"] for s in e.stages)
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    where = Path(tempfile.mkdtemp(prefix="l2l-estimate-"))
+    print(f"{'family':<7} {'size':<7} {'parameters':>12} {'RSS est':>9} {'RSS peak':>9} {'ratio':>6} "
+          f"{'device est':>11} {'device peak':>11} {'ratio':>6}")
+    for family in SIZES:
+        for size in SIZES[family]:
+            m, e = measure_and_estimate(family, size, where)
+            mib = lambda n: f"{n / 2**20:,.1f}"
+            print(f"{family:<7} {size:<7} {e['parameters']:>12,} {mib(e['host_bytes']):>9} {mib(m['host_bytes']):>9} "
+                  f"{e['host_bytes'] / m['host_bytes']:>6.3f} {mib(e['device_bytes']):>11} "
+                  f"{mib(m['device_bytes']):>11} {e['device_bytes'] / m['device_bytes']:>6.3f}  {e['host']}",
+                  flush=True)
