@@ -40,7 +40,7 @@ the CPU with a kernel computing on the host and a storage that never waits on I/
 Read-ahead follows the relay's order, told, not guessed: at the start of a step the relay
 says which groups it fetches in the forward sweep and in which order their gradients come
 (`expect_step`); each fetch and each update then asks the storage to read ahead the uses
-that follow (`StepOrder`). A storage in memory ignores the hint.
+that follow (`StepOrder`). Only a storage that waits on I/O is given the hints.
 """
 from __future__ import annotations
 
@@ -318,8 +318,8 @@ class Engine(LocalEps):
             zero = step_scalars(OptimConfig(optimizer="sgd", lr=0.0), 1)
             with self.storage.hold(key) as view:
                 self.kernel.run(_what(key, name), self._rule("sgd"), zero, torch.zeros(shape),
-                                {"param": view(b.current["param"])},
-                                {"param": view(scratch), "working": view(b.current["working"])})
+                                _viewed({"param": b.current["param"]}, view),
+                                _viewed({"param": scratch, "working": b.current["working"]}, view))
         finally:
             if temporary:
                 self.storage.free(scratch)
@@ -331,14 +331,18 @@ class Engine(LocalEps):
         if unknown:
             raise KeyError(f"expect_step names unknown EPS groups {unknown}; registered groups: "
                            f"{', '.join(self.shapes) or 'none'}")
-        self.order.expect(list(fetches), list(updates))
+        if self.storage.waits_on_io:  # a storage in memory has nothing to read ahead
+            self.order.expect(list(fetches), list(updates))
 
-    def _read_ahead(self, uses: list[tuple[str, str]]) -> None:
-        for key, kind in uses:
-            group = self.buffers[key].values()
-            buffers = [buf for b in group for buf in b.all()] if kind == "update" else \
+    def _read_ahead(self, key: str, kind: str) -> None:
+        """Group `key` is used for `kind` now: the storage starts reading what the step uses next."""
+        if not self.storage.waits_on_io:
+            return
+        for next_key, next_kind in self.order.reach(key, kind):
+            group = self.buffers[next_key].values()
+            buffers = [buf for b in group for buf in b.all()] if next_kind == "update" else \
                 [buf for b in group for buf in (b.current[self.working_slot], b.previous) if buf is not None]
-            self.storage.read_ahead(key, buffers)
+            self.storage.read_ahead(next_key, buffers)
 
     def _begin_use(self) -> None:
         if not self._in_use:
@@ -350,7 +354,8 @@ class Engine(LocalEps):
         self._begin_use()
         s = step_scalars(self.config, self.step + 1, inv_scale)
         plain = golden.without_weight_decay(s)  # no_decay's tensors
-        self.storage.update_queued(key)
+        if self.storage.waits_on_io:
+            self.storage.update_queued(key)
         worker.submit(key, self._update, key, grads, {n: plain if n in self.no_decay[key] else s for n in grads})
 
     def _update(self, key: str, grads: dict[str, torch.Tensor], scalars: dict) -> bool:
@@ -358,7 +363,7 @@ class Engine(LocalEps):
         one run per tensor (with its step scalars), in place or into the spare buffers."""
         # fp32, bf16 or fp16 as they came (push_grads checked shapes and dtypes): the kernel widens
         # them. The relay's gradients come as a Landing, on their way down from the device.
-        self._read_ahead(self.order.reach(key, "update"))
+        self._read_ahead(key, "update")
         rule = self._rule()
         try:
             with self.storage.hold(key, write_back=True) as view:
@@ -368,9 +373,8 @@ class Engine(LocalEps):
                     b = self.buffers[key][name]
                     written = [piece for slot in self._slots_written() for piece in self._pieces(slot, g.shape)]
                     dst = b.spare if self.out_of_place else {piece: b.current[piece] for piece in written}
-                    found |= self.kernel.run(_what(key, name), rule, scalars[name], g,
-                                             {slot: view(buf) for slot, buf in b.current.items()},
-                                             {slot: view(buf) for slot, buf in dst.items()})
+                    found |= self.kernel.run(_what(key, name), rule, scalars[name], g, _viewed(b.current, view),
+                                             _viewed(dst, view))
         finally:
             release(grads)
         if self.double_buffer:
@@ -404,7 +408,7 @@ class Engine(LocalEps):
     def _fetch(self, key, previous=False):
         worker = self._open()
         self._begin_use()
-        self._read_ahead(self.order.reach(key, "fetch"))
+        self._read_ahead(key, "fetch")
         if not self.double_buffer:  # double buffered: updates write the spare, fetch need not wait
             self.found_nonfinite |= worker.result(key)
         dtype = WORKING_DTYPES[self.working_dtype]
@@ -457,6 +461,11 @@ def check_formats(state: str, working_dtype: str) -> None:
                          f"{', '.join(golden.STATE_FORMATS)}")
     if working_dtype not in WORKING_DTYPES:
         raise ValueError(f"unknown working_dtype {working_dtype!r}; choose one of {', '.join(WORKING_DTYPES)}")
+
+
+def _viewed(buffers: dict[str, Buffer], view) -> dict:
+    """What a kernel gets of `buffers` inside a storage's hold(): their views, or themselves."""
+    return buffers if view is None else {slot: view(buf) for slot, buf in buffers.items()}
 
 
 def _what(key: str, name: str) -> str:

@@ -12,14 +12,15 @@ bytes get in and out. Three storages, any of them under the one engine:
 A kernel computes on what `hold()` gives for a buffer: a host tensor for `memory = "host"`
 (HostMemory, RegionFiles: the host kernel and the golden rule run on either), a device
 buffer for `memory = "fpga"` (the RTL kernel). The storage's hints (`expect`, `read_ahead`,
-`update_queued`, `registered`) let a storage whose bytes live elsewhere move them early;
-storage in memory needs none of them, and a hint never changes what a read returns.
+`update_queued`, `registered`) let a storage whose bytes live elsewhere (`waits_on_io`) move
+them early; the engine gives them only to such a storage, and a hint never changes what a
+read returns.
 """
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ContextManager
 
 import torch
 
@@ -50,7 +51,9 @@ class Storage:
     """The storage protocol, with the hints' defaults (nothing to move early)."""
 
     memory = "host"  # what hold() gives a kernel: host tensors, or "fpga" device buffers
-    waits_on_io = False  # hold() and read() may wait on I/O: updates then never run on the caller's thread
+    # hold() and read() may wait on I/O: updates never run on the caller's thread, and the engine
+    # gives the read-ahead hints
+    waits_on_io = False
 
     def expect(self, groups: list[GroupLayout], rule: dict) -> None:
         """Every group about to be allocated, in order, and the rule the bytes follow (optimizer,
@@ -79,12 +82,12 @@ class Storage:
         the group's next update), else a copy."""
         raise NotImplementedError
 
-    @contextlib.contextmanager
-    def hold(self, key: str, write_back: bool = False) -> Iterator[Callable[[Buffer], Any]]:
-        """Group `key` in reach for the block: yields view(buffer), what a kernel reads and writes
-        (the block may change every buffer of the group). With `write_back` the group's update
-        (queued by update_queued) ends with the block, and its bytes go back to where they live."""
-        yield _same
+    def hold(self, key: str, write_back: bool = False) -> ContextManager[Callable[[Buffer], Any] | None]:
+        """Group `key` in reach for the block (a context manager): gives view(buffer), what a kernel
+        reads and writes (the block may change every buffer of the group), or None where a kernel
+        takes the buffers themselves. With `write_back` the group's update (queued by
+        update_queued) ends with the block, and its bytes go back to where they live."""
+        return _IN_REACH
 
     def read_ahead(self, key: str, buffers: list[Buffer]) -> None:
         """Group `key`'s `buffers` are used next but one: start bringing them into memory, never waiting."""
@@ -96,8 +99,7 @@ class Storage:
         """Finish what is under way and release the storage's threads and files."""
 
 
-def _same(buf: Buffer) -> Buffer:
-    return buf
+_IN_REACH = contextlib.nullcontext()  # buffers a kernel takes as they are; no generator per update
 
 
 class HostMemory(Storage):
