@@ -114,7 +114,7 @@ def _fail(command: str, message: str, code: int) -> int:
 
 
 def cmd_train(args) -> int:
-    return run_command("train", lambda: train(train_config(args)))
+    return run_command("train", lambda: train(train_config(args)).relay.close())
 
 
 def cmd_finetune(args) -> int:
@@ -124,7 +124,7 @@ def cmd_finetune(args) -> int:
         cfg = train_config(args)
         if cfg.epochs is not None and args.steps is not None and not args.resume:
             raise OptionError("--epochs and --steps both give the run's length: give one of them")
-        finetune(cfg)
+        finetune(cfg).relay.close()
 
     return run_command("finetune", body)
 

@@ -19,7 +19,7 @@ the relay holds, step by step):
     device         the relay's schedule (executor.py) replayed on those storages: at each of
                    the points where the relay's accounting samples (relay/memory.py), the
                    bytes it would count; the peak is what relay.memory_report() reports
-    EPS            the engine's own buffer layout (AsyncEps.buffer_layout) per tensor; with
+    EPS            the engine's own buffer layout (Engine.buffer_layout) per tensor; with
                    --state-dir the region files (disk_store.RegionLayout) and the images in
                    flight (memory_bound)
     host           this process as it is now (interpreter, torch, transformers: measured,
@@ -647,10 +647,10 @@ def eps_bytes(cfg, shapes: dict[str, dict[str, torch.Size]]) -> EpsBytes:
         for key, tensors in shapes.items():
             layout = RegionLayout(key)
             for shape in tensors.values():
-                for role, piece, s, dtype, is_fetched in eps.buffer_layout(torch.Size(shape)):
-                    memory += _nbytes(s, dtype)
-                    fetched += _nbytes(s, dtype) if is_fetched else 0
-                    layout.add(torch.Size(s), dtype, "fetched" if is_fetched else "state")
+                for _, _, spec in eps.buffer_layout(torch.Size(shape)):
+                    memory += _nbytes(spec.shape, spec.dtype)
+                    fetched += _nbytes(spec.shape, spec.dtype) if spec.fetched else 0
+                    layout.add(spec.shape, spec.dtype, "fetched" if spec.fetched else "state")
             regions.append(sum(layout.sizes().values()))
     finally:
         eps.close()

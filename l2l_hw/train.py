@@ -371,18 +371,35 @@ def train(cfg: TrainConfig | None = None, *, layers=None, loss_fn: Callable | No
             raise ConfigError("shards the optimizer state across ranks: run under torchrun with 2 or more "
                               "processes (torchrun --nproc-per-node N); this is one process", "shard_state", True)
         loop, corpus = _set_up(cfg, ranks, layers, loss_fn, data, val_data, relay, checkpoint)
-        loop.callbacks = list(callbacks)
-        if cfg.verbose:
-            stages = _trained_by_stage(loop.relay, cfg, ranks)  # every rank: a collective in a pipeline
-            if ranks.lead:
-                print(_banner(cfg, loop.relay, ranks, corpus, stages, checkpoint))
-                loop.callbacks.append(_PlanAnnouncer(loop.relay))
-        result = loop.run()
-        if cfg.verbose:  # every rank: the report gathers the weights (a collective when sharded)
-            loop.report(result, sample=corpus is not None)
-        if ranks.world > 1:  # leave together: rank 0 may still write while a peer tears the group down
-            _all_here(ranks)
+        with _closed_on_failure(loop.relay if relay is None else None):  # a relay built here; the caller's is theirs
+            loop.callbacks = list(callbacks)
+            if cfg.verbose:
+                stages = _trained_by_stage(loop.relay, cfg, ranks)  # every rank: a collective in a pipeline
+                if ranks.lead:
+                    print(_banner(cfg, loop.relay, ranks, corpus, stages, checkpoint))
+                    loop.callbacks.append(_PlanAnnouncer(loop.relay))
+            result = loop.run()
+            if cfg.verbose:  # every rank: the report gathers the weights (a collective when sharded)
+                loop.report(result, sample=corpus is not None)
+            if ranks.world > 1:  # leave together: rank 0 may still write while a peer tears the group down
+                _all_here(ranks)
         return result
+
+
+@contextlib.contextmanager
+def _closed_on_failure(owned):
+    """`owned` (a relay or an EPS built by the training loop, or None) is closed if the block fails: its
+    update thread joined, its state_dir released. On success it goes to the caller (TrainResult.relay),
+    whose to close."""
+    try:
+        yield
+    except BaseException as e:
+        if owned is not None:
+            try:
+                owned.close()
+            except Exception as cleanup:  # the first error stays the one raised
+                e.add_note(f"while closing: {cleanup}")
+        raise
 
 
 def finetune(cfg: TrainConfig, callbacks: Iterable[Callable[[dict], None]] = ()) -> TrainResult:
@@ -438,45 +455,46 @@ def _finetune(cfg: TrainConfig, ranks: Ranks, callbacks: Iterable[Callable[[dict
     if cfg.epochs is not None and not cfg.resume:  # the run's length in steps: its schedule needs it
         cfg = dataclasses.replace(cfg, steps=cfg.epochs * len(fit))
         say(f"{cfg.epochs} epoch(s) of {len(fit)} minibatches: {cfg.steps} steps")
-    relay = hf.from_pretrained(cfg.model, eps=build_eps(cfg, sharded(cfg, ranks)),
-                               options=relay_options(cfg, ranks.device))
-    tokenizer = hf.load_tokenizer(cfg.model) if cfg.prompt is not None and cfg.verbose else None
-    saved_step = None
+    eps = build_eps(cfg, sharded(cfg, ranks))
+    with _closed_on_failure(eps):  # the relay's, built here: its caller closes TrainResult.relay
+        relay = hf.from_pretrained(cfg.model, eps=eps, options=relay_options(cfg, ranks.device))
+        tokenizer = hf.load_tokenizer(cfg.model) if cfg.prompt is not None and cfg.verbose else None
+        saved_step = None
 
-    def save() -> None:
-        nonlocal saved_step
-        if out is None or saved_step == relay.step:
-            return
-        if lead:
-            try:
-                hf.save_replacing(relay, out / MODEL, files_from=cfg.model)
-            except OSError as e:
-                raise OutputError(f"{out / MODEL}: cannot save the model ({e.strerror or e}); the one saved before "
-                                  "is unchanged") from e
-            if relay.step < cfg.steps:  # the last save is reported with the run's end
-                say(f"saved the model for transformers in {out / MODEL} at step {relay.step}")
-        else:  # the export is a collective when the state is sharded: every rank takes part
-            collections.deque(relay.export(), maxlen=0)
-        saved_step = relay.step
-
-    def at_each_step(row: dict) -> None:
-        if cfg.save_every and row["step"] % cfg.save_every == 0:
-            save()
-        if tokenizer is not None and "val_loss" in row:  # an evaluation
-            model = relay.materialize()  # every rank: with a sharded EPS the weights are gathered
+        def save() -> None:
+            nonlocal saved_step
+            if out is None or saved_step == relay.step:
+                return
             if lead:
-                sample = cfg.prompt + hf.generate(model, tokenizer, cfg.prompt)
-                print(f"sample at step {row['step']}: {one_line(sample)}")
+                try:
+                    hf.save_replacing(relay, out / MODEL, files_from=cfg.model)
+                except OSError as e:
+                    raise OutputError(f"{out / MODEL}: cannot save the model ({e.strerror or e}); the one saved "
+                                      "before is unchanged") from e
+                if relay.step < cfg.steps:  # the last save is reported with the run's end
+                    say(f"saved the model for transformers in {out / MODEL} at step {relay.step}")
+            else:  # the export is a collective when the state is sharded: every rank takes part
+                collections.deque(relay.export(), maxlen=0)
+            saved_step = relay.step
 
-    epochs = -(-cfg.steps // len(fit))  # passes enough for the steps
-    result = train(cfg, relay=relay, data=itertools.chain.from_iterable(itertools.repeat(fit, epochs)),
-                   val_data=val, callbacks=[at_each_step, *callbacks])
-    save()
-    if ranks.world > 1:  # leave together: rank 0 writes the model while a peer would tear the group down
-        _all_here(ranks)
-    if out is not None:
-        say(f"saved the fine-tuned model for transformers in {out / MODEL}")
-    return result
+        def at_each_step(row: dict) -> None:
+            if cfg.save_every and row["step"] % cfg.save_every == 0:
+                save()
+            if tokenizer is not None and "val_loss" in row:  # an evaluation
+                model = relay.materialize()  # every rank: with a sharded EPS the weights are gathered
+                if lead:
+                    sample = cfg.prompt + hf.generate(model, tokenizer, cfg.prompt)
+                    print(f"sample at step {row['step']}: {one_line(sample)}")
+
+        epochs = -(-cfg.steps // len(fit))  # passes enough for the steps
+        result = train(cfg, relay=relay, data=itertools.chain.from_iterable(itertools.repeat(fit, epochs)),
+                       val_data=val, callbacks=[at_each_step, *callbacks])
+        save()
+        if ranks.world > 1:  # leave together: rank 0 writes the model while a peer would tear the group down
+            _all_here(ranks)
+        if out is not None:
+            say(f"saved the fine-tuned model for transformers in {out / MODEL}")
+        return result
 
 
 def _set_up(cfg: TrainConfig, ranks: Ranks, layers, loss_fn, data, val_data, relay, checkpoint):
@@ -498,18 +516,19 @@ def _set_up(cfg: TrainConfig, ranks: Ranks, layers, loss_fn, data, val_data, rel
         failure = None
     except Exception as e:
         failure = _config_error(e)
-    _agree(ranks, failure)
-    try:
-        if relay is None:  # resuming, layers on the meta device (or a relay's, which keep only structure) are filled
-            init = init_from_state(checkpoint[0].view("relay.")) if checkpoint is not None else None  # from the file
-            relay = build_relay(cfg, layers, loss_fn, device=ranks.device, eps=eps, init=init)
-        loop = _Loop(cfg, relay, data, val_data, ranks)
-        if checkpoint is not None:  # after building: construction draws from the RNGs restored now
-            loop.restore(*checkpoint)
-    except Exception as e:
-        raise _config_error(e)
-    if cfg.out is not None and ranks.lead:
-        prepare_out(cfg)
+    with _closed_on_failure(eps):
+        _agree(ranks, failure)
+        try:
+            if relay is None:  # resuming, layers on the meta device (or a relay's: only structure) are filled
+                init = init_from_state(checkpoint[0].view("relay.")) if checkpoint is not None else None  # the file's
+                relay = build_relay(cfg, layers, loss_fn, device=ranks.device, eps=eps, init=init)
+            loop = _Loop(cfg, relay, data, val_data, ranks)
+            if checkpoint is not None:  # after building: construction draws from the RNGs restored now
+                loop.restore(*checkpoint)
+        except Exception as e:
+            raise _config_error(e)
+        if cfg.out is not None and ranks.lead:
+            prepare_out(cfg)
     return loop, corpus
 
 
@@ -742,8 +761,9 @@ def _banner(cfg: TrainConfig, relay, ranks: Ranks, corpus: Corpus | None, stages
            f"{_size(trained * per_parameter)} of host memory ({per_parameter:.3g} B a trained parameter"
            f"{', 1/N a rank' if sharded(cfg, ranks) else ''}), device {ranks.device or cfg.device}")
     if cfg.state_dir is not None:  # the state is in files; host memory holds the groups in flight
-        eps = (f"EPS {cfg.eps_backend}: state in {cfg.state_dir}, {_size(relay.eps.disk_bytes())} on disk, at most "
-               f"{_size(relay.eps.memory_bound())} of it in host memory, device {ranks.device or cfg.device}")
+        storage = relay.eps.storage
+        eps = (f"EPS {cfg.eps_backend}: state in {cfg.state_dir}, {_size(storage.disk_bytes())} on disk, at most "
+               f"{_size(storage.memory_bound())} of it in host memory, device {ranks.device or cfg.device}")
     data = f"corpus {corpus.source} ({len(corpus.train):,} train bytes), " if corpus is not None else ""
     if corpus is not None and corpus.skipped:
         data += (f"skipped {len(corpus.skipped)} path(s) that are not regular files "

@@ -20,6 +20,7 @@ import l2l_hw
 from l2l_hw.checkpoint import open_checkpoint, save_checkpoint
 from l2l_hw.eps import disk_store
 from l2l_hw.eps.disk_store import StateDirError
+from l2l_hw.models import GPTConfig, build_gpt
 from l2l_hw.models.gpt import lm_loss
 from tests.helpers import DEVICES, mlp_layers
 from tests.test_cli_errors import CKPT, ROOT, SMALL, assert_one_clear_line, assert_same_runs, run_cli
@@ -30,8 +31,8 @@ FLIGHT = 2  # fewer images than the GPT's groups: every step evicts, reads and w
 KILLS = 3  # kill -9 moments of the crash test (docs/BENCHMARKS.md has a run with 20)
 
 
-def disk_eps(path, **options):
-    return l2l_hw.make_eps("cpu", lr=3e-3, state_dir=path, groups_in_flight=FLIGHT, **options)
+def disk_eps(path, name="cpu", **options):
+    return l2l_hw.make_eps(name, lr=3e-3, state_dir=path, groups_in_flight=FLIGHT, **options)
 
 
 def train(eps, steps=3, data=None, **relay_options):
@@ -57,10 +58,27 @@ def test_training_with_state_dir_equals_training_in_ram_bit_for_bit(state, preci
     for key in ram.eps.shapes:
         for name, t in ram.eps.fetch(key).items():
             assert torch.equal(t, disk.eps.fetch(key)[name]), (key, name)
-    store = disk.eps.store
+    store = disk.eps.storage.store
     assert store.bytes_read > 0 and store.bytes_written > 0  # the state went through the files
     assert len(store.images) + len(store.spare_buffers) <= FLIGHT
     disk.eps.close()
+
+
+@pytest.mark.parametrize("precision, relay_options", [("fp32", {}), ("bf16", {}), ("fp16", {}),
+                                                      ("fp32", {"pipedream_2bw": True})])
+def test_golden_eps_with_state_dir_equals_the_golden_eps_in_ram_bit_for_bit(precision, relay_options, tmp_path):
+    """The golden rule on region files: the disk tier composed with another kernel, no code of its own."""
+    ram, ram_losses = train(l2l_hw.make_eps("golden", lr=3e-3, state="8bit"), precision=precision, **relay_options)
+    disk, disk_losses = train(disk_eps(tmp_path / "state", name="golden", state="8bit"), precision=precision,
+                              **relay_options)
+    assert disk_losses == ram_losses
+    assert_same_state(ram.eps, disk.eps)
+    for key in ram.eps.shapes:
+        for previous in (False, True) if ram.eps.double_buffer else (False,):
+            for name, t in ram.eps.fetch(key, previous=previous).items():
+                assert torch.equal(t, disk.eps.fetch(key, previous=previous)[name]), (key, name)
+    assert disk.eps.storage.store.bytes_read > 0  # the state went through the files
+    disk.close()
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -87,15 +105,71 @@ def test_double_buffered_training_with_state_dir_equals_ram(relay_options, tmp_p
     disk.eps.close()
 
 
+class Recorder:
+    """What the relay did with a disk EPS, in order: each fetch, each update's hold of its group,
+    and each read-ahead the storage was asked for (with the sections it would load)."""
+
+    def __init__(self, eps):
+        self.events = []
+        storage, fetch = eps.storage, eps.fetch
+        read_ahead, hold = storage.read_ahead, storage.hold
+        eps.fetch = lambda key, previous=False: self.events.append(("fetch", key)) or fetch(key, previous)
+        storage.read_ahead = lambda key, buffers: self.events.append(
+            ("ahead", key, {b.section for b in buffers})) or read_ahead(key, buffers)
+        storage.hold = lambda key, write_back=False: (self.events.append(("update", key)) if write_back else None,
+                                                     hold(key, write_back))[1]
+
+    def used(self, kind: str) -> list[str]:
+        return [e[1] for e in self.events if e[0] == kind]
+
+    def read_ahead_before(self, kind: str, sections: set[str]) -> list[str]:
+        """The groups used for `kind` that were read ahead (at least `sections`) before that use."""
+        out, ahead = [], set()
+        for e in self.events:
+            if e[0] == "ahead" and e[2] >= sections:
+                ahead.add(e[1])
+            elif e[0] == kind and e[1] in ahead:
+                out.append(e[1])
+                ahead.discard(e[1])
+        return out
+
+
+@pytest.mark.parametrize("recompute", ["full", "none"])
+def test_read_ahead_follows_the_order_the_relay_told_with_layers_dropped(recompute, tmp_path):
+    """Layer drop: the step uses layers 0, 2, 5 and the last of 8 (GPT of 6 blocks). Every group the
+    step fetches after its first, and every group it updates, was read ahead before its use (the
+    whole region for an update), and nothing else was: the order is the relay's, told at the start
+    of the step, not guessed from the fetches before."""
+    eps = disk_eps(tmp_path / "state", state="8bit")
+    eps_groups = 8
+    torch.manual_seed(0)
+    relay = l2l_hw.Relay(build_gpt(GPTConfig(n_layer=eps_groups - 2, n_embd=32, n_head=4, block_size=16)), lm_loss,
+                         eps=eps, micro_batches=2, recompute=recompute)
+    steps = gpt_batches(2)
+    relay.train_step(*steps[0])  # a whole step first: every group updated once
+    eps.wait()
+    seen = Recorder(eps)
+    used = [0, 2, 5, eps_groups - 1]
+    relay.train_step(*steps[1], layers=used)
+    eps.wait()
+    groups = [f"layer{i}" for i in used]
+    assert seen.used("fetch")[:len(groups)] == groups  # the forward
+    assert seen.used("update") == groups[::-1]
+    assert {e[1] for e in seen.events if e[0] == "ahead"} <= set(groups)
+    assert seen.read_ahead_before("fetch", {"fetched"})[:len(groups) - 1] == groups[1:]
+    assert seen.read_ahead_before("update", {"fetched", "state"}) == groups[::-1]  # the first during the forward
+    relay.close()
+
+
 def test_memory_bound_is_the_groups_in_flight_largest_regions(tmp_path):
     relay, _ = train(disk_eps(tmp_path / "state", state="8bit"), steps=1)
-    store = relay.eps.store
+    store = relay.eps.storage.store
     regions = sorted((tmp_path / "state" / "regions").iterdir())
     assert len(regions) == len(relay.eps.shapes) > FLIGHT
     assert [p.stat().st_size for p in regions] == [r.nbytes for r in store.regions.values()]
-    assert relay.eps.memory_bound() == sum(sorted(p.stat().st_size for p in regions)[-FLIGHT:])
+    assert relay.eps.storage.memory_bound() == sum(sorted(p.stat().st_size for p in regions)[-FLIGHT:])
     assert sum(b.numel() for b in [*(im.buffer for im in store.images.values()), *store.spare_buffers]) \
-        <= relay.eps.memory_bound()
+        <= relay.eps.storage.memory_bound()
     relay.eps.close()
 
 
@@ -107,7 +181,7 @@ def test_checkpoints_stream_between_ram_and_disk_tier_and_resume_bit_exact(tmp_p
     disk = disk_eps(tmp_path / "state", state="8bit")
     resumed = l2l_hw.Relay(gpt(seed=9), lm_loss, eps=disk, micro_batches=2)  # other weights: the checkpoint rules
     disk.load_state_dict(open_checkpoint(tmp_path / "ram.safetensors"))
-    assert len(disk.store.images) <= FLIGHT  # loaded region by region
+    assert len(disk.storage.store.images) <= FLIGHT  # loaded region by region
     for x, y in data[2:]:
         resumed.train_step(x, y)
     assert_same_state(straight.eps, disk)
@@ -129,6 +203,20 @@ def test_cli_state_dir_resume_equals_one_run(tmp_path, capsys):
     rc, err = run_cli(capsys, "--resume", "--out", str(tmp_path / "disk"), "--state-dir", str(tmp_path / "state"))
     assert rc == 0, err
     assert_same_runs(tmp_path / "ram", tmp_path / "disk")
+
+
+def test_a_training_run_that_fails_closes_the_eps_it_built_and_releases_its_state_dir(tmp_path):
+    from l2l_hw.train import TrainConfig
+
+    def data():
+        yield torch.randn(8, 11), torch.randn(8, 7)
+        raise OSError("the data went away")
+
+    cfg = TrainConfig(steps=4, out=None, verbose=False, micro_batches=2, state_dir=str(tmp_path / "state"))
+    with pytest.raises(OSError, match="the data went away") as failed:
+        l2l_hw.train(cfg, layers=mlp_layers(), loss_fn=torch.nn.functional.mse_loss, data=data())
+    assert failed.value.__traceback__ is not None  # its frames (and the relay in them) are still alive here
+    disk_eps(tmp_path / "state").close()  # yet the folder is free: the run closed its EPS
 
 
 def test_sigkill_at_random_moments_resumes_bit_identical_and_leaves_no_stray_file(tmp_path, capsys):
@@ -243,9 +331,9 @@ def test_a_changed_region_file_is_a_checksum_mismatch_naming_the_region(tmp_path
     eps = disk_eps(tmp_path / "state")
     relay, _ = train(eps, steps=1)
     eps.wait()
-    eps.store.flush()
-    key = next(k for k in eps.shapes if k not in eps.store.images)  # on disk only: its next fetch reads the file
-    region = eps.store.regions[key]
+    eps.storage.store.flush()
+    key = next(k for k in eps.shapes if k not in eps.storage.store.images)  # on disk only: a fetch reads the file
+    region = eps.storage.store.regions[key]
     with open(region.path, "r+b") as f:
         f.seek(100)
         byte = f.read(1)
@@ -258,7 +346,7 @@ def test_a_changed_region_file_is_a_checksum_mismatch_naming_the_region(tmp_path
 
 def test_a_state_dir_of_another_model_is_refused_and_left_as_it_was(tmp_path, capsys):
     relay, _ = train(disk_eps(tmp_path / "state"), steps=1)
-    relay.eps.store.flush()
+    relay.eps.storage.store.flush()
     relay.eps.close()
     before = {p: p.read_bytes() for p in (tmp_path / "state").rglob("*") if p.is_file()}
     with pytest.raises(StateDirError, match="holds the state of another model"):
@@ -280,29 +368,41 @@ def test_a_state_dir_in_use_is_refused(tmp_path):
     disk_eps(tmp_path / "state").close()  # released with its EPS
 
 
-def test_state_dir_is_for_the_unsharded_cpu_eps(tmp_path, capsys):
-    with pytest.raises(ValueError, match="state_dir keeps the state"):
-        l2l_hw.make_eps("golden", state_dir=tmp_path)
-    rc, err = run_cli(capsys, *SMALL, "--steps", "1", "--eps", "golden", "--state-dir", str(tmp_path))
+def test_state_dir_is_for_backends_computing_on_host_memory_unsharded(tmp_path, capsys):
+    with pytest.raises(ValueError, match="state_dir keeps the state of the unsharded cpu or golden EPS on disk, not of "
+                                         "the fpga-sim EPS"):
+        l2l_hw.make_eps("fpga-sim", state_dir=tmp_path)
+    rc, err = run_cli(capsys, *SMALL, "--steps", "1", "--eps", "fpga-sim", "--state-dir", str(tmp_path))
     assert rc == 2
-    assert_one_clear_line(err, "--state-dir", "cpu EPS")
+    assert_one_clear_line(err, "--state-dir", "cpu or golden EPS")
+    assert list(tmp_path.iterdir()) == []  # refused before anything was made
 
 
 @pytest.mark.parametrize("state", ["bf16", "8bit"])
-def test_state_encoded_in_chunks_equals_the_engine_encoding_at_once(state, tmp_path, monkeypatch):
-    from l2l_hw.eps import disk, golden
+def test_state_encoded_in_chunks_equals_the_golden_encoding_at_once(state, tmp_path, monkeypatch):
+    from l2l_hw.eps import engine, golden
 
-    monkeypatch.setattr(disk, "ENCODE_CHUNK", 2 * golden.QUANT_BLOCK)  # several chunks, a short last block
+    monkeypatch.setattr(engine, "ENCODE_CHUNK", 2 * golden.QUANT_BLOCK)  # several chunks, a short last block
     shape = torch.Size([5, golden.QUANT_BLOCK - 3])
     params = {"w": torch.randn(shape)}
     fp32 = {"param": params["w"], "m": torch.randn(shape) * 1e-3, "v": torch.rand(shape) * 1e-6}
+
+    def at_once(values: dict) -> dict:  # the golden rule's stored form of the whole tensors
+        out = {"param": values["param"]}
+        for slot in ("m", "v"):
+            stored = golden.encode_state(values.get(slot, torch.zeros(shape)).numpy(), state, slot)
+            out.update({k: t.reshape(shape) if k == slot else t for k, t in golden.state_tensors(stored).items()})
+        return out
+
     ram, on_disk = l2l_hw.make_eps("cpu", state=state), disk_eps(tmp_path / "state", state=state)
     for eps in (ram, on_disk):
         eps.register("g", params)
-    assert_same_state(ram, on_disk)  # zeros encoded once
-    for eps in (ram, on_disk):
-        eps.load_tensor("g", "w", fp32)  # fp32 state (another EPS's checkpoint) in this one's format
-    assert_same_state(ram, on_disk)  # fp32 values encoded in chunks
+    for values in ({"param": params["w"]}, fp32):  # zeros encoded once; fp32 values in chunks
+        for eps in (ram, on_disk):
+            eps.load_tensor("g", "w", values)  # fp32 state (another EPS's checkpoint) in this one's format
+            got = eps.state_dict()
+            for piece, want in at_once(values).items():
+                assert torch.equal(got[f"g/w/{piece}"], want), (state, piece)
     on_disk.close()
 
 

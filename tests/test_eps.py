@@ -6,7 +6,7 @@ import torch
 
 import l2l_hw
 from l2l_hw.eps.base import OptimConfig
-from l2l_hw.eps.cpu import CpuEps
+from l2l_hw.eps.engine import Engine
 
 SIZES = {"scalar": (1,), "odd": (7,), "matrix": (33, 17), "empty": (0,)}
 CONFIGS = {
@@ -208,7 +208,7 @@ def test_update_failure_on_worker_is_raised_from_train_step_without_hanging(monk
         raise MemoryError("simulated allocation failure")
 
     eps = l2l_hw.make_eps("cpu")
-    monkeypatch.setattr(CpuEps, "_update", broken)
+    monkeypatch.setattr(Engine, "_update", broken)
     relay = l2l_hw.Relay(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), nn.functional.mse_loss, eps=eps)
     before = {k: v.clone() for k, v in eps.state_dict().items()}
     with pytest.raises(RuntimeError, match="EPS update of group 'layer.' failed: simulated allocation failure"):

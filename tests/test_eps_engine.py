@@ -3,6 +3,7 @@ need them, meta-device layers, streamed checkpoints, and a relay that asks its E
 than inspecting it."""
 import ast
 import math
+import threading
 from pathlib import Path
 
 import pytest
@@ -180,3 +181,35 @@ def test_bad_relay_options_are_refused_naming_the_option(options, message):
         l2l_hw.Relay(mlp_layers(), nn.functional.mse_loss, eps=l2l_hw.make_eps("cpu"), **options)
     with pytest.raises(TypeError, match="loss_fn must be a callable"):
         l2l_hw.Relay(mlp_layers(), None, eps=l2l_hw.make_eps("cpu"))
+
+
+# ---------------------------------------------------------------------------- closing
+
+def update_threads() -> set:
+    return {t for t in threading.enumerate() if t.name.startswith("l2l-eps-update")}
+
+
+@pytest.mark.parametrize("backend", ["cpu", "golden"])
+def test_close_joins_the_update_thread_and_a_closed_eps_refuses_use_in_one_line(backend):
+    before = update_threads()
+    with l2l_hw.make_eps(backend, lr=1e-2) as eps:  # not configured inline: updates run on the update thread
+        eps.register("g", {"w": torch.randn(8)})
+        eps.push_grads("g", {"w": torch.randn(8)})
+        eps.commit_step()
+        started = update_threads() - before
+        assert started  # its own thread ran the update
+    assert not any(t.is_alive() for t in started)  # joined by close(), not left to the garbage collector
+    with pytest.raises(RuntimeError, match=f"the {backend} EPS is closed"):
+        eps.fetch("g")
+    eps.close()  # again: nothing to do
+
+
+def test_closing_a_relay_closes_its_eps_and_its_update_thread():
+    before = update_threads()
+    with l2l_hw.Relay(mlp_layers(), nn.functional.mse_loss, eps=l2l_hw.make_eps("cpu"), device="cpu-async") as relay:
+        relay.train_step(torch.randn(4, 11), torch.randn(4, 7))  # beside a device: updates on the update thread
+        started = update_threads() - before
+        assert started
+    assert not any(t.is_alive() for t in started)
+    with pytest.raises(RuntimeError, match="the cpu EPS is closed"):
+        relay.train_step(torch.randn(4, 11), torch.randn(4, 7))

@@ -64,7 +64,7 @@ def test_fpga_sim_training_is_bit_identical_to_cpu_eps_every_step(model, optimiz
         assert_bit_identical(relays["cpu"].eps.state_dict(), relays["fpga-sim"].eps.state_dict(), f"step {step}")
     for key in relays["cpu"].eps.shapes:  # the working copies the accelerator fetches
         assert_bit_identical(relays["cpu"].eps.fetch(key), relays["fpga-sim"].eps.fetch(key), f"fetch {key}")
-    assert relays["fpga-sim"].eps.driver.runs > 0
+    assert relays["fpga-sim"].eps.kernel.driver.runs > 0
 
 
 # AdamW (m and v both 8-bit) in make test; SGD with momentum (m only) as slow: ~4 min more
@@ -106,13 +106,13 @@ def grads():
 def test_kernel_that_never_finishes_raises_timeout_naming_layer_and_keeps_committed_state():
     eps = one_group_eps(max_cycles=5000)
     before = eps.state_dict()
-    eps.transport.hold_reads(True)  # the memory never answers a read: the kernel hangs
+    eps.kernel.transport.hold_reads(True)  # the memory never answers a read: the kernel hangs
     eps.push_grads("g", grads())
     with pytest.raises(UpdateError, match=r"did not finish updating EPS group 'g' tensor 'w'.*STATUS 0x.*"
                                           r"committed state .* is unchanged") as failed:
         eps.commit_step()
     assert isinstance(failed.value.__cause__, KernelTimeout)
-    eps.transport.hold_reads(False)
+    eps.kernel.transport.hold_reads(False)
     eps.discard_step()
     assert_bit_identical(before, eps.state_dict(), "after timeout")
     # the kernel was reset: the next step runs and matches the CPU EPS
@@ -131,14 +131,14 @@ def test_axi_slverr_raises_clear_error_and_keeps_committed_state(where):
     eps = one_group_eps()
     before = eps.state_dict()
     if where == "grad read":
-        eps.transport.inject_error(eps.grad_buffer, read_resp=2, write_resp=0)
+        eps.kernel.transport.inject_error(eps.kernel.grad_buffer, read_resp=2, write_resp=0)
     else:
-        eps.transport.inject_error(eps.buffers["g"]["w"].spare["param"], read_resp=0, write_resp=2)
+        eps.kernel.transport.inject_error(eps.buffers["g"]["w"].spare["param"], read_resp=0, write_resp=2)
     eps.push_grads("g", grads())
     with pytest.raises(UpdateError, match=r"EPS group 'g' tensor 'w'.*SLVERR.*AXI_ERROR.*committed state") as failed:
         eps.commit_step()
     assert isinstance(failed.value.__cause__, KernelAxiError)
-    eps.transport.inject_error(None)
+    eps.kernel.transport.inject_error(None)
     eps.discard_step()
     assert_bit_identical(before, eps.state_dict(), f"after SLVERR on {where}")
 
@@ -166,7 +166,7 @@ def split_grads(step, dtype=torch.float32):
 def test_two_compute_units_update_bit_identical_to_cpu_eps_every_step(precision):
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
     eps = {b: two_unit_group(b, working_dtype=precision) for b in ("cpu", "fpga-sim")}
-    idle = [unit.cycles for unit in eps["fpga-sim"].transport.units]
+    idle = [unit.cycles for unit in eps["fpga-sim"].kernel.transport.units]
     for step in range(3):
         g = split_grads(step, dtype)
         for e in eps.values():
@@ -175,14 +175,15 @@ def test_two_compute_units_update_bit_identical_to_cpu_eps_every_step(precision)
         assert_bit_identical(eps["cpu"].state_dict(), eps["fpga-sim"].state_dict(), f"step {step + 1}")
         assert_bit_identical(eps["cpu"].fetch("g"), eps["fpga-sim"].fetch("g"), f"fetch after step {step + 1}")
     # both simulated kernels were clocked through runs, not only the first
-    assert all(unit.cycles - before > SPLIT_N // 8 for unit, before in zip(eps["fpga-sim"].transport.units, idle))
+    units = eps["fpga-sim"].kernel.transport.units
+    assert all(unit.cycles - before > SPLIT_N // 8 for unit, before in zip(units, idle))
 
 
 def test_two_compute_units_update_8bit_state_bit_identical_to_cpu_eps():
     """The split of a run keeps whole blocks per unit: each unit's codes and scales start a
     block (and a bus word) and the encoding is the golden one."""
     eps = {b: two_unit_group(b, working_dtype="bf16", state="8bit") for b in ("cpu", "fpga-sim")}
-    assert len(eps["fpga-sim"].driver.chunks(SPLIT_N, regs.mode("adamw", state="8bit"))) == 2
+    assert len(eps["fpga-sim"].kernel.driver.chunks(SPLIT_N, regs.mode("adamw", state="8bit"))) == 2
     for step in range(3):
         g = split_grads(step, torch.bfloat16)
         for e in eps.values():
@@ -196,18 +197,18 @@ def test_fault_in_a_compute_unit_raises_naming_it_and_keeps_committed_state(faul
     eps = two_unit_group("fpga-sim", max_cycles=20_000)
     before = eps.state_dict()
     if fault == "slverr in unit 1":  # the last bus words of the spare param: the second unit's share only
-        eps.transport.inject_error(eps.buffers["g"]["w"].spare["param"], read_resp=0, write_resp=2,
+        eps.kernel.transport.inject_error(eps.buffers["g"]["w"].spare["param"], read_resp=0, write_resp=2,
                                    offset=4 * SPLIT_N - 256, nbytes=256)
         error, match = KernelAxiError, r"tensor 'w' \(compute unit 1: elements .*SLVERR.*committed state"
     else:
-        eps.transport.hold_reads(True)
+        eps.kernel.transport.hold_reads(True)
         error, match = KernelTimeout, r"tensor 'w' \(compute unit [01]: elements .*committed state .* is unchanged"
     eps.push_grads("g", split_grads(0))
     with pytest.raises(UpdateError, match=match) as failed:  # the EPS wraps the driver's error, message kept
         eps.commit_step()
     assert isinstance(failed.value.__cause__, error)
-    eps.transport.inject_error(None)
-    eps.transport.hold_reads(False)
+    eps.kernel.transport.inject_error(None)
+    eps.kernel.transport.hold_reads(False)
     eps.discard_step()
     assert_bit_identical(before, eps.state_dict(), f"after {fault}")
     cpu = two_unit_group("cpu")  # the units run on: the next step matches the CPU EPS

@@ -278,7 +278,7 @@ def test_isa_forced_by_environment(monkeypatch):
     with pytest.raises(ValueError, match="unknown host kernel ISA 'sse9'"):
         host_kernel.resolve_isa()
     monkeypatch.setenv(host_kernel.ISA_ENV, "scalar")
-    assert l2l_hw.make_eps("cpu").isa == "scalar"
+    assert l2l_hw.make_eps("cpu").kernel.isa == "scalar"
 
 
 # ---------------------------------------------------------------------------- bad buffers

@@ -91,3 +91,15 @@ def test_the_eps_interface_is_abstract_methods_and_the_sharded_eps_has_no_method
                 empty.append(getattr(node, "name", f"lambda at line {node.lineno}"))
     assert not empty, empty
     assert not ShardedEps.__abstractmethods__
+
+
+def test_no_eps_module_reads_a_private_attribute_of_another_object():
+    """The engine, its kernels and its storages meet through public names only: in l2l_hw/eps/ no
+    `x._name` but on self or cls (ctypes' `_fields_` is a public protocol name)."""
+    readers = []
+    for path in sorted((ROOT / "l2l_hw" / "eps").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.endswith("_")
+                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+                readers.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}")
+    assert not readers, readers

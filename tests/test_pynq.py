@@ -65,7 +65,7 @@ def test_pynq_transport_trains_gpt_bit_identical_to_cpu_eps_every_step_on_real_p
     relays = {b: l2l_hw.Relay(small_gpt(), lm_loss, micro_batches=2, precision="bf16",
                               eps=l2l_hw.make_eps(b, lr=3e-3, **({"overlay": overlay} if b == "fpga-pynq" else {})))
               for b in ("cpu", "fpga-pynq")}
-    transport, driver = relays["fpga-pynq"].eps.transport, relays["fpga-pynq"].eps.driver
+    transport, driver = relays["fpga-pynq"].eps.kernel.transport, relays["fpga-pynq"].eps.kernel.driver
     assert transport.name == "pynq" and transport.kernels == [f"l2l_optim_{i}" for i in range(compute_units)]
     assert isinstance(transport.mmio, pynq.MMIO) and transport.mmio.device is overlay.device
     assert driver.compute_units == compute_units

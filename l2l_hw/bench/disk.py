@@ -146,7 +146,7 @@ def steps(folder: Path, batch: int, rounds: int) -> dict:
     """Step time with the state in RAM and on disk, round robin; the disk run's waits."""
     ram, ram_step = _trainer(batch, None)
     disk, disk_step = _trainer(batch, folder)
-    store = disk.eps.store
+    store = disk.eps.storage.store
     waits = []
 
     def disk_timed():
@@ -164,7 +164,7 @@ def steps(folder: Path, batch: int, rounds: int) -> dict:
               "disk_step_s": median["disk"], "ratio": median["disk"] / median["ram"],
               "wait_share": statistics.median(w / s for w, s in zip(waits[1:], times["disk"])),
               "disk_bytes_per_step": (store.bytes_read - read0 + store.bytes_written - written0) / (rounds + 1),
-              "memory_bound_bytes": disk.eps.memory_bound(), "state_bytes": store.disk_bytes()}
+              "memory_bound_bytes": disk.eps.storage.memory_bound(), "state_bytes": store.disk_bytes()}
     disk.eps.close()
     ram.eps.close()
     shutil.rmtree(folder)
@@ -252,7 +252,7 @@ def llama_relay(folder: Path, layers: int, random: bool):
 
 
 def _llama_step(relay, batch) -> dict:
-    store = relay.eps.store
+    store = relay.eps.storage.store
     waited, moved, t0 = store.waited.get("MainThread", 0.0), store.bytes_read + store.bytes_written, time.perf_counter()
     loss = relay.train_step(*batch)
     seconds = time.perf_counter() - t0
@@ -279,7 +279,7 @@ def llama_train(folder: Path, layers: int) -> dict:
     relay = llama_relay(folder, layers, random=True)
     report = {"setup_s": time.perf_counter() - t0, "params": sum(s.numel() for g in relay.eps.shapes.values()
                                                                 for s in g.values()),
-              "state_bytes": relay.eps.store.disk_bytes(), "memory_bound_bytes": relay.eps.memory_bound()}
+              "state_bytes": relay.eps.storage.disk_bytes(), "memory_bound_bytes": relay.eps.storage.memory_bound()}
     batch = _llama_batch()
     report["steps"] = [_llama_step(relay, batch) for _ in range(LLAMA_STEPS)]
     t0 = time.perf_counter()

@@ -97,13 +97,13 @@ def trace(c) -> dict:
         events = json.loads(path.read_text()).get("traceEvents", [])
         path.unlink()
         idle = compute_idle_fraction(events)
-        idle_by_threads[str(relay.eps.threads)] = idle["compute_idle_fraction"]
+        idle_by_threads[str(relay.eps.kernel.threads)] = idle["compute_idle_fraction"]
         c.say(f"trace: compute stream idle {idle['compute_idle_fraction']:.3f} with the host kernel on "
-              f"{relay.eps.threads} threads ({idle['measured_on']})")
+              f"{relay.eps.kernel.threads} threads ({idle['measured_on']})")
         if threads is None:  # the relay as it runs by default: its figure and its trace
             events = trim(events, c.max_file_bytes)
             c.write("trace.json", json.dumps({"traceEvents": events}))
-            result.update({**idle, "eps_threads": relay.eps.threads, "events_kept": len(events)})
+            result.update({**idle, "eps_threads": relay.eps.kernel.threads, "events_kept": len(events)})
         del relay, prof, events
         c._free()
     return {**result, "idle_by_eps_threads": idle_by_threads}

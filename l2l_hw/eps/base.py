@@ -5,23 +5,27 @@ An EPS holds fp32 master weights and optimizer state for named groups of tensors
 The relay only ever talks to the interface `EPS` (abstract methods only):
 
     configure(...)             what the relay needs of it (working copy, double buffering, deferral)
-    expect(groups)             every group about to be registered (a backend laying out storage checks it whole)
+    expect(groups)             every group about to be registered (a storage laying out files checks it whole)
     register(key, params)      take the fp32 master copy, allocate state
+    expect_step(fetches, updates)  the order the step will use the groups in (a storage reads ahead along it)
     fetch(key) / fetch_async   host working copy the device computes with next
     push_grads(key, grads)     schedule the eager update of that group; returns at once
     commit_step()              wait for every update of the step; the step is done
     discard_step() / wait() / master(key)
     state_dict() / load_state_dict() / state_entries()   (the last: streamed checkpoints)
+    close()                    join its threads, release its files (also `with eps:`)
     sharded, process_group     what it is, so the relay never inspects its class
 
 `LocalEps` implements it for whole tensors: the step semantics (deferred updates, commit
 without waiting, discarding a step) written once; the update engine (l2l_hw/eps/engine.py)
-owns the buffers and the update thread; a backend supplies only how one tensor is updated
-and stored. The sharded EPS (l2l_hw/eps/sharded.py) implements the interface by wrapping a
-LocalEps that keeps this rank's slices.
+owns the buffers and the update thread, and is composed of an update kernel (how one
+tensor is updated) and a storage (where the buffers live). The sharded EPS
+(l2l_hw/eps/sharded.py) implements the interface by wrapping a LocalEps that keeps this
+rank's slices.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 from abc import ABC, abstractmethod
@@ -232,7 +236,7 @@ class EPS(ABC):
     @abstractmethod
     def expect(self, groups: dict[str, dict[str, torch.Size]]) -> None:
         """The groups the relay is about to register, in order, with their tensors' shapes: said once,
-        after configure() and before the first register(). A backend that lays out storage for them
+        after configure() and before the first register(). A storage that lays out files for them
         (the disk tier's state_dir) checks the whole model against what it holds before it writes
         anything; the others need nothing of it."""
 
@@ -241,6 +245,14 @@ class EPS(ABC):
         """Take the fp32 master copy of a group's parameters and allocate its state; the tensors
         named in `no_decay` are updated without weight decay (biases and norms, as transformers'
         Trainer does)."""
+
+    @abstractmethod
+    def expect_step(self, fetches: list[str], updates: list[str]) -> None:
+        """The order the step about to start uses the groups in, said at its start: `fetches`, the
+        groups the forward sweep fetches, in order; `updates`, the groups whose gradients it
+        pushes, in the order they come. A storage whose bytes live elsewhere (the state_dir)
+        reads ahead along it; a step that says nothing gets no read-ahead. Only a hint: any
+        fetch or push in any order stays correct."""
 
     @abstractmethod
     def fetch(self, key: str, previous: bool = False) -> dict[str, torch.Tensor]:
@@ -288,6 +300,17 @@ class EPS(ABC):
     @abstractmethod
     def load_state_dict(self, state: Mapping[str, torch.Tensor | StateEntry]) -> None:
         """Load what state_dict / state_entries gave (any EPS of the same model and rule)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Finish the updates under way, join the update thread and release what the EPS holds
+        (files, device memory). Idempotent; the EPS is not used afterwards."""
+
+    def __enter__(self) -> "EPS":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def new_group(shapes: dict[str, dict[str, torch.Size]], key: str, params: dict[str, torch.Tensor],
@@ -350,7 +373,7 @@ class StepPushes:
 class LocalEps(EPS):
     """An EPS of whole tensors: the step semantics (deferred updates, commit without waiting,
     discarding a step, double buffering), written once; l2l_hw/eps/engine.py adds the
-    buffers and the update thread, a backend how one tensor is stored and updated."""
+    buffers and the update thread, composed of a kernel and a storage."""
 
     def __init__(self, config: OptimConfig, working_dtype: str = "fp32", double_buffer: bool = False):
         if working_dtype not in WORKING_DTYPES:
@@ -396,9 +419,6 @@ class LocalEps(EPS):
             self.pushes.defer = bool(defer_updates)
 
     # -- registration ---------------------------------------------------------
-    def expect(self, groups: dict[str, dict[str, torch.Size]]) -> None:
-        """Nothing to check in memory (the disk tier overrides it)."""
-
     def register(self, key: str, params: dict[str, torch.Tensor], no_decay: frozenset[str] = frozenset()) -> None:
         """Take the fp32 master copy of a group's parameters and allocate its state."""
         self._register(key, new_group(self.shapes, key, params, no_decay))
@@ -560,12 +580,13 @@ class LocalEps(EPS):
         if step < 0:
             raise ValueError(f"EPS state step is {step}; a step count is >= 0")
         for key, names in self.shapes.items():
-            for name, shape in names.items():
-                previous = state.get(f"{key}/{name}/previous") if self.double_buffer else None
-                if previous is not None:
-                    previous = tensor_of(previous).to(WORKING_DTYPES[self.working_dtype])
-                self.load_tensor(key, name, {s: tensor_of(state[f"{key}/{name}/{s}"])
-                                             for s in self.stored_slots(shape)}, previous)
+            with self._holding(key):
+                for name, shape in names.items():
+                    previous = state.get(f"{key}/{name}/previous") if self.double_buffer else None
+                    if previous is not None:
+                        previous = tensor_of(previous).to(WORKING_DTYPES[self.working_dtype])
+                    self.load_tensor(key, name, {s: tensor_of(state[f"{key}/{name}/{s}"])
+                                                 for s in self.stored_slots(shape)}, previous)
         self.step = step
 
     def master(self, key: str) -> dict[str, torch.Tensor]:
@@ -573,7 +594,7 @@ class LocalEps(EPS):
         self.wait()
         return {name: self.read_state(key, name)["param"].clone() for name in self.shapes[key]}
 
-    # -- what a backend (or the engine) provides --------------------------------
+    # -- what the engine provides --------------------------------
     @abstractmethod
     def _register(self, key: str, params: dict[str, torch.Tensor]) -> None: ...
 
@@ -600,6 +621,10 @@ class LocalEps(EPS):
 
     def _discard(self) -> None:
         """Forget what the updates of the step wrote (double buffering: spare buffers)."""
+
+    def _holding(self, key: str):
+        """Group `key` kept in reach while its tensors are loaded one by one (a context manager)."""
+        return contextlib.nullcontext()
 
     @abstractmethod
     def _swap(self) -> None:

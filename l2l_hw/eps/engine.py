@@ -1,10 +1,17 @@
-"""The asynchronous update engine, written once for every EPS backend.
+"""The asynchronous update engine, written once: an update kernel on a storage, composed.
 
-The engine owns each tensor's buffers, the update thread and the bookkeeping of what a
-step wrote; a backend supplies only how a buffer is allocated, written and read, and
-how one tensor is updated (`_run`: the host kernel, the RTL, or numpy).
+    Engine(config, kernel, storage)     (make_eps composes it: l2l_hw/eps/registry.py)
 
-Buffers of one tensor (`TensorBuffers`), in the backend's memory:
+The engine owns each tensor's buffers, the update thread, the bookkeeping of what a step
+wrote, push / wait / commit / discard and the buffer flips; the kernel computes one
+tensor's update, the storage keeps the buffers (l2l_hw/eps/storage.py). Neither inherits
+the engine or knows the other, so any kernel runs on any storage of its memory:
+
+    kernels    HostKernel (the fused C kernel, l2l_hw/eps/cpu.py), GoldenKernel (numpy,
+               l2l_hw/eps/golden_eps.py), RtlKernel (l2l_optim through its driver, fpga.py)
+    storages   HostMemory (RAM), RegionFiles (a state_dir, l2l_hw/eps/disk.py), FpgaDram
+
+Buffers of one tensor (`TensorBuffers`), in the storage:
     current    param, m, v (the optimizer's slots) and, for a bf16/fp16 working copy,
                `working`: the committed state. Always there: 12 B/parameter with Adam,
                14 with a bf16 working copy. m and v are kept in the EPS's state format
@@ -12,8 +19,8 @@ Buffers of one tensor (`TensorBuffers`), in the backend's memory:
                copy); or 8bit, codes plus `m_scale`/`v_scale` buffers of one fp32 scale per
                block (8.03 B/parameter). The master param is always fp32.
     spare      what updates write when they cannot run in place: with double buffering
-               (a step discarded whole, fp16 overflow; PipeDream-2BW), and for backends
-               whose update can fail halfway through a tensor (`in_place = False`: a bus
+               (a step discarded whole, fp16 overflow; PipeDream-2BW), and for kernels
+               whose run can fail halfway through a tensor (`in_place = False`: a bus
                error or a timeout on the FPGA). Slots the rule does not write have none.
     previous   double buffering only: the working copy one commit back (fetch(previous=True)).
 
@@ -27,21 +34,67 @@ commit_step (`_swap`), so `fetch` never waits and a step can be discarded whole.
 Updates run on one worker thread in the order the relay pushes them, so the update of
 layer i overlaps the backward of layer i-1 on the caller's thread; or inline, between
 layers, where the layers and the update would compute on the same host cores (the relay on
-the CPU; `configure(inline=...)`, l2l_hw/eps/worker.py).
+the CPU with a kernel computing on the host and a storage that never waits on I/O;
+`configure(inline=...)`, l2l_hw/eps/worker.py).
+
+Read-ahead follows the relay's order, told, not guessed: at the start of a step the relay
+says which groups it fetches in the forward sweep and in which order their gradients come
+(`expect_step`); each fetch and each update then asks the storage to read ahead the uses
+that follow (`StepOrder`). Only a storage that waits on I/O is given the hints.
 """
 from __future__ import annotations
 
+import collections
+import threading
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from l2l_hw.eps import golden
 from l2l_hw.eps.base import WORKING_DTYPES, LocalEps, OptimConfig, landed, release, updated_slots
 from l2l_hw.eps.golden import step_scalars
+from l2l_hw.eps.storage import Buffer, GroupLayout, Spec, Storage
 from l2l_hw.eps.worker import UpdateWorker
 
-Buffer = Any  # a backend's buffer: a host tensor, or a region of FPGA DRAM
+# fp32 m and v encoded this many elements at a time (whole blocks: the same codes as at once); the
+# golden encoder's temporaries take ~70 B per element, 9 GB for a 131 M-element embedding at once
+ENCODE_CHUNK = golden.QUANT_BLOCK << 14
+
+
+@dataclass(frozen=True)
+class UpdateRule:
+    """What a kernel run computes besides its scalars: the rule, the state format, the working
+    copy it writes (when the destinations hold one)."""
+
+    optimizer: str
+    state: str
+    working_dtype: str
+    nesterov: bool = False
+
+
+class Kernel:
+    """The update-kernel protocol: one tensor's update on the buffers a storage's hold() gives."""
+
+    name = "abstract"
+    memory = "host"  # the storage's memory it computes on (storage.Storage.memory)
+    in_place = True  # False where a run can fail halfway through a tensor: updates then write spare buffers
+    computes_on_host = False  # an update is computation on the host's cores (not another device's)
+
+    def configure(self, threads: int | None) -> None:
+        """The relay's thread policy: the host threads an update may compute with."""
+
+    def prepare(self, shapes: dict[str, torch.Size]) -> None:
+        """A group of these tensors is registered: ready what its runs need."""
+
+    def run(self, what: str, rule: UpdateRule, s, grad: torch.Tensor, src: dict, dst: dict) -> bool:
+        """One tensor's update (`what` names it in errors): read `src` (param, m, v and their
+        pieces), write `dst` (some of param, m, v, working; a destination may be its own
+        source). Returns whether the gradient (times the inverse loss scale) held a
+        non-finite value."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release the kernel's threads and device memory."""
 
 
 @dataclass
@@ -61,53 +114,82 @@ class TensorBuffers:
         return [*self.current.values(), *self.spare.values(), *([self.previous] if self.previous is not None else [])]
 
 
-class AsyncEps(LocalEps):
-    """An EPS whose updates run on the update thread over buffers the engine owns."""
+class StepOrder:
+    """The order the relay said the step under way uses the groups in (EPS.expect_step): the
+    forward's fetches, then the updates in the order the gradients come. Each use reached
+    names the uses to read ahead: after a forward fetch the next two (working copies, or the
+    first regions of the backward), after an update the next one, and so after the backward's
+    fetch of a group (recomputed layers), whose update comes next. One region ahead in the
+    backward, not two: two evicted groups about to be used (docs/DISK.md). A step that told
+    nothing reads nothing ahead."""
 
-    # False where an update can fail halfway through a tensor: updates then write spare buffers.
-    in_place = True
-    # True where an update is computation on the host's cores (not I/O, not another device's):
-    # with the layers on the CPU too, it then runs inline (l2l_hw/eps/worker.py).
-    computes_on_host = False
+    AHEAD = {"fetch": 2, "update": 1}
 
-    def __init__(self, config: OptimConfig, working_dtype: str = "fp32", double_buffer: bool = False,
-                 worker_name: str = "l2l-eps-update", state: str = "fp32"):
-        if state not in golden.STATE_FORMATS:
-            raise ValueError(f"unknown optimizer state format state={state!r}; choose one of "
-                             f"{', '.join(golden.STATE_FORMATS)}")
+    def __init__(self):
+        self.uses: list[tuple[str, str]] = []  # (group, "fetch" | "update")
+        self.reached: list[bool] = []
+        self.waiting: dict[tuple[str, str], collections.deque] = {}  # use -> its places not reached yet
+        self._lock = threading.Lock()  # fetches reach uses on the caller's thread, updates on the update thread
+
+    def expect(self, fetches: list[str], updates: list[str]) -> None:
+        with self._lock:
+            self.uses = [(key, "fetch") for key in fetches] + [(key, "update") for key in updates]
+            self.reached = [False] * len(self.uses)
+            self.waiting = {}
+            for i, use in enumerate(self.uses):
+                self.waiting.setdefault(use, collections.deque()).append(i)
+
+    def reach(self, key: str, kind: str) -> list[tuple[str, str]]:
+        """Group `key` is used for `kind` now: the uses to read ahead."""
+        with self._lock:
+            places, ahead = self.waiting.get((key, kind)), self.AHEAD[kind]
+            if places:
+                i = places.popleft()
+                self.reached[i] = True
+            elif kind == "fetch" and self.waiting.get((key, "update")):  # fetched again in the backward:
+                i, ahead = self.waiting[key, "update"][0], self.AHEAD["update"]  # the use of its update comes next
+            else:
+                return []
+            after = []
+            for j in range(i + 1, len(self.uses)):
+                if not self.reached[j]:
+                    after.append(self.uses[j])
+                    if len(after) == ahead:
+                        break
+            return after
+
+
+class Engine(LocalEps):
+    """An EPS whose updates run on the update thread: `kernel` on buffers kept by `storage`."""
+
+    def __init__(self, config: OptimConfig, kernel: Kernel, storage: Storage, working_dtype: str = "fp32",
+                 double_buffer: bool = False, state: str = "fp32", name: str | None = None):
+        check_formats(state, working_dtype)
+        if kernel.memory != storage.memory:
+            raise ValueError(f"the {kernel.name} kernel computes on {kernel.memory} memory; a {type(storage).__name__} "
+                             f"storage keeps {storage.memory} memory")
         super().__init__(config, working_dtype, double_buffer)
+        self.name = name or kernel.name
+        self.kernel, self.storage = kernel, storage
         self.state_format = state
         self.buffers: dict[str, dict[str, TensorBuffers]] = {}
-        self._worker = UpdateWorker(worker_name)
+        self.order = StepOrder()
+        self._worker: UpdateWorker | None = UpdateWorker("l2l-eps-update")
         self._written: dict[str, set[str]] = {}  # double buffering: tensors updated in the step, per group
+        self._in_use = False  # a fetch or a push happened: registration is over
 
     def configure(self, working_dtype=None, double_buffer=None, defer_updates=None, device=None, threads=None,
                   inline=None) -> None:
         super().configure(working_dtype, double_buffer, defer_updates, device, threads, inline)
-        if inline is not None:
-            self._worker.inline = inline and self.computes_on_host
+        if threads is not None:
+            self.kernel.configure(threads)
+        if inline is not None:  # an update that may wait on I/O runs beside the layers, never between them
+            self._open().inline = inline and self.kernel.computes_on_host and not self.storage.waits_on_io
 
-    # -- what a backend provides ---------------------------------------------------
-    def _allocate(self, shape: torch.Size, dtype: torch.dtype, fetched: bool) -> Buffer:
-        """A buffer for `shape` x `dtype`; `fetched`: the working copy, which crosses to the device."""
-        raise NotImplementedError
-
-    def _write(self, buf: Buffer, values: torch.Tensor) -> None:
-        raise NotImplementedError
-
-    def _read(self, buf: Buffer, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        """The buffer's values as a host tensor (the buffer itself where it is host memory)."""
-        raise NotImplementedError
-
-    def _run(self, key: str, name: str, optimizer: str, s, grad: torch.Tensor,
-             src: dict[str, Buffer], dst: dict[str, Buffer]) -> bool:
-        """One tensor's update: read `src` (param, m, v), write `dst` (some of param, m, v,
-        working; a destination may be its own source). Returns whether the gradient (times
-        the inverse loss scale) held a non-finite value."""
-        raise NotImplementedError
-
-    def _free(self, buf: Buffer) -> None:
-        """Give a buffer back (host memory: the garbage collector does)."""
+    def _open(self) -> UpdateWorker:
+        if self._worker is None:
+            raise RuntimeError(f"the {self.name} EPS is closed")
+        return self._worker
 
     # -- layout ---------------------------------------------------------------------
     @property
@@ -121,7 +203,16 @@ class AsyncEps(LocalEps):
 
     @property
     def out_of_place(self) -> bool:
-        return self.double_buffer or not self.in_place
+        return self.double_buffer or not self.kernel.in_place
+
+    def _rule(self, optimizer: str | None = None) -> UpdateRule:
+        return UpdateRule(optimizer or self.config.optimizer, self.state_format, self.working_dtype,
+                          self.config.nesterov)
+
+    def _stored_rule(self) -> dict:
+        """What the bytes of a group depend on besides the model (a storage that keeps them checks it)."""
+        return {"optimizer": self.config.optimizer, "state": self.state_format, "working_dtype": self.working_dtype,
+                "double_buffer": self.double_buffer}
 
     def _pieces(self, slot: str, shape: torch.Size) -> dict[str, tuple[torch.Size, torch.dtype]]:
         """The buffers one slot is kept in: param fp32, the working copy in its dtype, m and v
@@ -137,101 +228,155 @@ class AsyncEps(LocalEps):
     def stored_slots(self, shape):
         return {piece: layout for slot in self.slots() for piece, layout in self._pieces(slot, shape).items()}
 
-    def buffer_layout(self, shape: torch.Size) -> list[tuple[str, str, torch.Size, torch.dtype, bool]]:
-        """The buffers one tensor of `shape` takes, as (role, piece, shape, dtype, fetched): role
-        "current", "spare" or "previous" (the module docstring); fetched: the working copy, which
-        crosses to the device. What _new_tensor allocates, and what l2l_hw.estimate counts."""
-        slots = self.slots() + (("working",) if self.working_dtype != "fp32" else ())
-        layout = [("current", piece, s, dtype, slot == self.working_slot)
-                  for slot in slots for piece, (s, dtype) in self._pieces(slot, shape).items()]
-        if self.out_of_place:
-            layout += [("spare", piece, s, dtype, slot == self.working_slot)
-                       for slot in self._slots_written() for piece, (s, dtype) in self._pieces(slot, shape).items()]
-        if self.double_buffer:
-            layout.append(("previous", "previous", shape, WORKING_DTYPES[self.working_dtype], True))
-        return layout
+    def buffer_layout(self, shape: torch.Size) -> list[tuple[str, str | None, Spec]]:
+        """(role, piece, spec) of every buffer one tensor of `shape` takes: role "current", "spare"
+        or "previous" (the module docstring); spec.fetched: the working copy, which crosses to the
+        device. What a storage allocates, and what l2l_hw.estimate counts."""
+        def spec(s, dtype, slot):
+            fetched = slot == self.working_slot
+            return Spec(torch.Size(s), dtype, fetched, fetched and self.pin_fetched)
 
-    def _new_tensor(self, shape: torch.Size) -> TensorBuffers:
-        b = TensorBuffers({})
-        for role, piece, s, dtype, fetched in self.buffer_layout(shape):
-            buffer = self._allocate(s, dtype, fetched)
-            if role == "previous":
-                b.previous = buffer
-            else:
-                getattr(b, role)[piece] = buffer
-        return b
+        slots = self.slots() + (("working",) if self.working_dtype != "fp32" else ())
+        out = [("current", piece, spec(s, dtype, slot))
+               for slot in slots for piece, (s, dtype) in self._pieces(slot, shape).items()]
+        if self.out_of_place:
+            out += [("spare", piece, spec(s, dtype, slot))
+                    for slot in self._slots_written() for piece, (s, dtype) in self._pieces(slot, shape).items()]
+        if self.double_buffer:
+            out.append(("previous", None, spec(shape, WORKING_DTYPES[self.working_dtype], self.working_slot)))
+        return out
+
+    def _layout(self, key: str, shapes: dict[str, torch.Size]) -> tuple[GroupLayout, list]:
+        roles = [(name, role, piece, spec) for name, shape in shapes.items()
+                 for role, piece, spec in self.buffer_layout(torch.Size(shape))]
+        return GroupLayout(key, {n: torch.Size(s) for n, s in shapes.items()}, [r[3] for r in roles]), roles
 
     # -- registration and loading -----------------------------------------------------
+    def expect(self, groups):
+        """The whole model's groups, for a storage that checks them against what it holds."""
+        self.storage.expect([self._layout(key, shapes)[0] for key, shapes in groups.items()], self._stored_rule())
+
     def _register(self, key, params):
-        for name, p in params.items():
-            self.load_tensor(key, name, {"param": p})
+        self._open()
+        shapes = {name: p.shape for name, p in params.items()}
+        layout, roles = self._layout(key, shapes)
+        group = {name: TensorBuffers({}) for name in shapes}
+        for (name, role, piece, _), buf in zip(roles, self.storage.allocate(layout, self._stored_rule())):
+            b = group[name]
+            if role == "previous":
+                b.previous = buf
+            else:
+                getattr(b, role)[piece] = buf
+        self.buffers[key] = group
+        self.kernel.prepare(shapes)
+        with self.storage.hold(key, write_back=True):
+            for name, p in params.items():
+                self.load_tensor(key, name, {"param": p})
+
+    def _holding(self, key):
+        return self.storage.hold(key)
 
     def load_tensor(self, key, name, slots, previous=None):
         shape = self.shapes[key][name]
-        group = self.buffers.setdefault(key, {})
-        if name not in group:
-            group[name] = self._new_tensor(shape)
-        b = group[name]
+        b = self.buffers[key][name]
         for slot in self.slots():
             for piece, values in self._stored_values(slot, slots, shape).items():
-                self._write(b.current[piece], values)
+                self.storage.write(b.current[piece], values)
         if self.working_dtype != "fp32":
             self._convert(key, name, b)
         if b.previous is not None:  # before the first commit the previous version is the loaded one
             if previous is None:
-                previous = self._read(b.current[self.working_slot], shape, WORKING_DTYPES[self.working_dtype])
-            self._write(b.previous, previous)
+                previous = self.storage.read(b.current[self.working_slot], shape, WORKING_DTYPES[self.working_dtype])
+            self.storage.write(b.previous, previous)
 
     def _stored_values(self, slot: str, given: dict[str, torch.Tensor], shape: torch.Size) -> dict[str, torch.Tensor]:
         """What to write into one slot's buffers: the stored pieces as given (a checkpoint of
         the same format: resumed bit for bit), else fp32 values (missing: zeros) encoded by
-        the golden rule of the state format."""
+        the golden rule of the state format, ENCODE_CHUNK elements at a time (whole blocks),
+        and zeros encoded once (every all-zero block encodes alike)."""
         pieces = self._pieces(slot, shape)
         if all(p in given and given[p].dtype == dtype for p, (_, dtype) in pieces.items()):
             return {p: given[p] for p in pieces}
         values = given.get(slot)
-        values = torch.zeros(shape) if values is None else values.float()
         if slot == "param" or self.state_format == "fp32":
-            return {slot: values}
-        stored = golden.state_tensors(golden.encode_state(values.numpy(), self.state_format, slot))
-        return {p: t.reshape(pieces[p][0]) for p, t in stored.items()}
+            return {slot: torch.zeros(shape) if values is None else values.float()}
+        if values is None and shape.numel() >= golden.QUANT_BLOCK:
+            block = _encoded(torch.zeros(golden.QUANT_BLOCK), self.state_format, slot)
+            return {p: torch.full(s, block[p].reshape(-1)[0].item(), dtype=dtype) for p, (s, dtype) in pieces.items()}
+        values = torch.zeros(shape) if values is None else values
+        parts = [_encoded(chunk, self.state_format, slot) for chunk in values.float().reshape(-1).split(ENCODE_CHUNK)]
+        return {p: torch.cat([part[p].reshape(-1) for part in parts]).reshape(s) for p, (s, _) in pieces.items()}
 
     def _convert(self, key: str, name: str, b: TensorBuffers) -> None:
-        """The working copy of loaded weights by the backend's own rounding: a zero-step SGD
+        """The working copy of loaded weights by the kernel's own rounding: a zero-step SGD
         run (p - 0 * 0 = p for finite p; NaN becomes the canonical NaN), its param output
         going to scratch so the master keeps every bit."""
         shape = self.shapes[key][name]
         scratch = b.spare.get("param")
         temporary = scratch is None
         if temporary:
-            scratch = self._allocate(shape, torch.float32, False)
+            scratch = self.storage.scratch(shape, torch.float32)
         try:
             zero = step_scalars(OptimConfig(optimizer="sgd", lr=0.0), 1)
-            self._run(key, name, "sgd", zero, torch.zeros(shape), {"param": b.current["param"]},
-                      {"param": scratch, "working": b.current["working"]})
+            with self.storage.hold(key) as view:
+                self.kernel.run(_what(key, name), self._rule("sgd"), zero, torch.zeros(shape),
+                                _viewed({"param": b.current["param"]}, view),
+                                _viewed({"param": scratch, "working": b.current["working"]}, view))
         finally:
             if temporary:
-                self._free(scratch)
+                self.storage.free(scratch)
 
     # -- the step ---------------------------------------------------------------------
+    def expect_step(self, fetches, updates):
+        """The step's order (EPS.expect_step): the storage reads ahead along it."""
+        unknown = sorted({*fetches, *updates} - set(self.shapes))
+        if unknown:
+            raise KeyError(f"expect_step names unknown EPS groups {unknown}; registered groups: "
+                           f"{', '.join(self.shapes) or 'none'}")
+        if self.storage.waits_on_io:  # a storage in memory has nothing to read ahead
+            self.order.expect(list(fetches), list(updates))
+
+    def _read_ahead(self, key: str, kind: str) -> None:
+        """Group `key` is used for `kind` now: the storage starts reading what the step uses next."""
+        if not self.storage.waits_on_io:
+            return
+        for next_key, next_kind in self.order.reach(key, kind):
+            group = self.buffers[next_key].values()
+            buffers = [buf for b in group for buf in b.all()] if next_kind == "update" else \
+                [buf for b in group for buf in (b.current[self.working_slot], b.previous) if buf is not None]
+            self.storage.read_ahead(next_key, buffers)
+
+    def _begin_use(self) -> None:
+        if not self._in_use:
+            self._in_use = True
+            self.storage.registered()
+
     def _push(self, key, grads, inv_scale):
+        worker = self._open()
+        self._begin_use()
         s = step_scalars(self.config, self.step + 1, inv_scale)
         plain = golden.without_weight_decay(s)  # no_decay's tensors
-        self._worker.submit(key, self._update, key, grads, {n: plain if n in self.no_decay[key] else s for n in grads})
+        if self.storage.waits_on_io:
+            self.storage.update_queued(key)
+        worker.submit(key, self._update, key, grads, {n: plain if n in self.no_decay[key] else s for n in grads})
 
     def _update(self, key: str, grads: dict[str, torch.Tensor], scalars: dict) -> bool:
         """Update thread: the group's gradients to the host first (all that can fail), then
         one run per tensor (with its step scalars), in place or into the spare buffers."""
-        # fp32, bf16 or fp16 as they came (push_grads checked shapes and dtypes): the backend widens
+        # fp32, bf16 or fp16 as they came (push_grads checked shapes and dtypes): the kernel widens
         # them. The relay's gradients come as a Landing, on their way down from the device.
+        self._read_ahead(key, "update")
+        rule = self._rule()
         try:
-            host = {name: grad.detach().to("cpu").contiguous() for name, grad in landed(grads).items()}
-            found = False
-            for name, g in host.items():
-                b = self.buffers[key][name]
-                written = [piece for slot in self._slots_written() for piece in self._pieces(slot, g.shape)]
-                dst = b.spare if self.out_of_place else {piece: b.current[piece] for piece in written}
-                found |= self._run(key, name, self.config.optimizer, scalars[name], g, b.current, dst)
+            with self.storage.hold(key, write_back=True) as view:
+                host = {name: grad.detach().to("cpu").contiguous() for name, grad in landed(grads).items()}
+                found = False
+                for name, g in host.items():
+                    b = self.buffers[key][name]
+                    written = [piece for slot in self._slots_written() for piece in self._pieces(slot, g.shape)]
+                    dst = b.spare if self.out_of_place else {piece: b.current[piece] for piece in written}
+                    found |= self.kernel.run(_what(key, name), rule, scalars[name], g, _viewed(b.current, view),
+                                             _viewed(dst, view))
         finally:
             release(grads)
         if self.double_buffer:
@@ -251,28 +396,35 @@ class AsyncEps(LocalEps):
                     b.spare[slot], b.previous = b.previous, b.spare[slot]
                 else:  # unchanged in the step: its version one step back is the committed one
                     shape = self.shapes[key][name]
-                    self._write(b.previous, self._read(b.current[slot], shape, WORKING_DTYPES[self.working_dtype]))
+                    self.storage.write(b.previous, self.storage.read(b.current[slot], shape,
+                                                                     WORKING_DTYPES[self.working_dtype]))
 
     def _discard(self):
         self._written.clear()  # the step's updates wrote only spare buffers
 
     def _wait(self):
-        self.found_nonfinite |= self._worker.wait()
+        if self._worker is not None:  # closed: nothing is pending
+            self.found_nonfinite |= self._worker.wait()
 
     # -- reading --------------------------------------------------------------------------
     def _fetch(self, key, previous=False):
+        worker = self._open()
+        self._begin_use()
+        self._read_ahead(key, "fetch")
         if not self.double_buffer:  # double buffered: updates write the spare, fetch need not wait
-            self.found_nonfinite |= self._worker.result(key)
+            self.found_nonfinite |= worker.result(key)
         dtype = WORKING_DTYPES[self.working_dtype]
-        return {name: self._read(b.previous if previous else b.current[self.working_slot], self.shapes[key][name],
-                                 dtype) for name, b in self.buffers[key].items()}
+        return {name: self.storage.read(b.previous if previous else b.current[self.working_slot],
+                                        self.shapes[key][name], dtype) for name, b in self.buffers[key].items()}
 
     def read_state(self, key, name):
         """fp32 param and optimizer slots (compressed state decoded by the golden rule)."""
+        self._open()
         b, shape = self.buffers[key][name], self.shapes[key][name]
         out = {}
         for slot in self.slots():
-            pieces = {p: self._read(b.current[p], s, dtype) for p, (s, dtype) in self._pieces(slot, shape).items()}
+            pieces = {p: self.storage.read(b.current[p], s, dtype)
+                      for p, (s, dtype) in self._pieces(slot, shape).items()}
             if slot == "param" or self.state_format == "fp32":
                 out[slot] = pieces[slot]
             else:
@@ -283,20 +435,44 @@ class AsyncEps(LocalEps):
     def _reader(self, key, name, slot):
         """One stored piece as it is (compressed state too: a checkpoint keeps it unchanged)."""
         shape, dtype = self.stored_slots(self.shapes[key][name])[slot]
-        return lambda: self._read(self.buffers[key][name].current[slot], shape, dtype)
+        return lambda: self.storage.read(self.buffers[key][name].current[slot], shape, dtype)
 
     def close(self) -> None:
-        """Wait for the update thread and give every buffer back."""
-        if getattr(self, "_worker", None) is None:
+        """Wait for the updates under way, join the update thread, give every buffer back and
+        close the kernel and the storage (their threads, files and device memory). Idempotent;
+        the EPS is unusable afterwards."""
+        if self._worker is None:
             return
-        self._worker.shutdown(wait=True)
-        self._worker = None
-        for group in self.buffers.values():
-            for b in group.values():
-                for buf in b.all():
-                    self._free(buf)
-        self.buffers.clear()
+        worker, self._worker = self._worker, None
+        worker.shutdown(wait=True)
+        try:
+            for group in self.buffers.values():
+                for b in group.values():
+                    for buf in b.all():
+                        self.storage.free(buf)
+            self.buffers.clear()
+            self.kernel.close()
+        finally:
+            self.storage.close()
 
-    def __del__(self):
-        if getattr(self, "_worker", None) is not None:
-            self._worker.shutdown(wait=False)
+
+def check_formats(state: str, working_dtype: str) -> None:
+    """The optimizer state format and the working copy's dtype are ones the engine keeps."""
+    if state not in golden.STATE_FORMATS:
+        raise ValueError(f"unknown optimizer state format state={state!r}; choose one of "
+                         f"{', '.join(golden.STATE_FORMATS)}")
+    if working_dtype not in WORKING_DTYPES:
+        raise ValueError(f"unknown working_dtype {working_dtype!r}; choose one of {', '.join(WORKING_DTYPES)}")
+
+
+def _viewed(buffers: dict[str, Buffer], view) -> dict:
+    """What a kernel gets of `buffers` inside a storage's hold(): their views, or themselves."""
+    return buffers if view is None else {slot: view(buf) for slot, buf in buffers.items()}
+
+
+def _what(key: str, name: str) -> str:
+    return f"EPS group {key!r} tensor {name!r}"
+
+
+def _encoded(values: torch.Tensor, state: str, slot: str) -> dict[str, torch.Tensor]:
+    return golden.state_tensors(golden.encode_state(values.numpy(), state, slot))

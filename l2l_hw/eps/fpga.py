@@ -3,12 +3,14 @@ the RTL kernel l2l_optim (hdl/), through one register-level driver (l2l_hw/hw/dr
 and a transport: the Verilated RTL with a C++ DRAM model in-process ("fpga-sim"), or a
 board through PYNQ ("fpga-pynq").
 
-The engine (l2l_hw/eps/engine.py) owns the buffers and the update thread; here a buffer
-is a region of device DRAM and a tensor's update is one kernel run. A run can fail
-halfway (an AXI error, a timeout), so updates never run in place: they write a spare
-copy of param, m, v and the working copy, which the engine swaps in once every tensor
-of the group succeeded, and a failure leaves the group's committed state whole. One
-gradient buffer, as large as the largest tensor, serves every run (runs are sequential).
+The engine (l2l_hw/eps/engine.py) owns the buffers and the update thread; here it is
+composed of two halves sharing one transport: `FpgaDram`, the storage (a buffer is a region
+of device DRAM), and `RtlKernel`, the update kernel (a tensor's update is one kernel run).
+A run can fail halfway (an AXI error, a timeout), so updates never run in place: they
+write a spare copy of param, m, v and the working copy, which the engine swaps in once
+every tensor of the group succeeded, and a failure leaves the group's committed state
+whole. One gradient buffer, as large as the largest tensor, serves every run (runs are
+sequential).
 
 With several compute units (kernel instances on one DRAM; fpga-sim `compute_units=`,
 default one per core up to 2) the driver splits each tensor's run over them and returns
@@ -26,77 +28,85 @@ from __future__ import annotations
 import torch
 
 from l2l_hw.eps.base import OptimConfig
-from l2l_hw.eps.engine import AsyncEps
+from l2l_hw.eps.engine import Kernel
 from l2l_hw.eps.registry import register_backend
+from l2l_hw.eps.storage import Storage
 from l2l_hw.hw import regs
 
 GRAD_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 # the stored pieces (engine buffers) -> the kernel's (source, destination) pointers
 POINTERS = {"param": ("PARAM_SRC", "PARAM_DST"), "m": ("M_SRC", "M_DST"), "v": ("V_SRC", "V_DST"),
             "m_scale": ("M_SCALE_SRC", "M_SCALE_DST"), "v_scale": ("V_SCALE_SRC", "V_SCALE_DST")}
+# the RTL reads and writes fp32 m and v, or golden's block-wise 8-bit codes and scales
+# (MODE.STATE); bf16 state is not built
+STATE_FORMATS = ("fp32", "8bit")
 
 
-class FpgaEps(AsyncEps):
-    """EPS whose updates run on the l2l_optim kernel behind `transport`."""
+def check_rule(name: str, config: OptimConfig, state: str) -> None:
+    """Refuse an optimizer or a state format the RTL lacks, before any transport is built (LAMB
+    and LARS need a norm pass it does not have)."""
+    if config.optimizer not in regs.MODE_OPTIMIZER_VALUES:
+        raise ValueError(f"the {name} EPS runs optimizer {', '.join(regs.MODE_OPTIMIZER_VALUES)} only (the RTL "
+                         f"kernel has no trust-ratio pass), not optimizer={config.optimizer!r}; use the cpu or "
+                         f"golden EPS for it")
+    if state not in STATE_FORMATS:
+        raise ValueError(f"the {name} EPS supports optimizer state {', '.join(STATE_FORMATS)} only "
+                         f"(the RTL kernel keeps fp32 or block-wise 8-bit m and v), not state={state!r}; "
+                         f"use the cpu or golden EPS for it")
 
-    in_place = False
 
-    # the RTL reads and writes fp32 m and v, or golden's block-wise 8-bit codes and scales
-    # (MODE.STATE); bf16 state is not built
-    STATE_FORMATS = ("fp32", "8bit")
+class FpgaDram(Storage):
+    """Every buffer a region of the device DRAM behind `transport`; bytes move through it."""
 
-    @classmethod
-    def check_optimizer(cls, config: OptimConfig) -> None:
-        """Refuse an optimizer the RTL lacks (LAMB and LARS need a norm pass it does not have)."""
-        if config.optimizer not in regs.MODE_OPTIMIZER_VALUES:
-            raise ValueError(f"the {cls.name} EPS runs optimizer {', '.join(regs.MODE_OPTIMIZER_VALUES)} only (the RTL "
-                             f"kernel has no trust-ratio pass), not optimizer={config.optimizer!r}; use the cpu or "
-                             f"golden EPS for it")
+    memory = "fpga"
 
-    @classmethod
-    def check_state(cls, state: str) -> None:
-        """Refuse an optimizer state format the RTL lacks (before any transport is built)."""
-        if state not in cls.STATE_FORMATS:
-            raise ValueError(f"the {cls.name} EPS supports optimizer state {', '.join(cls.STATE_FORMATS)} only "
-                             f"(the RTL kernel keeps fp32 or block-wise 8-bit m and v), not state={state!r}; "
-                             f"use the cpu or golden EPS for it")
-
-    def __init__(self, config: OptimConfig, working_dtype: str = "fp32", double_buffer: bool = False,
-                 transport=None, timeout_s: float | None = None, max_cycles: int | None = None, state: str = "fp32"):
-        self.check_optimizer(config)
-        self.check_state(state)
-        super().__init__(config, working_dtype, double_buffer, "l2l-fpga-update", state=state)
-        from l2l_hw.hw.driver import DEFAULT_TIMEOUT_S, L2lOptimDriver
-
+    def __init__(self, transport):
         self.transport = transport
-        self.driver = L2lOptimDriver(transport, timeout_s=timeout_s or DEFAULT_TIMEOUT_S, max_cycles=max_cycles)
-        self.grad_buffer = None  # device DRAM for the gradient of the tensor being updated
-        self._grad_bytes = 0
 
-    def _allocate(self, shape, dtype, fetched):
+    def allocate(self, group, rule):
+        return [self.transport.allocate(s.shape.numel() * s.dtype.itemsize) for s in group.specs]
+
+    def scratch(self, shape, dtype):
         return self.transport.allocate(shape.numel() * dtype.itemsize)
 
-    def _write(self, buf, values):
-        self.transport.write(buf, values.contiguous())
-
-    def _read(self, buf, shape, dtype):
-        return self.transport.read(buf, torch.empty(shape, dtype=dtype))
-
-    def _free(self, buf):
+    def free(self, buf):
         self.transport.free(buf)
 
-    def _register(self, key, params):
-        self._gradient_buffer(4 * max(p.numel() for p in params.values()))
-        super()._register(key, params)
+    def write(self, buf, values):
+        self.transport.write(buf, values.contiguous())
+
+    def read(self, buf, shape, dtype):
+        return self.transport.read(buf, torch.empty(shape, dtype=dtype))
+
+
+class RtlKernel(Kernel):
+    """Updates by the l2l_optim kernel behind `transport`, through the register-level driver.
+    `owns_transport`: the kernel built it, and closes it."""
+
+    name = "rtl"
+    memory = "fpga"
+    in_place = False
+
+    def __init__(self, transport, timeout_s: float | None = None, max_cycles: int | None = None,
+                 owns_transport: bool = False):
+        from l2l_hw.hw.driver import DEFAULT_TIMEOUT_S, L2lOptimDriver
+
+        self.transport, self.owns_transport = transport, owns_transport
+        self.driver = L2lOptimDriver(transport, timeout_s=timeout_s or DEFAULT_TIMEOUT_S, max_cycles=max_cycles)
+        self.grad_buffer = None  # device DRAM for the gradient of the tensor being updated
+        self.grad_bytes = 0
+
+    def prepare(self, shapes):
+        self._gradient_buffer(4 * max(shape.numel() for shape in shapes.values()))
 
     def _gradient_buffer(self, nbytes: int):
-        if nbytes > self._grad_bytes:
+        if nbytes > self.grad_bytes:
             if self.grad_buffer is not None:
                 self.transport.free(self.grad_buffer)
-            self.grad_buffer, self._grad_bytes = self.transport.allocate(nbytes), nbytes
+            self.grad_buffer, self.grad_bytes = self.transport.allocate(nbytes), nbytes
         return self.grad_buffer
 
-    def _run(self, key, name, optimizer, s, grad, src, dst):
+    def run(self, what, rule, s, grad, src, dst):
         grad_buffer = self._gradient_buffer(4 * grad.numel())
         self.transport.write(grad_buffer, grad)
         pointers = {"GRAD_SRC": grad_buffer.address}
@@ -106,54 +116,61 @@ class FpgaEps(AsyncEps):
                 pointers[destination] = dst.get(slot, src[slot]).address
         if "working" in dst:
             pointers["COPY_DST"] = dst["working"].address
-        copy = self.working_dtype if "working" in dst else "none"
-        mode = regs.mode(optimizer, GRAD_NAMES[grad.dtype], copy, self.config.nesterov, self.state_format)
-        result = self.driver.run(layer=f"EPS group {key!r} tensor {name!r}", n=grad.numel(), mode=mode,
-                                 scalars=s, pointers=pointers)
+        copy = rule.working_dtype if "working" in dst else "none"
+        mode = regs.mode(rule.optimizer, GRAD_NAMES[grad.dtype], copy, rule.nesterov, rule.state)
+        result = self.driver.run(layer=what, n=grad.numel(), mode=mode, scalars=s, pointers=pointers)
         return result.nonfinite
 
     def close(self) -> None:
-        """Wait for the update thread and free every device buffer."""
-        if getattr(self, "_worker", None) is None:
-            return
-        super().close()
+        """Stop the driver's unit threads and free the gradient buffer (and the transport, if built here)."""
         self.driver.close()
         if self.grad_buffer is not None:
             self.transport.free(self.grad_buffer)
             self.grad_buffer = None
+        if self.owns_transport:
+            self.transport.close()
 
 
-@register_backend("fpga-sim")
-class FpgaSimEps(FpgaEps):
+def dram(kernel: RtlKernel) -> FpgaDram:
+    return FpgaDram(kernel.transport)
+
+
+@register_backend("fpga-sim", storage=dram)
+def fpga_sim(config: OptimConfig, state: str = "fp32", data_width: int | None = None, dram_bytes: int | None = None,
+             read_latency: int = 0, transport=None, lanes: int | None = None, compute_units: int | None = None,
+             timeout_s: float | None = None, max_cycles: int | None = None) -> RtlKernel:
     """The RTL in the loop: l2l_optim Verilated (built on first use) with a C++ DRAM model;
     `compute_units` instances of it on that DRAM (None: verilator.default_compute_units())."""
+    check_rule("fpga-sim", config, state)
+    owned = transport is None
+    if owned:
+        from l2l_hw.hw import verilator
 
-    def __init__(self, config: OptimConfig, working_dtype: str = "fp32", double_buffer: bool = False,
-                 data_width: int | None = None, dram_bytes: int | None = None, read_latency: int = 0,
-                 transport=None, lanes: int | None = None, compute_units: int | None = None, **driver_options):
-        self.check_optimizer(config)
-        self.check_state(driver_options.get("state", "fp32"))
-        if transport is None:
-            from l2l_hw.hw import verilator
-
-            transport = verilator.VerilatorTransport(
-                data_width, dram_bytes or verilator.DEFAULT_DRAM_BYTES, read_latency, lanes=lanes,
-                compute_units=compute_units or verilator.default_compute_units())
-        super().__init__(config, working_dtype, double_buffer, transport=transport, **driver_options)
+        transport = verilator.VerilatorTransport(
+            data_width, dram_bytes or verilator.DEFAULT_DRAM_BYTES, read_latency, lanes=lanes,
+            compute_units=compute_units or verilator.default_compute_units())
+    return _kernel(transport, owned, timeout_s, max_cycles)
 
 
-@register_backend("fpga-pynq")
-class FpgaPynqEps(FpgaEps):
+@register_backend("fpga-pynq", storage=dram)
+def fpga_pynq(config: OptimConfig, state: str = "fp32", overlay=None, kernel: str | None = None, transport=None,
+              timeout_s: float | None = None, max_cycles: int | None = None) -> RtlKernel:
     """A board: `overlay` is a bitstream (with its .hwh beside it) or an xclbin (docs/BOARD.md)."""
+    check_rule("fpga-pynq", config, state)
+    owned = transport is None
+    if owned:
+        if overlay is None:
+            raise ValueError("fpga-pynq needs overlay='path/to/l2l_optim.bit' (or an .xclbin); see docs/BOARD.md")
+        from l2l_hw.hw.pynq import PynqTransport
 
-    def __init__(self, config: OptimConfig, working_dtype: str = "fp32", double_buffer: bool = False,
-                 overlay=None, kernel: str | None = None, transport=None, **driver_options):
-        self.check_optimizer(config)
-        self.check_state(driver_options.get("state", "fp32"))
-        if transport is None:
-            if overlay is None:
-                raise ValueError("fpga-pynq needs overlay='path/to/l2l_optim.bit' (or an .xclbin); see docs/BOARD.md")
-            from l2l_hw.hw.pynq import PynqTransport
+        transport = PynqTransport(overlay, kernel=kernel)
+    return _kernel(transport, owned, timeout_s, max_cycles)
 
-            transport = PynqTransport(overlay, kernel=kernel)
-        super().__init__(config, working_dtype, double_buffer, transport=transport, **driver_options)
+
+def _kernel(transport, owned: bool, timeout_s, max_cycles) -> RtlKernel:
+    try:
+        return RtlKernel(transport, timeout_s, max_cycles, owns_transport=owned)
+    except BaseException:  # refused hardware (ID, VERSION): the transport built here goes again
+        if owned:
+            transport.close()
+        raise

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from l2l_hw.eps.base import LAYERWISE, OPTIMIZERS, SCHEDULES, OptimConfig
 from l2l_hw.eps.golden import STATE_FORMATS
-from l2l_hw.eps.registry import known_backends
+from l2l_hw.eps.registry import disk_tier_backends, known_backends
 from l2l_hw.options import OptionError, check_options, fail, option
 
 
@@ -94,9 +94,9 @@ class EpsOptions:
                                  "docs/BOARD.md)", kind="path", metavar="PATH")
     kernel: str | None = option(None, "--eps fpga-pynq: the kernel's IP name in the overlay (default: every IP "
                                 "named l2l_optim*, each a compute unit)", kind="text", metavar="NAME")
-    state_dir: str | None = option(None, "--eps cpu: keep the master weights, optimizer state and working copy in "
-                                   "files under PATH (a disk filesystem with direct I/O), only the layer groups in "
-                                   "flight in memory (docs/DISK.md)", kind="path", metavar="PATH")
+    state_dir: str | None = option(None, "--eps cpu or golden: keep the master weights, optimizer state and working "
+                                   "copy in files under PATH (a disk filesystem with direct I/O), only the layer "
+                                   "groups in flight in memory (docs/DISK.md)", kind="path", metavar="PATH")
 
     def __post_init__(self):
         check_options(self)
@@ -110,9 +110,10 @@ class EpsOptions:
         if self.shard_state and self.optimizer_state != "fp32":
             fail("optimizer_state", self.optimizer_state, "shard_state keeps fp32 optimizer state only; drop one "
                  "of them")
-        if self.state_dir is not None and (self.eps_backend != "cpu" or self.shard_state):
-            fail("state_dir", self.state_dir, "keeps the state of the cpu EPS (unsharded) on disk; drop --state-dir "
-                 f"or use --eps cpu{' without --shard-state' if self.shard_state else ''}")
+        if self.state_dir is not None and (self.eps_backend not in disk_tier_backends() or self.shard_state):
+            fail("state_dir", self.state_dir, f"keeps the state of the {' or '.join(disk_tier_backends())} EPS "
+                 "(unsharded) on disk; drop --state-dir or use --eps cpu"
+                 f"{' without --shard-state' if self.shard_state else ''}")
         if self.kernel is not None and self.overlay is None:
             fail("kernel", self.kernel, "names an IP in an overlay: give --overlay too (the fpga-pynq EPS)")
         if (self.eps_backend == "fpga-pynq") != (self.overlay is not None):

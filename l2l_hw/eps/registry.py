@@ -1,28 +1,41 @@
-"""The backend registry: `make_eps(name, ...)` builds an EPS by name.
+"""The backend registry: `make_eps(name, ...)` composes an EPS from a kernel and a storage.
 
-Backends register themselves with `@register_backend(name)` when their module is
-imported (l2l_hw/eps/__init__.py imports them all). `shard_state=True` wraps the
-backend in the ZeRO-style sharded EPS (l2l_hw/eps/sharded.py), by composition.
+A backend registers a builder of its update kernel with `@register_backend(name)` when its
+module is imported (l2l_hw/eps/__init__.py imports them all). make_eps puts the kernel
+into the one engine (l2l_hw/eps/engine.py) on a storage: for a kernel that computes on
+host memory (cpu, golden) host memory itself, or with `state_dir=PATH` region files under
+PATH (l2l_hw/eps/disk.py), so every such backend has the disk tier; a kernel with memory of
+its own (the RTL: FPGA DRAM) registers the storage that keeps it. `shard_state=True` wraps
+the EPS in the ZeRO-style sharded EPS (l2l_hw/eps/sharded.py), by composition.
 """
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from typing import Callable
 
 from l2l_hw.eps.base import EPS, LAYERWISE, OptimConfig
+from l2l_hw.eps.disk import GROUPS_IN_FLIGHT, RegionFiles
+from l2l_hw.eps.engine import Engine, Kernel, check_formats
 from l2l_hw.eps.sharded import ShardedEps
-
-_BACKENDS: dict[str, Callable[..., EPS]] = {}
-_DISK_TIERS: dict[str, Callable[..., EPS]] = {}  # backend name -> the class keeping its state under state_dir
+from l2l_hw.eps.storage import HostMemory, Storage
 
 
-def register_backend(name: str, state_dir: bool = False):
-    """Class decorator: make a backend buildable by `make_eps(name)`; with `state_dir`, the
-    class `make_eps(name, state_dir=PATH)` builds (its state in files: l2l_hw/eps/disk.py)."""
-    def wrap(cls):
-        (_DISK_TIERS if state_dir else _BACKENDS)[name] = cls
-        cls.name = name
-        return cls
+@dataclass(frozen=True)
+class Backend:
+    kernel: Callable[..., Kernel]  # (config, state=..., **the backend's options) -> its kernel
+    storage: Callable[[Kernel], Storage] | None  # the kernel's own memory; None: host memory (or a state_dir)
+
+
+_BACKENDS: dict[str, Backend] = {}
+
+
+def register_backend(name: str, storage: Callable[[Kernel], Storage] | None = None):
+    """Decorator of a kernel builder: make the backend buildable by `make_eps(name)`. `storage`:
+    for a kernel with memory of its own, the storage of a built kernel."""
+    def wrap(build):
+        _BACKENDS[name] = Backend(build, storage)
+        return build
     return wrap
 
 
@@ -30,12 +43,17 @@ def known_backends() -> list[str]:
     return sorted(_BACKENDS)
 
 
+def disk_tier_backends() -> list[str]:
+    """The backends whose state may live in files under a state_dir: those computing on host memory."""
+    return sorted(name for name, backend in _BACKENDS.items() if backend.storage is None)
+
+
 def make_eps(name: str, working_dtype: str = "fp32", shard_state: bool = False, process_group=None,
-             **options) -> EPS:
-    """Build an EPS by backend name; the other options are those of OptimConfig or the backend's
-    (cpu and golden: `state="fp32" | "bf16" | "8bit"`, the format of m and v; cpu:
-    `state_dir=PATH`, the state in files under PATH, only the groups in flight in memory,
-    l2l_hw/eps/disk.py).
+             double_buffer: bool = False, state: str = "fp32", state_dir=None,
+             groups_in_flight: int | None = None, **options) -> EPS:
+    """Build an EPS by backend name; the other options are those of OptimConfig or the backend's.
+    `state="fp32" | "bf16" | "8bit"`: the format of m and v. `state_dir=PATH` (cpu, golden): the
+    state in files under PATH, only `groups_in_flight` groups of it in memory (default 4; docs/DISK.md).
 
     shard_state=True (data parallel, torch.distributed initialized): this rank keeps 1/N of
     every tensor's master weights and state, ZeRO-style (l2l_hw/eps/sharded.py)."""
@@ -45,25 +63,42 @@ def make_eps(name: str, working_dtype: str = "fp32", shard_state: bool = False, 
         raise ValueError(f"shard_state must be True or False, got {shard_state!r}")
     backend = _BACKENDS[name]
     backend_options = {k: options.pop(k) for k in list(options) if k not in OptimConfig.__dataclass_fields__}
-    if backend_options.get("state_dir") is not None:
-        if name not in _DISK_TIERS or shard_state:
-            raise ValueError(f"state_dir keeps the state of the unsharded {' or '.join(sorted(_DISK_TIERS))} EPS on "
-                             f"disk, not of the {'sharded ' if shard_state else ''}{name} EPS")
-        backend = _DISK_TIERS[name]
-    else:
-        backend_options.pop("state_dir", None)
+    if state_dir is not None and (backend.storage is not None or shard_state):
+        raise ValueError(f"state_dir keeps the state of the unsharded {' or '.join(disk_tier_backends())} EPS on "
+                         f"disk, not of the {'sharded ' if shard_state else ''}{name} EPS"
+                         + ("" if shard_state else " (its state is in its own memory)"))
+    if state_dir is None and groups_in_flight is not None:
+        raise ValueError(f"groups_in_flight={groups_in_flight!r} bounds the groups of a state_dir in memory; give "
+                         "state_dir too, or drop it")
     if shard_state and options.get("optimizer") in LAYERWISE:
         raise ValueError(f"optimizer={options['optimizer']!r} needs each tensor's whole norms (its trust ratio); "
                          "shard_state=True keeps slices: use an unsharded EPS or adamw, adam or sgd")
-    if shard_state and backend_options.get("state", "fp32") != "fp32":
-        raise ValueError(f"shard_state=True keeps fp32 optimizer state only, not state={backend_options['state']!r} "
+    if shard_state and state != "fp32":
+        raise ValueError(f"shard_state=True keeps fp32 optimizer state only, not state={state!r} "
                          f"(its checkpoints gather fp32 tensors); use an unsharded EPS for bf16 or 8-bit state")
-    accepted = inspect.signature(backend).parameters
+    accepted = inspect.signature(backend.kernel).parameters
     if not any(p.kind is p.VAR_KEYWORD for p in accepted.values()):
         unknown = sorted(set(backend_options) - set(accepted))
         if unknown:
+            own = [p for p in accepted if p not in ("config", "state")]
             raise ValueError(f"unknown option(s) {', '.join(unknown)} for the {name} EPS; it takes the optimizer's "
-                             f"({', '.join(OptimConfig.__dataclass_fields__)}) and its own "
-                             f"({', '.join(p for p in accepted if p not in ('config', 'working_dtype'))})")
-    eps = backend(OptimConfig(**options), working_dtype=working_dtype, **backend_options)
+                             f"({', '.join(OptimConfig.__dataclass_fields__)}), the engine's (working_dtype, "
+                             f"double_buffer, state{', state_dir, groups_in_flight' if backend.storage is None else ''}"
+                             f") and its own ({', '.join(own) or 'none'})")
+    config = OptimConfig(**options)
+    check_formats(state, working_dtype)  # before a state_dir is made
+    kernel = backend.kernel(config, state=state, **backend_options)
+    storage = None
+    try:
+        if backend.storage is not None:
+            storage = backend.storage(kernel)
+        else:
+            storage = HostMemory() if state_dir is None else RegionFiles(state_dir, groups_in_flight or GROUPS_IN_FLIGHT)
+        eps = Engine(config, kernel, storage, working_dtype=working_dtype, double_buffer=double_buffer, state=state,
+                     name=name)
+    except BaseException:
+        if storage is not None:
+            storage.close()
+        kernel.close()
+        raise
     return ShardedEps(eps, process_group) if shard_state else eps

@@ -97,6 +97,10 @@ class ShardedEps(EPS):
         self.inner.expect({key: {n: torch.Size([size]) for n, size in shard_sizes(shapes, self.world).items()}
                            for key, shapes in groups.items()})
 
+    def expect_step(self, fetches: list[str], updates: list[str]) -> None:
+        """This rank's slices are used in the same order."""
+        self.inner.expect_step(fetches, updates)
+
     def register(self, key: str, params: dict[str, torch.Tensor], no_decay: frozenset[str] = frozenset()) -> None:
         whole = new_group(self.shapes, key, params, no_decay)
         self.sizes[key] = sizes = shard_sizes(self.shapes[key], self.world)
@@ -136,6 +140,10 @@ class ShardedEps(EPS):
 
     def wait(self) -> None:
         self.inner.wait()
+
+    def close(self) -> None:
+        """The backend's threads and files (the process group is the caller's)."""
+        self.inner.close()
 
     # -- whole tensors from slices ---------------------------------------------
     def _gather(self, key: str, slices: dict[str, torch.Tensor], root: int | None = None,

@@ -315,6 +315,16 @@ class Relay:
     def step(self) -> int:
         return self.eps.step
 
+    def close(self) -> None:
+        """Close the relay's EPS (its update thread, a state_dir's files): the relay owns it."""
+        self.eps.close()
+
+    def __enter__(self) -> "Relay":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     # -- one layer on one micro-batch -------------------------------------------
     @contextlib.contextmanager
     def _visit(self, i: int, params: dict[str, torch.Tensor]):
@@ -431,6 +441,7 @@ class Relay:
         for i in order:
             for key in self.plans[i].groups:
                 users.setdefault(key, []).append(i)
+        self.eps.expect_step(list(users), sorted(users, key=lambda key: -users[key][0]))  # the EPS reads ahead
         u = self.micro_batches
         live: dict[str, dict[str, torch.Tensor]] = {}  # EPS groups on the device now
         keep = self.keep  # what the backward gets of the forward: the recompute policy
@@ -624,6 +635,7 @@ class Relay:
             m.train(False)
         live: dict[str, dict[str, torch.Tensor]] = {}
         last_use = {key: i for i, plan in enumerate(self.plans) for key in plan.groups}
+        self.eps.expect_step(list(last_use), [])
         try:
             with self.weights.newest():
                 acts = xs

@@ -566,6 +566,7 @@ class PipelineRelay:
                 step = steps[t]
                 if action.kind == "F":
                     if j == 0:
+                        relay.eps.expect_step(list(users), sorted(users, key=lambda key: -users[key][0]))
                         step.params = self._fetch(base + t, step.live)
                         post(t + 1)
                     if first_stage:
