@@ -20,6 +20,7 @@ are `StateEntry`s, read from the file one at a time when loaded.
 import contextlib
 import json
 import os
+import shutil
 import tempfile
 import zlib
 from pathlib import Path
@@ -120,17 +121,17 @@ def _pid_alive(pid: int) -> bool:
 
 
 def remove_stale_temporaries(path) -> list[Path]:
-    """Remove the temporary files that an interrupted save_checkpoint(path) left beside `path`:
-    only names this program writes (".{name}.l2l-tmp-{pid}-{random}.tmp") whose pid is no
-    longer running. Anything else in the folder, whatever its name, is left alone. The
-    removed paths."""
+    """Remove the temporaries (files or folders, temporary_beside) that an interrupted write of
+    `path` left beside it: only names this program writes (".{name}.l2l-tmp-{pid}-{random}.tmp")
+    whose pid is no longer running. Anything else in the folder, whatever its name, is left
+    alone. The removed paths."""
     path = Path(path)
     stale = []
     for p in path.parent.glob(f".{path.name}.{TEMPORARY_MARKER}-*-*.tmp"):
         pid = p.name[len(f".{path.name}.{TEMPORARY_MARKER}-"):].split("-", 1)[0]
         if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
             with contextlib.suppress(FileNotFoundError):
-                p.unlink()
+                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
             stale.append(p)
     return stale
 

@@ -641,7 +641,8 @@ def prepare_out(cfg: TrainConfig) -> None:
                         (out / TENSORBOARD).rmdir()
                 else:
                     (out / name).unlink()
-        remove_stale_temporaries(out / CHECKPOINT)
+        for name in (CHECKPOINT, PLOT, MODEL):  # what a killed run was writing when it died
+            remove_stale_temporaries(out / name)
         with open(out / METRICS, "a"):
             pass
     except OSError as e:

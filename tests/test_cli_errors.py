@@ -234,11 +234,14 @@ def test_leftover_temporary_files_of_a_dead_run_are_removed_others_kept_and_the_
         tmp_path, capsys):
     out = trained(tmp_path, capsys, steps=4, stop_after=2)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    ours = f".checkpoint.safetensors.l2l-tmp-{int(dead.stdout)}-k2j3h4.tmp"  # what a killed save leaves
+    ours = [f".{name}.l2l-tmp-{int(dead.stdout)}-k2j3h4.tmp" for name in (CKPT, "loss.png")]  # a killed write's
     others = [".checkpoint.safetensors.k2j3h4.tmp", ".tmpAb12Cd",  # look alike, not written by this program
               f".checkpoint.safetensors.l2l-tmp-{os.getpid()}-x.tmp"]  # a live process's save in progress
-    for name in (ours, *others):
+    for name in (*ours, *others):
         (out / name).write_bytes(b"partial")
+    model = out / f".model.l2l-tmp-{int(dead.stdout)}-q8r7.tmp"  # a fine-tune's model folder, half saved
+    model.mkdir()
+    (model / "config.json").write_text("{")
     rc, err = run_cli(capsys, "--resume", "--out", str(out))
     assert rc == 0, err
     assert files(out) == sorted([CKPT, "loss.png", "metrics.jsonl", *others])
