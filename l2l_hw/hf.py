@@ -605,8 +605,8 @@ def save_replacing(relay, path, files_from=None) -> Path:
     """save_pretrained into a new folder beside `path`, then renamed into its place (the folder it
     replaces is removed): `path` holds a whole model at every moment, the previous one or the new
     one. A kill while writing leaves a hidden temporary folder beside it (the next run in that
-    out folder removes it: train.prepare_out); a kill between the two
-    renames leaves no `path` and the previous model in the hidden `.NAME.l2l-old-PID` folder.
+    output folder removes it: train.prepare_out); a kill between the two renames leaves no
+    `path` and the previous model in the hidden `.NAME.l2l-old-PID` folder.
     A `path` holding anything save_pretrained does not write (foreign_files) is refused
     (FileExistsError), unchanged."""
     target = Path(path)
