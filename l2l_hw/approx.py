@@ -22,7 +22,7 @@ import torch.nn.functional as F
 # ---------------------------------------------------------------------------- few-bit GELU
 
 
-def _gelu_grad(x: torch.Tensor) -> torch.Tensor:
+def gelu_grad(x: torch.Tensor) -> torch.Tensor:
     """GELU'(x) = Phi(x) + x phi(x), the exact derivative of F.gelu(approximate='none')."""
     phi = torch.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
     return torch.special.ndtr(x) + x * phi
@@ -55,7 +55,7 @@ def optimal_breakpoints(bits: int = 3, grid_step: float = 0.01, span: float = 8.
     x = torch.arange(-span, span + grid_step / 2, grid_step, dtype=torch.float64)  # grid edges
     cell = (x[1:] + x[:-1]) / 2
     w = torch.special.ndtr(x[1:]) - torch.special.ndtr(x[:-1])  # N(0, 1) mass of each cell
-    f = _gelu_grad(cell)
+    f = gelu_grad(cell)
     W, Fw, Q = (torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(t, 0)]) for t in (w, w * f, w * f * f))
     # cost[a, b]: weighted squared error of cells a..b-1 around their mean
     dW, dF, dQ = (t[None, :] - t[:, None] for t in (W, Fw, Q))  # (G+1, G+1)
@@ -78,7 +78,7 @@ def optimal_breakpoints(bits: int = 3, grid_step: float = 0.01, span: float = 8.
         new = bp.clone()
         for _ in range(20):  # Newton on GELU'(b) = target; GELU'' = phi(b) (2 - b^2)
             phi = torch.exp(-0.5 * new * new) / math.sqrt(2 * math.pi)
-            new = new - (_gelu_grad(new) - target) / (phi * (2 - new * new))
+            new = new - (gelu_grad(new) - target) / (phi * (2 - new * new))
         moved = float((new - bp).abs().max())
         bp = new
         if moved < tol:

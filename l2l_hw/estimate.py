@@ -1032,7 +1032,7 @@ def _same_fs(a, b) -> bool:
     return device(a) == device(b)
 
 
-def _memory_fits(cfg, baseline: int, have: dict) -> bool:
+def memory_fits(cfg, baseline: int, have: dict) -> bool:
     e = needs(cfg, baseline)
     return not [s for s in shortfalls(e, have, cfg) if not s.startswith("disk")]
 
@@ -1042,7 +1042,7 @@ def largest(cfg, baseline: int, have: dict, run_limit: int | None) -> dict:
     format that fit this machine's memory, each with the run's other options as given (None:
     not even the smallest fits)."""
     out = {}
-    fits = lambda **change: _memory_fits(dataclasses.replace(cfg, **change), baseline, have)
+    fits = lambda **change: memory_fits(dataclasses.replace(cfg, **change), baseline, have)
     low, high = 0, run_limit or 1 << 20  # largest fitting context: a bisection
     while low < high:
         mid = (low + high + 1) // 2

@@ -43,7 +43,7 @@ def test_deepspeed_cpu_adam_computes_the_same_adamw_step():
     except Exception as e:  # not installed, or unable to build its op here
         pytest.skip(f"deepspeed is not importable: {e}")
     n = 10_000
-    p, m, v, grad = bench_eps._state(n, 3, torch.float32, 1.0)
+    p, m, v, grad = bench_eps.random_state(n, 3, torch.float32, 1.0)
     cfg = bench_eps.CONFIG
     param = torch.nn.Parameter(p.clone())
     param.grad = grad.clone()

@@ -203,7 +203,7 @@ def test_the_largest_context_found_fits_and_one_more_token_does_not(one_thread):
     need = est.figures(cfg, baseline).host_bytes
     have = {"host": need + (8 << 20), "device": None}  # 8 MiB more than the run of context 64 needs
     largest = est.largest(cfg, baseline, have, None)
-    fits = lambda **change: est._memory_fits(dataclasses.replace(cfg, **change), baseline, have)
+    fits = lambda **change: est.memory_fits(dataclasses.replace(cfg, **change), baseline, have)
     assert largest["context"] >= 64 and fits(context=largest["context"]) and not fits(context=largest["context"] + 1)
     assert largest["optimizer_state"] == "fp32"
 

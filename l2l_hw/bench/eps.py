@@ -117,7 +117,7 @@ class Rounds:
         return min((k for k in self.times if k.startswith("stream ")), key=self.median)[len("stream "):]
 
 
-def _state(n: int, seed: int, grad_dtype=torch.bfloat16, grad_scale: float = LOSS_SCALE):
+def random_state(n: int, seed: int, grad_dtype=torch.bfloat16, grad_scale: float = LOSS_SCALE):
     g = torch.Generator().manual_seed(seed)
     p = torch.randn(n, generator=g)
     m = torch.randn(n, generator=g) * 1e-3
@@ -142,7 +142,7 @@ def _thread_counts(threads: int) -> list[int]:
 # ---------------------------------------------------------------------------- (1) the L2L step
 
 def _fused(n: int, threads: int, isa: str):
-    p, m, v, grad = _state(n, 0)
+    p, m, v, grad = random_state(n, 0)
     working = torch.empty(n, dtype=torch.bfloat16)
     s = golden.step_scalars(CONFIG, STEP, 1 / LOSS_SCALE)
     return lambda: host_kernel.step("adamw", s, grad, p, m, v, working_out=working, isa=isa, threads=threads)
@@ -150,7 +150,7 @@ def _fused(n: int, threads: int, isa: str):
 
 def _torch_variants(n: int):
     """name -> step function, each doing the whole step of (1) with torch ops."""
-    p, m, v, grad = _state(n, 0)
+    p, m, v, grad = random_state(n, 0)
     variants = {}
     for impl in ("fused", "foreach"):
         for unscale in ("amp_unscale", "grad_scale"):
@@ -224,7 +224,7 @@ def measure_deepspeed(n: int, threads: int, isa: str, repeats: int) -> dict:
         return {"skipped": why}
     import deepspeed
 
-    p, m, v, grad = _state(n, 1, torch.float32, 1.0)
+    p, m, v, grad = random_state(n, 1, torch.float32, 1.0)
     s = golden.step_scalars(CONFIG, STEP)
     ours = lambda: host_kernel.step("adamw", s, grad, p, m, v, isa=isa, threads=threads)  # noqa: E731
     param = torch.nn.Parameter(p)  # the kernel's tensors: same bytes, same addresses
@@ -257,7 +257,7 @@ def measure_deepspeed(n: int, threads: int, isa: str, repeats: int) -> dict:
 
 def measure_state_formats(n: int, threads: int, isa: str, repeats: int) -> dict:
     """The step of (1) with m and v in each state format; p, the gradient and the copy shared."""
-    p, m, v, grad = _state(n, 2)
+    p, m, v, grad = random_state(n, 2)
     working = torch.empty(n, dtype=torch.bfloat16)
     s = golden.step_scalars(CONFIG, STEP, 1 / LOSS_SCALE)
     fns = {}

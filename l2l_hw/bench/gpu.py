@@ -202,10 +202,10 @@ class Campaign:
             self.write("summary.json", json.dumps(self.summary, indent=1, default=str))
             self.say(f"{name} {'FAILED: ' + result['failed'] if 'failed' in result else 'done'} "
                      f"({result['seconds']} s)")
-            self._free()
+            self.free()
         return self.summary
 
-    def _free(self) -> None:
+    def free(self) -> None:
         gc.collect()  # a relay's EPS (tens of GB of host state) goes before the next part builds its own
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -311,7 +311,7 @@ class Campaign:
             first = self.rates(steps, tokens, per_token)
             stronger = max(RECIPES, key=lambda r: first[r]["tokens_per_s"]["median"])
             del partners, steps
-            self._free()
+            self.free()
             compiled = GPTPartner(cfg, self.device, stronger, u, compiled=True)
             t0 = time.perf_counter()
             compiled.step(x.to(self.device), y.to(self.device))  # the compilation
@@ -320,7 +320,7 @@ class Campaign:
                                  "compiled": self.timed(compiled.step, x.to(self.device), y.to(self.device))},
                                 tokens, per_token)
             del compiled, relay
-            self._free()
+            self.free()
             partners = {**{r: (first[r], first["relay"]) for r in RECIPES},
                         f"compiled_{stronger}": (second["compiled"], second["relay"])}
             best = max(partners, key=lambda k: partners[k][0]["tokens_per_s"]["median"])
@@ -382,12 +382,12 @@ class Campaign:
         relay = self.relay(cfg, micro_batches=2)
         curves = {"relay": [relay.train_step(x, y) for x, y in batches]}
         del relay
-        self._free()
+        self.free()
         for name, u in (("torch", 2), ("torch_one_micro_batch", 1)):
             partner = GPTPartner(cfg, self.device, "recipe", u)
             curves[name] = [partner.step(x.to(self.device), y.to(self.device)) for x, y in batches]
             del partner
-            self._free()
+            self.free()
         diff = max(abs(a - b) for a, b in zip(curves["relay"], curves["torch"]))
         noise = max(abs(a - b) for a, b in zip(curves["torch"], curves["torch_one_micro_batch"]))
         bound = max(LOSS_BOUND_FACTOR * noise, LOSS_BOUND_FLOOR)

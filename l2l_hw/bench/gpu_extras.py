@@ -63,7 +63,7 @@ def memory_by_depth(c) -> dict:
     out = {}
     x, y = c.batch(c.sizes.micro_batch * c.sizes.capacity_micro_batches)
     for layers in DEPTHS[c.dry_run]:
-        c._free()
+        c.free()
         relay = c.relay(c.gpt(layers), c.sizes.capacity_micro_batches, recompute="full", activations="host")
         relay.train_step(x, y)
         out[str(layers)] = {"peak_device_bytes": peak_bytes(c, relay),
@@ -105,7 +105,7 @@ def trace(c) -> dict:
             c.write("trace.json", json.dumps({"traceEvents": events}))
             result.update({**idle, "eps_threads": relay.eps.kernel.threads, "events_kept": len(events)})
         del relay, prof, events
-        c._free()
+        c.free()
     return {**result, "idle_by_eps_threads": idle_by_threads}
 
 

