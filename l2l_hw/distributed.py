@@ -1,6 +1,7 @@
 """torch.distributed helpers shared by the data-parallel relay, the sharded EPS and the training loop."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import re
@@ -79,6 +80,41 @@ def join_torchrun(device: str, timeout_s: float) -> Ranks:
 def leave_torchrun(ranks: Ranks) -> None:
     if ranks.joined:
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def rank_body(ranks: Ranks):
+    """Run a rank's body: `with rank_body(ranks) as owned: ... owned.append(relay)`. What stops
+    it is told to the other ranks (report_failure: their next collective names it). What the
+    body put in `owned` (relays, EPSs: anything with close()) is closed, last first, before the
+    process group is left: always on failure, and on success where the group was joined here
+    (it ends with the body, so nothing may outlive it holding its transfers or threads).
+    Then the group is left where it was joined here."""
+    owned: list = []
+    try:
+        yield owned
+    except BaseException as e:
+        if ranks.world > 1:
+            report_failure(" ".join(str(e).split()) or type(e).__name__)
+        close_all(owned, e)
+        raise
+    else:
+        if ranks.joined:
+            close_all(owned)
+    finally:
+        leave_torchrun(ranks)
+
+
+def close_all(owned: list, failure: BaseException | None = None) -> None:
+    """Close every object of `owned`, last first, once each; where the body failed, an error
+    in closing is a note on its error (the first error stays the one raised)."""
+    while owned:
+        try:
+            owned.pop().close()
+        except Exception as e:
+            if failure is None:
+                raise
+            failure.add_note(f"while closing: {e}")
 
 
 def comm_device(group, device: str | torch.device | None = None) -> torch.device:

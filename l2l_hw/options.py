@@ -173,6 +173,31 @@ def fail(name: str, value: Any, rule_text: str):
     raise OptionError(f"{name}={value!r}: {rule_text}", name, value, rule_text)
 
 
+def prefixed(cls, prefix: str, doc: str, *, omit: tuple[str, ...] = (), **meta: Any) -> type:
+    """The options of dataclass `cls` under names starting with `prefix`, for a composing config
+    where the plain names would clash (the trainer's `pipeline_stages` is PipelineConfig's
+    `stages`): the same declarations (default, help, rule), each field's option `meta` replaced
+    where given (commands=...), the fields in `omit` left to the composer. A value is checked by
+    building a `cls` (the rules between its fields included), an error naming the prefixed field;
+    `unprefixed(**omitted)` builds that `cls`."""
+    kept = [f for f in dataclasses.fields(cls) if f.name not in omit]
+
+    def unprefixed(self, **omitted: Any):
+        return cls(**{f.name: getattr(self, prefix + f.name) for f in kept}, **omitted)
+
+    def __post_init__(self):
+        try:
+            unprefixed(self)
+        except OptionError as e:
+            name = prefix + e.field if e.field is not None else None
+            raise OptionError(f"{name}={e.value!r}: {e.rule}", name, e.value, e.rule) from None
+
+    fields = [(prefix + f.name, f.type, dataclasses.field(default=f.default, metadata={"option": {**spec(f), **meta}}))
+              for f in kept]
+    return dataclasses.make_dataclass(f"{cls.__name__}Options", fields, frozen=True, namespace={
+        "__doc__": doc, "__module__": cls.__module__, "__post_init__": __post_init__, "unprefixed": unprefixed})
+
+
 def pick(cls, obj) -> Any:
     """The options of dataclass `cls` taken from `obj` (a config composed of several), as a `cls`."""
     return cls(**{f.name: getattr(obj, f.name) for f in dataclasses.fields(cls)})

@@ -45,8 +45,8 @@ import torch
 from l2l_hw import finetune_data, hf
 from l2l_hw.checkpoint import (Checkpoint, CheckpointError, open_checkpoint, remove_stale_temporaries, save_checkpoint,
                                temporary_beside)
-from l2l_hw.distributed import (Ranks, failed_ranks, guarded, join_torchrun, leave_torchrun, rank_and_world, rank_shard,
-                                report_failure)
+from l2l_hw.distributed import (Ranks, close_all, failed_ranks, guarded, join_torchrun, rank_and_world, rank_body,
+                                rank_shard)
 from l2l_hw.eps import make_eps
 from l2l_hw.eps.base import STATE_SLOTS
 from l2l_hw.eps.options import LAMB_LR, EpsOptions, ScheduleOptions
@@ -56,7 +56,7 @@ from l2l_hw.models import Corpus, GPTConfig, build_gpt, generate, lm_loss
 from l2l_hw.models.gpt import ModelOptions
 from l2l_hw.options import OptionError, check_options, fail, option, pick, with_default
 from l2l_hw.relay import Relay, RelayOptions, init_from_state
-from l2l_hw.relay.options import PipelineOptions
+from l2l_hw.relay.options import PipelineConfig, PipelineOptions
 from l2l_hw.version import __version__
 
 CHECKPOINT, METRICS, PLOT, TENSORBOARD = "checkpoint.safetensors", "metrics.jsonl", "loss.png", "tensorboard"
@@ -151,7 +151,8 @@ class RunOptions:
                                 check=lambda text: "must not be empty" if not text.strip() else None)
     tensorboard: bool = option(False, "also write the metrics as TensorBoard event files into --out/tensorboard",
                                kind="bool")
-    dist_timeout: float = option(300.0, "under torchrun: how long a rank waits for the others before failing",
+    dist_timeout: float = option(300.0, "under torchrun: how long a rank waits for the others (a pipeline stage for its "
+                                 "neighbours) before failing",
                                  kind="float", low=0.0, low_open=True, metavar="SECONDS")
     verbose: bool = option(True, "banner, progress bar, summary (and a sample of the reference GPT)", kind="bool",
                            cli=False)  # the command line always reports
@@ -212,6 +213,11 @@ class TrainConfig(RunOptions, PipelineOptions, RelayOptions, EpsOptions, Schedul
     def eval_interval(self) -> int:
         """Steps between validations and checkpoints: eval_every, or a tenth of the run."""
         return self.eval_every or max(1, self.steps // 10)
+
+    def pipeline_config(self) -> PipelineConfig:
+        """The pipeline of the run (--pipeline-*): a stage waits for a neighbour as long as a rank
+        waits for the others (--dist-timeout)."""
+        return self.unprefixed(timeout_s=self.dist_timeout)
 
 
 CONTROL_FIELDS = ("out", "resume", "overwrite", "stop_after", "tensorboard", "verbose", "overlay", "kernel",
@@ -366,23 +372,24 @@ def train(cfg: TrainConfig | None = None, *, layers=None, loss_fn: Callable | No
     if checkpoint is not None and cfg.warmup is None:  # "a tenth of steps" was settled when the run began
         cfg = dataclasses.replace(cfg, warmup=checkpoint[1]["config"]["warmup"])
     ranks = join_torchrun(cfg.device, cfg.dist_timeout)
-    with _in_group(ranks):
+    with rank_body(ranks) as owned:
         if cfg.shard_state and ranks.world == 1 and not cfg.resume:  # a resumed sharded run may go on whole
             raise ConfigError("shards the optimizer state across ranks: run under torchrun with 2 or more "
                               "processes (torchrun --nproc-per-node N); this is one process", "shard_state", True)
         loop, corpus = _set_up(cfg, ranks, layers, loss_fn, data, val_data, relay, checkpoint)
-        with _closed_on_failure(loop.relay if relay is None else None):  # a relay built here; the caller's is theirs
-            loop.callbacks = list(callbacks)
-            if cfg.verbose:
-                stages = _trained_by_stage(loop.relay, cfg, ranks)  # every rank: a collective in a pipeline
-                if ranks.lead:
-                    print(_banner(cfg, loop.relay, ranks, corpus, stages, checkpoint))
-                    loop.callbacks.append(_PlanAnnouncer(loop.relay))
-            result = loop.run()
-            if cfg.verbose:  # every rank: the report gathers the weights (a collective when sharded)
-                loop.report(result, sample=corpus is not None)
-            if ranks.world > 1:  # leave together: rank 0 may still write while a peer tears the group down
-                _all_here(ranks)
+        if relay is None:  # a relay built here is closed here on failure; the caller's is theirs
+            owned.append(loop.relay)
+        loop.callbacks = list(callbacks)
+        if cfg.verbose:
+            stages = _trained_by_stage(loop.relay, cfg, ranks)  # every rank: a collective in a pipeline
+            if ranks.lead:
+                print(_banner(cfg, loop.relay, ranks, corpus, stages, checkpoint))
+                loop.callbacks.append(_PlanAnnouncer(loop.relay))
+        result = loop.run()
+        if cfg.verbose:  # every rank: the report gathers the weights (a collective when sharded)
+            loop.report(result, sample=corpus is not None)
+        if ranks.world > 1:  # leave together: rank 0 may still write while a peer tears the group down
+            _all_here(ranks)
         return result
 
 
@@ -394,11 +401,7 @@ def _closed_on_failure(owned):
     try:
         yield
     except BaseException as e:
-        if owned is not None:
-            try:
-                owned.close()
-            except Exception as cleanup:  # the first error stays the one raised
-                e.add_note(f"while closing: {cleanup}")
+        close_all([owned] if owned is not None else [], e)
         raise
 
 
@@ -414,11 +417,12 @@ def finetune(cfg: TrainConfig, callbacks: Iterable[Callable[[dict], None]] = ())
     greedy sample printed at each evaluation (the last step is one). Under torchrun the ranks
     join their group first: the relay built here averages its gradients across them."""
     ranks = join_torchrun(cfg.device, cfg.dist_timeout)
-    with _in_group(ranks):
-        return _finetune(cfg, ranks, callbacks)
+    with rank_body(ranks) as owned:
+        return _finetune(cfg, ranks, callbacks, owned)
 
 
-def _finetune(cfg: TrainConfig, ranks: Ranks, callbacks: Iterable[Callable[[dict], None]]) -> TrainResult:
+def _finetune(cfg: TrainConfig, ranks: Ranks, callbacks: Iterable[Callable[[dict], None]],
+              owned: list) -> TrainResult:
     lead = ranks.lead
     say = print if cfg.verbose and lead else (lambda *_: None)
     out = Path(cfg.out) if cfg.out is not None else None
@@ -456,45 +460,46 @@ def _finetune(cfg: TrainConfig, ranks: Ranks, callbacks: Iterable[Callable[[dict
         cfg = dataclasses.replace(cfg, steps=cfg.epochs * len(fit))
         say(f"{cfg.epochs} epoch(s) of {len(fit)} minibatches: {cfg.steps} steps")
     eps = build_eps(cfg, sharded(cfg, ranks))
-    with _closed_on_failure(eps):  # the relay's, built here: its caller closes TrainResult.relay
-        relay = hf.from_pretrained(cfg.model, eps=eps, options=relay_options(cfg, ranks.device))
-        tokenizer = hf.load_tokenizer(cfg.model) if cfg.prompt is not None and cfg.verbose else None
-        saved_step = None
+    owned.append(eps)  # closed by rank_body on failure (and where the group ends here); else by the caller
+    relay = hf.from_pretrained(cfg.model, eps=eps, options=relay_options(cfg, ranks.device))
+    owned.append(relay)  # its caller closes TrainResult.relay
+    tokenizer = hf.load_tokenizer(cfg.model) if cfg.prompt is not None and cfg.verbose else None
+    saved_step = None
 
-        def save() -> None:
-            nonlocal saved_step
-            if out is None or saved_step == relay.step:
-                return
+    def save() -> None:
+        nonlocal saved_step
+        if out is None or saved_step == relay.step:
+            return
+        if lead:
+            try:
+                hf.save_replacing(relay, out / MODEL, files_from=cfg.model)
+            except OSError as e:
+                raise OutputError(f"{out / MODEL}: cannot save the model ({e.strerror or e}); the one saved "
+                                  "before is unchanged") from e
+            if relay.step < cfg.steps:  # the last save is reported with the run's end
+                say(f"saved the model for transformers in {out / MODEL} at step {relay.step}")
+        else:  # the export is a collective when the state is sharded: every rank takes part
+            collections.deque(relay.export(), maxlen=0)
+        saved_step = relay.step
+
+    def at_each_step(row: dict) -> None:
+        if cfg.save_every and row["step"] % cfg.save_every == 0:
+            save()
+        if tokenizer is not None and "val_loss" in row:  # an evaluation
+            model = relay.materialize()  # every rank: with a sharded EPS the weights are gathered
             if lead:
-                try:
-                    hf.save_replacing(relay, out / MODEL, files_from=cfg.model)
-                except OSError as e:
-                    raise OutputError(f"{out / MODEL}: cannot save the model ({e.strerror or e}); the one saved "
-                                      "before is unchanged") from e
-                if relay.step < cfg.steps:  # the last save is reported with the run's end
-                    say(f"saved the model for transformers in {out / MODEL} at step {relay.step}")
-            else:  # the export is a collective when the state is sharded: every rank takes part
-                collections.deque(relay.export(), maxlen=0)
-            saved_step = relay.step
+                sample = cfg.prompt + hf.generate(model, tokenizer, cfg.prompt)
+                print(f"sample at step {row['step']}: {one_line(sample)}")
 
-        def at_each_step(row: dict) -> None:
-            if cfg.save_every and row["step"] % cfg.save_every == 0:
-                save()
-            if tokenizer is not None and "val_loss" in row:  # an evaluation
-                model = relay.materialize()  # every rank: with a sharded EPS the weights are gathered
-                if lead:
-                    sample = cfg.prompt + hf.generate(model, tokenizer, cfg.prompt)
-                    print(f"sample at step {row['step']}: {one_line(sample)}")
-
-        epochs = -(-cfg.steps // len(fit))  # passes enough for the steps
-        result = train(cfg, relay=relay, data=itertools.chain.from_iterable(itertools.repeat(fit, epochs)),
-                       val_data=val, callbacks=[at_each_step, *callbacks])
-        save()
-        if ranks.world > 1:  # leave together: rank 0 writes the model while a peer would tear the group down
-            _all_here(ranks)
-        if out is not None:
-            say(f"saved the fine-tuned model for transformers in {out / MODEL}")
-        return result
+    epochs = -(-cfg.steps // len(fit))  # passes enough for the steps
+    result = train(cfg, relay=relay, data=itertools.chain.from_iterable(itertools.repeat(fit, epochs)),
+                   val_data=val, callbacks=[at_each_step, *callbacks])
+    save()
+    if ranks.world > 1:  # leave together: rank 0 writes the model while a peer would tear the group down
+        _all_here(ranks)
+    if out is not None:
+        say(f"saved the fine-tuned model for transformers in {out / MODEL}")
+    return result
 
 
 def _set_up(cfg: TrainConfig, ranks: Ranks, layers, loss_fn, data, val_data, relay, checkpoint):
@@ -530,20 +535,6 @@ def _set_up(cfg: TrainConfig, ranks: Ranks, layers, loss_fn, data, val_data, rel
         if cfg.out is not None and ranks.lead:
             prepare_out(cfg)
     return loop, corpus
-
-
-@contextlib.contextmanager
-def _in_group(ranks: Ranks):
-    """A run on `ranks`: what stops it here is told to the other ranks (their next collective
-    fails naming it: report_failure); the group is left at the end where it was joined here."""
-    try:
-        yield
-    except BaseException as e:
-        if ranks.world > 1:
-            report_failure(" ".join(str(e).split()) or type(e).__name__)
-        raise
-    finally:
-        leave_torchrun(ranks)
 
 
 def _all_here(ranks: Ranks) -> None:

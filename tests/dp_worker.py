@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import l2l_hw
 from l2l_hw.distributed import rank_shard
-from tests.helpers import coherent_batches, coherent_layers, exit_worker, record_pushes
+from tests.helpers import coherent_batches, coherent_layers, record_pushes
 from tests.test_relay_equivalence import MODELS, OPTIMIZERS
 
 MODELS = {**MODELS, "coherent": (coherent_layers, coherent_batches, torch.nn.functional.mse_loss)}
@@ -50,7 +50,7 @@ def main(cfg: dict) -> None:
     losses, report = [], {}
     for step, (x, y) in enumerate(batches[cfg.get("start", 0):], start=cfg.get("start", 0)):
         if step == cfg.get("die_before_step") and rank == world - 1:
-            os._exit(3)  # no clean-up, no goodbye: as a killed or crashed process
+            os._exit(3)  # models a crash: no clean-up, no goodbye, as a killed process
         x, y = rank_shard((x, y), rank, world)
         if step == cfg.get("inf_at_step"):  # rank 0's own gradient of layer1 overflows
             before, scale = eps.state_dict(), relay.loss_scale
@@ -90,8 +90,8 @@ def main(cfg: dict) -> None:
                                          "held": torch.cat(everyone), "flags": torch.stack(flags_all),
                                          "step": torch.tensor([eps.step])}, cfg["out"])
     dist.barrier()  # rank 0 writes while the others would tear the group down: gloo can abort on that
+    relay.close()
     dist.destroy_process_group()
-    exit_worker()
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ layer raises in that step), die_at_step (the last rank exits abruptly), timeout 
 train_steps call: one schedule over their micro-batches; default one train_step a step), precision,
 record (each rank writes the gradients its EPS received in the first step to "{record}.{rank}", by
 the whole model's group names).
-A PipelineError is printed as one line on stderr, exit code 2.
+A PipelineError is printed as one line on stderr, exit code 2 (the pipeline closed, the interpreter's own exit).
 """
 import datetime
 import json
@@ -24,7 +24,7 @@ import torch.distributed as dist
 import l2l_hw
 from l2l_hw.relay.options import PipelineConfig
 from l2l_hw.relay.pipeline import PipelineError, PipelineRelay
-from tests.helpers import exit_worker, record_pushes
+from tests.helpers import record_pushes
 from tests.test_pipeline import EPS_BACKEND, MODELS, OPTIMIZERS, RNG_SEED
 
 
@@ -52,11 +52,12 @@ def finetune_hf(cfg: dict) -> None:
                           pipeline=PipelineConfig(stages=dist.get_world_size(), schedule=cfg.get("schedule", "flush")),
                           init=hf.LayerInit(folder, model, layers), no_decay=hf.no_decay_rule(model, layers),
                           micro_batches=2)
-    for inputs, targets in hf_batches(loss_fn, cfg["steps"]):
-        relay.train_step(inputs, targets)
-    whole = relay.gather()
-    if dist.get_rank() == 0:
-        hf.save_pretrained(whole, cfg["save_hf"])
+    with relay:
+        for inputs, targets in hf_batches(loss_fn, cfg["steps"]):
+            relay.train_step(inputs, targets)
+        whole = relay.gather()
+        if dist.get_rank() == 0:
+            hf.save_pretrained(whole, cfg["save_hf"])
 
 
 def main(cfg: dict) -> None:
@@ -93,7 +94,7 @@ def main(cfg: dict) -> None:
         for step, (x, y) in enumerate(batches if not cfg.get("stream") else [], start=start):
             current["step"] = step
             if step == cfg.get("die_at_step") and rank == world - 1:
-                os._exit(3)  # no clean-up, no goodbye: as a killed or crashed process
+                os._exit(3)  # models a crash: no clean-up, no goodbye, as a killed process
             losses.append(relay.train_step(x, y))
             if cfg.get("record") and step == start:  # the stage's own groups layer{k} are layer{first + k}
                 safetensors.torch.save_file({f"layer{int(k[5:]) + relay.first}/{n}": g.contiguous()
@@ -101,10 +102,9 @@ def main(cfg: dict) -> None:
                                             f"{cfg['record']}.{rank}")
     except PipelineError as exc:
         print(f"rank {rank}: PipelineError: {exc}", file=sys.stderr, flush=True)
-        if cfg.get("clean_exit"):  # the interpreter's own exit, process group torn down
-            dist.destroy_process_group()
-            sys.exit(2)
-        os._exit(2)
+        relay.close()  # before the group goes: a transfer the failure left waiting is cancelled
+        dist.destroy_process_group()
+        sys.exit(2)
     x, y = make_batches(1, batch=cfg["batch"])[0]
     evaluated = relay.evaluate(x, y)
     state = relay.full_state_dict() if cfg.get("save") else None
@@ -119,8 +119,8 @@ def main(cfg: dict) -> None:
             out["eval"] = torch.tensor([evaluated], dtype=torch.float64)
             safetensors.torch.save_file(out, cfg["out"])
     dist.barrier()  # rank 0 writes while the others would tear the group down: gloo can abort on that
+    relay.close()
     dist.destroy_process_group()
-    exit_worker()
 
 
 if __name__ == "__main__":

@@ -106,3 +106,18 @@ def test_train_config_reports_a_component_s_refusal_as_a_config_error_and_keeps_
     with pytest.raises(ConfigError, match=r"^micro_batches=0: must be a whole number >= 1$"):
         TrainConfig(micro_batches=0)
     assert TrainConfig().micro_batches == 4 and RelayOptions().micro_batches == 1
+
+
+def test_the_pipeline_options_are_declared_once_and_the_trainer_passes_dist_timeout_to_the_stages():
+    from l2l_hw.relay.options import PipelineConfig, PipelineOptions
+
+    mine = {f.name: f for f in option_fields(PipelineConfig)}
+    trainer = {f.name: f for f in option_fields(PipelineOptions)}
+    assert set(trainer) == {f"pipeline_{n}" for n in mine if n != "timeout_s"}
+    for name, f in trainer.items():  # the same default, help and rule; only the commands differ
+        own = mine[name[len("pipeline_"):]]
+        assert f.default == own.default and {**spec(f), "commands": None} == {**spec(own), "commands": None}
+    cfg = TrainConfig(pipeline_stages=3, pipeline_schedule="flush", pipeline_boundaries="1,2", dist_timeout=7.5)
+    assert cfg.pipeline_config() == PipelineConfig(stages=3, schedule="flush", boundaries="1,2", timeout_s=7.5)
+    with pytest.raises(ConfigError, match="pipeline_boundaries='2': must name 2 layer"):  # PipelineConfig's rule
+        TrainConfig(pipeline_stages=3, pipeline_boundaries="2")

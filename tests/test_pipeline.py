@@ -124,7 +124,7 @@ def test_resume_5_plus_5_steps_is_bit_identical_to_10_straight_and_loads_into_th
                                         pytest.param(2, "die_at_step", marks=SLOW), (3, "die_at_step")])
 def test_a_failing_or_killed_stage_stops_every_rank_with_one_clear_error(stages, how):
     results = launch(stages, model="mlp", optimizer="adamw", steps=6, batch=12, micro_batches=3, schedule="2bw",
-                     timeout=30, clean_exit=how == "die_at_step", **{how: 2})
+                     timeout=30, **{how: 2})
     for r, res in enumerate(results):
         if how == "die_at_step" and r == stages - 1:
             assert res.returncode == 3

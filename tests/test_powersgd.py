@@ -17,7 +17,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from tests.helpers import exit_worker, ranks_ok
+from tests.helpers import ranks_ok
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT = 180  # seconds for a whole multi-process run; a hang fails the test instead of CI
@@ -80,6 +80,7 @@ def relay_worker(cfg: dict) -> None:
         wire.append([relay.dp.wire.sent, relay.dp.wire.exact])
     state = relay.state_dict()  # a collective: every rank calls it
     params = {f"{i}.{n}": p for i, layer in enumerate(relay.materialize()) for n, p in layer.state_dict().items()}
+    relay.close()
     if rank == 0:
         if cfg.get("save"):
             safetensors.torch.save_file({k: v.contiguous() for k, v in state.items()}, cfg["save"])
@@ -95,7 +96,6 @@ def main(cfg: dict) -> None:
         {"reducer": reducer_worker, "relay": relay_worker}[cfg["mode"]](cfg)
     finally:
         dist.destroy_process_group()
-    exit_worker()
 
 
 def run_ok(**cfg) -> None:

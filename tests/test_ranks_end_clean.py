@@ -38,11 +38,14 @@ def tiny(data: Path) -> list[str]:
             "--batch-size", "4", "--micro-batches", "2", "--steps", str(STEPS), "--eval-every", str(EVAL)]
 
 
-def start(argv: list[str], world: int = 2) -> list[subprocess.Popen]:
-    """`l2l ARGV` as ranks 0..world-1 of one gloo group, each its own process as torchrun starts them."""
+def start(argv: list[str], world: int = 2, prelude: str | None = None) -> list[subprocess.Popen]:
+    """`l2l ARGV` as ranks 0..world-1 of one gloo group, each its own process as torchrun starts them
+    (after the Python of `prelude`, where given)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), WORLD_SIZE=str(world),
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    return [subprocess.Popen([sys.executable, "-m", "l2l_hw.cli", *argv], cwd=ROOT, text=True,
+    command = ["-m", "l2l_hw.cli"] if prelude is None else ["-c", f"{prelude}\nimport sys, l2l_hw.cli\n"
+                                                               "sys.exit(l2l_hw.cli.main(sys.argv[1:]))"]
+    return [subprocess.Popen([sys.executable, *command, *argv], cwd=ROOT, text=True,
                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE) for r in range(world)]
 
@@ -231,3 +234,25 @@ def test_finetune_on_two_ranks_averages_the_gradients_as_one_process_trains_the_
     for name, w in want.items():
         if name.startswith("relay.eps/") and w.is_floating_point():
             assert rel_diff(got[name], w) <= 1e-5, name
+
+
+# Pipeline stage 1 sends its first step's gradients and loss (3 sends: 2 micro-batches, the loss), then
+# never sends again: alive, holding its connections, answering nothing.
+MUTE_AFTER_FIRST_STEP = """
+import l2l_hw.relay.pipeline as pipeline
+send, sent = pipeline.Links.send, []
+def mute(links, tensors, stage, tag):
+    if links.stage == 1 and len(sent) >= 3:
+        return
+    sent.append(tag)
+    send(links, tensors, stage, tag)
+pipeline.Links.send = mute
+"""
+
+
+def test_a_pipeline_stage_that_never_answers_ends_every_rank_after_dist_timeout_in_one_line(tmp_path, data):
+    # --dist-timeout is the stages' deadline too (TrainConfig.pipeline_config): with the default
+    # 300 s the ranks would still wait when TIMEOUT fails the test. Both ranks wait on each other.
+    procs = start(["train", *tiny(data), *MODES["pipeline"], "--pipeline-schedule", "flush", "--dist-timeout", "8",
+                   "--out", str(tmp_path / "run")], prelude=MUTE_AFTER_FIRST_STEP)
+    one_line_each(finish(procs), {0: 1, 1: 1}, "stopped answering")

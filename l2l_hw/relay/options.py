@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from l2l_hw.options import check_options, fail, option
+from l2l_hw.options import check_options, fail, option, prefixed
 from l2l_hw.relay.data_parallel import DataParallelOptions
 from l2l_hw.relay.precision import COMPUTE_DTYPES, GRAD_SUMS
 from l2l_hw.relay.recompute import RECOMPUTE
@@ -110,7 +110,8 @@ def _boundaries_problem(value) -> str | None:
 class PipelineConfig:
     """The relay as a pipeline: contiguous stages of layers, one per rank of a process group."""
 
-    stages: int = option(1, "pipeline stages, one per rank (torchrun --nproc-per-node S)", kind="int", low=1)
+    stages: int = option(1, "pipeline stages, one per rank (torchrun --nproc-per-node S); each rank trains the whole "
+                         "minibatch through its stage (1: no pipeline)", kind="int", low=1)
     schedule: str = option("2bw", "flush: 1F1B with a flush each minibatch (exact); 2bw: PipeDream-2BW, weights one "
                            "step back, never wait for an update", kind="choice", choices=PIPELINE_SCHEDULES)
     boundaries: str | None = option(None, "first layer of each stage after the first, e.g. '3,6'; 'auto': the "
@@ -129,25 +130,8 @@ class PipelineConfig:
         return None if self.boundaries in (None, "auto") else [int(p) for p in self.boundaries.split(",")]
 
 
-@dataclass(frozen=True)
-class PipelineOptions:
-    """`l2l train --pipeline-stages S` (under torchrun --nproc-per-node S): the pipeline's options
-    as TrainConfig composes them (prefixed: TrainConfig has a schedule of its own)."""
-
-    pipeline_stages: int = option(1, "pipeline stages, one per rank (run under torchrun --nproc-per-node S); each "
-                                  "rank trains the whole minibatch through its stage (1: no pipeline)", kind="int",
-                                  low=1, commands=("train",))
-    pipeline_schedule: str = option("2bw", "flush: 1F1B with a flush each minibatch (exact); 2bw: PipeDream-2BW, "
-                                    "weights one step back", kind="choice", choices=PIPELINE_SCHEDULES,
-                                    commands=("train",))
-    pipeline_boundaries: str | None = option(None, "first layer of each stage after the first, e.g. '3,6'; 'auto': "
-                                             "the planner's split, from a profile of every layer at start-up "
-                                             "(default: even by layer count)", kind="text", optional=True,
-                                             check=_boundaries_problem, commands=("train",))
-
-    def __post_init__(self):
-        check_options(self)
-
-    def pipeline_config(self) -> PipelineConfig:
-        return PipelineConfig(stages=self.pipeline_stages, schedule=self.pipeline_schedule,
-                              boundaries=self.pipeline_boundaries)
+# `l2l train --pipeline-stages S` (under torchrun --nproc-per-node S): the same options as TrainConfig
+# composes them, prefixed (TrainConfig has a schedule of its own); the run's --dist-timeout is the stages'
+# timeout (TrainConfig.pipeline_config).
+PipelineOptions = prefixed(PipelineConfig, "pipeline_", "The relay as a pipeline: contiguous stages of layers, one "
+                           "per rank (under torchrun --nproc-per-node S)", omit=("timeout_s",), commands=("train",))

@@ -41,6 +41,7 @@ import concurrent.futures
 import contextlib
 import copy
 import dataclasses
+import datetime
 import itertools
 import queue
 import threading
@@ -61,6 +62,8 @@ from l2l_hw.relay.recompute import grad_leaf, rng_state, set_rng_state
 
 STORE_POLL_S = 0.05  # how often a waiting stage looks for another stage's error in the store
 ERROR_LINGER_S = 3.0  # how long rank 0 (the store's host) waits for every rank to read an error
+CLOSE_JOIN_S = 10.0  # how long close() waits for the waiter thread, its waits done or cancelled
+CANCEL_TAG = (1 << 30) + 1  # Links._cancel's receive: no transfer of the pipeline uses it (losses: 1 << 30)
 
 
 def flatten(x) -> list[torch.Tensor]:
@@ -221,16 +224,19 @@ def _same_rng(a, b) -> bool:
 
 
 class _Waiter:
-    """One daemon thread that runs blocking waits (a wait stuck on a failed peer never holds up
-    the interpreter's exit, as a ThreadPoolExecutor's worker would)."""
+    """One thread that runs blocking waits, so that a stage can look at its deadline and the
+    error slot meanwhile. close() ends it; a wait that a failure left blocked must be cancelled
+    first (Links.close): a thread still inside gloo's wait() when the interpreter exits aborts
+    the process (see Links.close)."""
 
     def __init__(self):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._run, name="l2l-pipeline-wait", daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name="l2l-pipeline-wait", daemon=True)
+        self._thread.start()
 
     def _run(self) -> None:
-        while True:
-            fn, future = self._queue.get()
+        while (item := self._queue.get()) is not None:
+            fn, future = item
             try:
                 future.set_result(fn())
             except BaseException as exc:  # handed to the waiting thread
@@ -240,6 +246,12 @@ class _Waiter:
         future = concurrent.futures.Future()
         self._queue.put((fn, future))
         return future
+
+    def close(self, timeout_s: float) -> bool:
+        """End the thread once its waits are done; whether it ended within `timeout_s`."""
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
 
 
 # -- point-to-point transfers with a deadline ---------------------------------------------------
@@ -254,7 +266,8 @@ class Links:
         self.store = dist.distributed_c10d._get_default_store()
         self.slot = f"l2l_pipeline/{next(self._instances)}"
         self.sends: list = []
-        self._waiter = _Waiter()
+        self.failed = False  # a transfer failed or another stage reported an error: the links are done
+        self._waiter: _Waiter | None = _Waiter()
 
     def _peer(self, stage: int) -> int:
         return dist.get_global_rank(self.group, stage)
@@ -306,6 +319,42 @@ class Links:
         for _, work, stage in sends:
             self.wait([work], f"sending to stage {stage}")
 
+    def close(self) -> None:
+        """Finish the sends under way (cancel them, and any wait left blocked, after a failure)
+        and end the waiter thread. Idempotent.
+
+        Why a blocked wait must not outlive the pipeline: the waiter thread sits in gloo's
+        Work.wait() with the GIL released (pybind11's gil_scoped_release). When the peer's
+        process goes, that wait returns, and the thread takes the GIL back in
+        ~gil_scoped_release; if the interpreter is finalizing by then, CPython ends the thread
+        with pthread_exit, whose forced unwind meets that noexcept destructor: std::terminate,
+        "terminate called without an active exception", SIGABRT at exit."""
+        if self._waiter is None:
+            return
+        waiter, self._waiter = self._waiter, None
+        if not self.failed:
+            try:
+                self.finish_sends()
+            except PipelineError:
+                pass  # failed meanwhile: cancelled below
+        if self.failed:
+            self._cancel()
+        self.sends = []
+        waiter.close(CLOSE_JOIN_S)
+
+    def _cancel(self) -> None:
+        """Fail every transfer under way on the group: a receive of the pipeline's own tag that
+        times out at once. gloo answers an application-side timeout by failing every pending
+        operation of the group's context (UnboundBuffer::waitRecv -> Context::signalException),
+        so the waits blocked on them return. Only after a failure: the group's point-to-point
+        transfers are unusable afterwards."""
+        peer = self._peer((self.stage + 1) % self.stages)
+        try:
+            probe = dist.irecv(torch.empty(1), peer, group=self.group, tag=CANCEL_TAG)
+            probe.wait(datetime.timedelta(milliseconds=1))
+        except Exception:
+            pass  # the expected timeout, or the group already failed (which cancels them too)
+
     def _raise_if_failed(self) -> None:
         try:
             failed = self.store.check([f"{self.slot}/error"])
@@ -314,6 +363,7 @@ class Links:
             raise PipelineError(f"pipeline stage {self.stage}: rank 0's process has gone (its store does not "
                                 f"answer: {short_cause(exc)})") from None
         if message is not None:
+            self.failed = True
             self._seen()
             raise PipelineError(message)
 
@@ -332,6 +382,7 @@ class Links:
 
     def lost(self, what: str, cause) -> PipelineError:
         """The error of a wait that failed: another stage's reported error, else a lost neighbour."""
+        self.failed = True
         try:
             self._raise_if_failed()
         except PipelineError as reported:
@@ -342,6 +393,7 @@ class Links:
 
     def report(self, message: str) -> str:
         """Make `message` the pipeline's error unless another stage's came first; the one to raise."""
+        self.failed = True
         try:
             if self.store.add(f"{self.slot}/failures", 1) == 1:
                 self.store.set(f"{self.slot}/error", message)
@@ -432,6 +484,7 @@ class PipelineRelay:
         # Every rank joins one single-rank group per rank (new_group is collective): the stage's
         # Relay then runs without data parallelism over the pipeline's ranks.
         solo = [dist.new_group([r]) for r in range(dist.get_world_size())]
+        self._groups = [g for g in solo if g is not dist.GroupMember.NON_GROUP_MEMBER]  # destroyed by close()
         own = self.layers[self.first:self.end]
         shift = self.first
         self.relay = Relay(own, loss_fn, eps, options, process_group=solo[dist.get_rank()],
@@ -445,8 +498,31 @@ class PipelineRelay:
         self._meta = [copy.deepcopy(m).to("meta") for m in self.layers]  # for the trace
         self._traces: dict[tuple, Trace] = {}
         self.links = Links(self.group, self.stage, self.stages, pipeline.timeout_s)
+        self._closed = False
         self.last_step_s = 0.0  # wall time a step of the last train_step(s) call
         self.busy_s = 0.0  # of which computing (not waiting for a neighbour)
+
+    def close(self) -> None:
+        """End the stage before its process group is destroyed: the links' sends finished (or
+        cancelled after a failure) and their waiter thread joined, the single-rank groups made
+        here destroyed, the stage's Relay (its EPS) closed. Idempotent; not a collective."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.links.close()
+        finally:
+            groups, self._groups = self._groups, []
+            if dist.is_initialized():
+                for group in groups:
+                    dist.destroy_process_group(group)
+            self.relay.close()
+
+    def __enter__(self) -> "PipelineRelay":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def __getattr__(self, name: str):
         """What the pipeline does not say itself, its stage's Relay says (transport, threads,
