@@ -9,7 +9,7 @@ writes the trained parameters and per-step losses there), fail_at_step (the last
 layer raises in that step), die_at_step (the last rank exits abruptly), timeout (seconds), stream (steps per
 train_steps call: one schedule over their micro-batches; default one train_step a step), precision,
 record (each rank writes the gradients its EPS received in the first step to "{record}.{rank}", by
-the whole model's group names), memory (a list of layer counts per stage: each rank trains a pipeline of
+the whole model's group names), precision / recompute / activations / device (RelayOptions), memory (a list of layer counts per stage: each rank trains a pipeline of
 that many identical blocks a stage for each and writes its stage's peak device memory to "{out}.{rank}").
 A PipelineError is printed as one line on stderr, exit code 2.
 """
@@ -96,7 +96,7 @@ def main(cfg: dict) -> None:
     pipeline = PipelineConfig(stages=world, schedule=cfg.get("schedule", "flush"), boundaries=cfg.get("boundaries"),
                               timeout_s=cfg.get("timeout", 60))
     relay = PipelineRelay(layers, loss_fn, eps, pipeline=pipeline, micro_batches=cfg.get("micro_batches", 4),
-                          precision=cfg.get("precision", "fp32"))
+                          **{k: cfg[k] for k in ("precision", "recompute", "activations", "device") if k in cfg})
     pushed = {}
     if cfg.get("record"):
         record_pushes(eps, pushed)

@@ -728,15 +728,13 @@ class PipelineRelay:
                 keep.begin_backward((i, j))
                 with meter.saving((i, j)):
                     x, out = keep.backward((i, j), 0, run)
-                sample(live, x, out, grads)
                 pairs = [(o, d) for o, d in zip(flatten(out), grads) if d is not None and o.requires_grad]
                 if pairs:
                     torch.autograd.backward([o for o, _ in pairs], [d for _, d in pairs])
+            grads_in = relay._input_grads(x) if i > self.first or self.stage > 0 else None
+            sample(live, x, out, grads, grads_in)  # the layer's weights, their gradients, its graph: its peak
             meter.drop_saved((i, j))
-            if i > self.first or self.stage > 0:
-                grads = relay._input_grads(x)
-            sample(live, grads)  # the layer's weights and their gradients
-            inputs = x
+            grads, inputs = grads_in, x
             live.pop(f"frozen:{k}", None)
             for key in relay.plans[k].groups:
                 if users[key][0] == i:  # its last use in this backward
