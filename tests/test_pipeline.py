@@ -160,7 +160,7 @@ def test_a_stages_peak_device_memory_does_not_grow_with_its_depth(tmp_path, sche
     # 2 stages of 2, 4 and 8 identical blocks, the same micro-batches; host activations: the stash
     # (each layer's input per micro-batch in flight) leaves the device too, as in the relay's constant-memory mode
     per_stage = [2, 4, 8]
-    ranks_ok("tests.pipe_worker", 2, dict(memory=per_stage, schedule=schedule, steps=3, batch=8, micro_batches=4,
+    ranks_ok("tests.pipe_worker", 2, dict(memory=per_stage, schedule=schedule, steps=2, batch=8, micro_batches=4,
                                           activations="host", out=str(tmp_path / "peaks")), LAUNCH_TIMEOUT)
     layer_bytes = sum(p.numel() * p.element_size() for p in blocks(1).parameters())
     for rank in range(2):
