@@ -869,21 +869,31 @@ def stage_trace(model: ModelTrace, first: int, end: int) -> ModelTrace:
                       {k: v for k, v in model.shapes.items() if k in keys}, model.buffers[first:end])
 
 
-def pipeline_step(model: ModelTrace, stage: int, stages: int, schedule: str, on_host: bool,
-                  sum_widening: int = 1) -> StepMemory:
-    """A 1F1B stage's device bytes (relay/pipeline.py): every layer of the stage fetched for the
-    step (two weight versions where 2bw streams steps), their gradients, and the forward graphs
-    of the micro-batches in flight, at most stages - stage of them (no recompute in a pipeline).
-    A model of the schedule, not a replay: the pipeline's stages do not sample the accounting."""
+def pipeline_step(model: ModelTrace, stage: int, stages: int, on_host: bool, sum_widening: int = 1,
+                  recompute: str = "full", activations: str = "device") -> StepMemory:
+    """A 1F1B stage's device bytes (relay/pipeline.py), its layers relayed one at a time: the
+    layer computing and the next on its way, the computing layer's gradient (its fp32 sum where
+    widened; the sum over micro-batches waits in host memory), each layer's stashed input for the
+    micro-batches in flight (at most stages - stage of them; none with host activations) and one
+    layer-micro-batch's graph (the recompute's, or the last layer's kept with the loss). Under
+    recompute="none" every layer's graph, and so its weights, stays for the micro-batches in flight.
+    A model of the schedule, not a replay."""
     u = len(model.traces[0])
-    weights = sum(model.group_bytes.values())
-    versions = 2 if schedule == "2bw" and u >= stages else 1
     in_flight = min(stages - stage, u)
-    per_micro = max(sum(sum(t.own) + sum(t.outputs) + sum(t.inputs) for t in (layer[j] for layer in model.traces))
-                    for j in range(u))
-    activations = in_flight * per_micro
-    device = weights * versions + weights * sum_widening + activations
-    return StepMemory(device, activations, device - (weights * versions if on_host else 0))
+    layer = [sum(model.group_bytes[k] for k in keys) + frozen for keys, frozen in zip(model.groups, model.frozen)]
+    weights = sum(model.group_bytes.values()) + sum(model.frozen)
+    graph = max(sum(t.own) + sum(t.outputs) + sum(t.inputs) for traces in model.traces for t in traces)
+    if recompute == "none":
+        per_micro = max(sum(sum(t.own) + sum(t.outputs) + sum(t.inputs) for t in (traces[j] for traces in model.traces))
+                        for j in range(u))
+        activations_kept = in_flight * per_micro
+        device = weights + sum(model.group_bytes.values()) * sum_widening + activations_kept
+        return StepMemory(device, activations_kept, device - (weights if on_host else 0))
+    stash = 0 if activations == "host" else in_flight * max(sum(sum(traces[j].inputs) for traces in model.traces)
+                                                            for j in range(u))
+    resident = max(a + b for a, b in zip(layer, [*layer[1:], 0]))
+    device = resident + max(layer) * sum_widening + stash + graph
+    return StepMemory(device, stash + graph, device - (resident if on_host else 0))
 
 
 # ---------------------------------------------------------------------------- the estimate
@@ -947,7 +957,7 @@ def figures(cfg, baseline: int) -> Estimate:
     for s, (first, end) in enumerate(zip(bounds, bounds[1:])):
         sub = stage_trace(model, first, end)
         if len(bounds) > 2:
-            step = pipeline_step(sub, s, len(bounds) - 1, cfg.pipeline_schedule, on_host, widening)
+            step = pipeline_step(sub, s, len(bounds) - 1, on_host, widening, cfg.recompute, cfg.activations)
         else:
             steps = [replay_step(sub, policies, cfg.activations, on_host, widening)
                      for policies in layer_policies(cfg, sub)]

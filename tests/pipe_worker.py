@@ -9,7 +9,9 @@ writes the trained parameters and per-step losses there), fail_at_step (the last
 layer raises in that step), die_at_step (the last rank exits abruptly), timeout (seconds), stream (steps per
 train_steps call: one schedule over their micro-batches; default one train_step a step), precision,
 record (each rank writes the gradients its EPS received in the first step to "{record}.{rank}", by
-the whole model's group names).
+the whole model's group names), precision / recompute / activations / device (RelayOptions), memory (a list
+of layer counts per stage: each rank trains a pipeline of that many identical blocks a stage for each and
+writes its stage's peak device memory to "{out}.{rank}").
 A PipelineError is printed as one line on stderr, exit code 2 (the pipeline closed, the interpreter's own exit).
 """
 import datetime
@@ -60,12 +62,32 @@ def finetune_hf(cfg: dict) -> None:
             hf.save_pretrained(whole, cfg["save_hf"])
 
 
+def peak_memory(cfg: dict) -> None:
+    """Per layer count of cfg["memory"]: a pipeline of identical blocks, that many a stage, trained for
+    cfg["steps"] steps; this stage's peak device memory (relay accounting) for each, in "{out}.{rank}"."""
+    from tests.test_pipeline import block_batches, blocks
+
+    peaks = {}
+    for per_stage in cfg["memory"]:
+        relay = PipelineRelay(blocks(per_stage * dist.get_world_size()), torch.nn.functional.mse_loss,
+                              l2l_hw.make_eps(EPS_BACKEND, **OPTIMIZERS["adamw"][0]),
+                              pipeline=PipelineConfig(stages=dist.get_world_size(), schedule=cfg["schedule"]),
+                              micro_batches=cfg["micro_batches"], activations=cfg.get("activations", "device"))
+        with relay:
+            for x, y in block_batches(cfg["steps"], cfg["batch"]):
+                relay.train_step(x, y)
+            peaks[per_stage] = relay.memory_report()["peak_bytes"]
+    with open(f"{cfg['out']}.{dist.get_rank()}", "w") as f:
+        json.dump(peaks, f)
+
+
 def main(cfg: dict) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=cfg.get("timeout", 60)))
     rank, world = dist.get_rank(), dist.get_world_size()
-    if cfg.get("hf"):
-        finetune_hf(cfg)
+    if cfg.get("hf") or cfg.get("memory"):
+        (finetune_hf if cfg.get("hf") else peak_memory)(cfg)
+        dist.barrier()
         dist.destroy_process_group()
         return
     make_model, make_batches, loss_fn = MODELS[cfg["model"]]
@@ -77,7 +99,7 @@ def main(cfg: dict) -> None:
     pipeline = PipelineConfig(stages=world, schedule=cfg.get("schedule", "flush"), boundaries=cfg.get("boundaries"),
                               timeout_s=cfg.get("timeout", 60))
     relay = PipelineRelay(layers, loss_fn, eps, pipeline=pipeline, micro_batches=cfg.get("micro_batches", 4),
-                          precision=cfg.get("precision", "fp32"))
+                          **{k: cfg[k] for k in ("precision", "recompute", "activations", "device") if k in cfg})
     pushed = {}
     if cfg.get("record"):
         record_pushes(eps, pushed)

@@ -138,6 +138,38 @@ def test_a_failing_or_killed_stage_stops_every_rank_with_one_clear_error(stages,
             assert "died or stopped answering" in lines[0] or "has gone" in lines[0], lines[0]
 
 
+# -- L2L inside a stage ------------------------------------------------------------------------
+BLOCK_WIDTH, BLOCK_HIDDEN = 64, 256
+
+
+def blocks(depth: int) -> nn.Sequential:
+    """`depth` identical residual MLP blocks: every layer of every stage alike, so only depth varies."""
+    from tests.helpers import ResidualMLP
+    torch.manual_seed(0)
+    return nn.Sequential(*[ResidualMLP(BLOCK_WIDTH, BLOCK_HIDDEN) for _ in range(depth)])
+
+
+def block_batches(steps: int, batch: int) -> list:
+    g = torch.Generator().manual_seed(2)
+    return [(torch.randn(batch, BLOCK_WIDTH, generator=g), torch.randn(batch, BLOCK_WIDTH, generator=g))
+            for _ in range(steps)]
+
+
+@pytest.mark.parametrize("schedule", ["flush", pytest.param("2bw", marks=SLOW)])
+def test_a_stages_peak_device_memory_does_not_grow_with_its_depth(tmp_path, schedule):
+    # 2 stages of 2, 4 and 8 identical blocks, the same micro-batches; host activations: the stash
+    # (each layer's input per micro-batch in flight) leaves the device too, as in the relay's constant-memory mode
+    per_stage = [2, 4, 8]
+    ranks_ok("tests.pipe_worker", 2, dict(memory=per_stage, schedule=schedule, steps=2, batch=8, micro_batches=4,
+                                          activations="host", out=str(tmp_path / "peaks")), LAUNCH_TIMEOUT)
+    layer_bytes = sum(p.numel() * p.element_size() for p in blocks(1).parameters())
+    for rank in range(2):
+        peaks = [json.loads((tmp_path / f"peaks.{rank}").read_text())[str(n)] for n in per_stage]
+        assert max(peaks) <= 1.05 * min(peaks), f"stage {rank}: peak bytes {dict(zip(per_stage, peaks))}"
+        # a layer's weights and gradients at least (the accounting sees them), far from a stage's 8 layers
+        assert 2 * layer_bytes <= peaks[-1] < 8 * layer_bytes / 2, (rank, peaks, layer_bytes)
+
+
 # -- the planner ------------------------------------------------------------------------------
 def uneven_mlp(wide: int = 1, depth: int = 6, width: int = 128, hidden: int = 256):
     """Residual MLP blocks, block `wide` with a 4x wider hidden layer."""

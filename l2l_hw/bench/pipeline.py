@@ -85,7 +85,7 @@ def _worker(bench: dict) -> dict:
     eps_options = dict(optimizer="adamw", lr=1e-4)
     if bench["kind"] == "relay":
         relay = l2l_hw.Relay(_model(bench), lm_loss, eps=l2l_hw.make_eps("cpu", **eps_options),
-                             micro_batches=bench["micro_batches"], pipedream_2bw=True)
+                             micro_batches=bench["micro_batches"], recompute=bench["recompute"], pipedream_2bw=True)
         return {"step_s": _timed(_each(lambda: relay.train_step(*next(batches))), bench["steps"])}
     dist.init_process_group("gloo")
     stages, stage = dist.get_world_size(), dist.get_rank()
@@ -99,7 +99,7 @@ def _worker(bench: dict) -> dict:
 
         relay = PipelineRelay(_model(bench), lm_loss, l2l_hw.make_eps("cpu", **eps_options),
                               pipeline=PipelineConfig(stages=stages, schedule=bench["kind"]), boundaries=bounds,
-                              micro_batches=bench["micro_batches"])
+                              micro_batches=bench["micro_batches"], recompute=bench["recompute"])
         busy = []
 
         def run(n: int):  # 2bw: the n steps as one schedule (relay.train_steps); flush: a schedule a step
@@ -155,9 +155,9 @@ def _launch(bench: dict, kind: str, world: int, threads: int) -> dict:
 
 
 def run(stages: int = 2, steps: int = 5, layers: int = 8, width: int = 256, heads: int = 4, context: int = 128,
-        batch: int = 32, micro_batches: int = 8) -> dict:
+        batch: int = 32, micro_batches: int = 8, recompute: str = "full") -> dict:
     bench = dict(steps=steps, layers=layers, width=width, heads=heads, context=context, batch=batch,
-                 micro_batches=micro_batches)
+                 micro_batches=micro_batches, recompute=recompute)
     torch.set_num_threads(1)
     plan = _plan(bench, stages)  # one split for every variant
     bench["bounds"] = plan.bounds
@@ -190,7 +190,8 @@ def run(stages: int = 2, steps: int = 5, layers: int = 8, width: int = 256, head
 def format_report(r: dict) -> str:
     S, m = r["stages"], r["model"]
     return (f"pipeline, GPT {m['layers']} x {m['width']}, context {m['context']}, batch {m['batch']} in "
-            f"{m['micro_batches']} micro-batches, {S} stages, {r['cores']} cores, split {r['bounds']}:\n"
+            f"{m['micro_batches']} micro-batches, recompute {m['recompute']}, {S} stages, {r['cores']} cores, "
+            f"split {r['bounds']}:\n"
             f"{r['plan']}\n"
             f"  relay, 1 thread        {r['step_s_relay_1_thread']:.3f} s/step\n"
             f"  relay, {S} threads       {r[f'step_s_relay_{S}_threads']:.3f} s/step\n"
@@ -214,6 +215,9 @@ def add_arguments(p) -> None:
     p.add_argument("--context", type=int, default=128, help="tokens per sample (default 128)")
     p.add_argument("--batch", type=int, default=32, help="samples per minibatch (default 32)")
     p.add_argument("--micro-batches", type=int, default=8, help="micro-batches per minibatch (default 8)")
+    p.add_argument("--recompute", choices=("full", "selective", "none"), default="full",
+                   help="the relay's and the stages' recompute policy (default full; none keeps the forward graphs "
+                        "and with them each stage's weights: torch 1F1B's memory, not L2L)")
 
 
 def run_from_args(args) -> int:
@@ -224,7 +228,8 @@ def run_from_args(args) -> int:
         raise SystemExit(f"l2l bench pipeline: --batch {args.batch} must be a multiple of --micro-batches "
                          f"{args.micro_batches} (torch's 1F1B splits evenly)")
     return print_report(run(stages=args.stages, steps=args.steps, layers=args.layers, width=args.width,
-                            context=args.context, batch=args.batch, micro_batches=args.micro_batches),
+                            context=args.context, batch=args.batch, micro_batches=args.micro_batches,
+                            recompute=args.recompute),
                         args.json, format_report)
 
 

@@ -459,7 +459,7 @@ class Relay:
                 with visit, meter.saving(i):
                     for j in range(u):
                         outs.append(keep.forward(i, j, acts[j], run, self.plans[i].buffers))
-                        self._sample(live, acts, outs)
+                        self.sample_memory(live, acts, outs)
                 keep.end_forward(i)
                 if keep.recomputes(i):
                     self._release(i, live, users, backward=False)
@@ -477,7 +477,7 @@ class Relay:
                     x = grad_leaf(acts[j])
                     with meter.saving(last):
                         loss = self._loss(_to_float(self._call(last, x, self.plans[last].buffers)), ts[j])
-                    self._sample(live, acts, grads_in)
+                    self.sample_memory(live, acts, grads_in)
                     (loss * (weights[j] * self.loss_scale)).backward()
                     total += loss.detach().float() * weights[j]
                     grads_in.append(self._input_grads(x))
@@ -498,7 +498,7 @@ class Relay:
                     for j in range(u):
                         with meter.saving(i):
                             x, out = keep.backward(i, j, run)
-                        self._sample(live, grads_out, grads_in)
+                        self.sample_memory(live, grads_out, grads_in)
                         pairs = [(o, g) for o, g in zip(_flatten(out), grads_out[j])
                                  if g is not None and o.requires_grad]
                         if pairs:
@@ -543,7 +543,7 @@ class Relay:
         self.weights.prefetch([k for k in self.plans[i].groups if k not in live])
         self.keep.prefetch(i)  # a no-op until layer i's forward has stashed something
 
-    def _sample(self, *held) -> None:
+    def sample_memory(self, *held) -> None:
         """Account what is on the device now: `held` plus what is kept for the backward and weights in flight."""
         self.memory.sample(*held, self.weights.on_device(), self.grad_sums.held(),
                            kept=[self.stash.on_device(), self.keep.held()])
@@ -645,7 +645,7 @@ class Relay:
                         self._prefetch(i + 1, live)
                     with visit:
                         acts = [self._call(i, a, self.plans[i].buffers) for a in acts]
-                    self._sample(live, acts)
+                    self.sample_memory(live, acts)
                     live.pop(f"frozen:{i}", None)
                     for key in self.plans[i].groups:  # as in training, a layer's weights leave after their last use
                         if last_use[key] == i:

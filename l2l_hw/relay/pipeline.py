@@ -3,6 +3,11 @@
     stage s      layers [b_s, b_{s+1}) on rank s of the group, relayed from its own EPS (any
                  backend, eager updates): a single-device Relay over those layers does the
                  registration, fetching, pushing, checkpoints and export
+    L2L          a stage's layers come up one at a time: each forward fetches a layer, runs
+                 it, stashes its input (the relay's recompute policy) and releases it; each
+                 backward fetches it again and recomputes; so a stage's device memory does
+                 not grow with its depth. A group's gradient sum over the micro-batches waits
+                 in host memory between its visits
     schedule     a list of actions per stage (F j: forward of micro-batch j through the
                  stage, B j: its backward), 1F1B: S - s - 1 forwards to fill the pipe, then
                  one forward and one backward in turn, then the backwards left
@@ -47,6 +52,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, NamedTuple, Sequence
 
 import torch
@@ -417,8 +423,9 @@ class _Step:
     plan: tuple | None  # the generator's states (PipelineRelay._rng_plan)
     total: torch.Tensor  # the last stage's weighted sum of the micro-batches' losses
     posted: bool = False  # its receives are posted
-    live: dict = dataclasses.field(default_factory=dict)  # group -> its device tensors (gradients accumulate)
-    params: dict = dataclasses.field(default_factory=dict)  # layer -> module name -> tensor
+    held: dict = dataclasses.field(default_factory=dict)  # micro-batch -> groups its kept graphs hold until its backward
+    graphs: dict = dataclasses.field(default_factory=dict)  # micro-batch -> the last layer's (input leaf, output)
+    sums: dict = dataclasses.field(default_factory=dict)  # group -> its gradient over the micro-batches so far (host)
     losses: dict = dataclasses.field(default_factory=dict)  # micro-batch -> loss (the last stage)
 
 
@@ -455,6 +462,8 @@ class PipelineRelay:
                         "clip_mode='global' (the norm spans stages); use clip_mode='layer'"),
                        (options.precision == "fp16" or options.skip_nonfinite,
                         "fp16 or skip_nonfinite (a step skipped on one stage must be skipped on all)"),
+                       (options.activation_budget is not None,
+                        "activation_budget (its plan measures a layer over a whole step's micro-batches at once)"),
                        (options.grad_compression != "none",
                         f"grad_compression={options.grad_compression!r} (it compresses data parallelism's gradient "
                         "all-reduce; the stages have none)")]
@@ -616,7 +625,6 @@ class PipelineRelay:
         for i in own:
             for key in relay.plans[i - self.first].groups:
                 users.setdefault(key, []).append(i)
-        graphs: dict[int, list] = {}  # micro-batch of the run -> per layer (input leaf, output)
         recv_acts, recv_grads = {}, {}
         tag_of = (lambda kind, g: (2 * g + kind) * 64)  # up to 64 tensors per activation
 
@@ -633,17 +641,23 @@ class PipelineRelay:
                     floating = [s for s in steps[t].trace.outputs[self.end - 1][g % u] if s.dtype.is_floating_point]
                     recv_grads[g] = links.recv(floating, self.stage + 1, tag_of(1, g), self.device)
 
+        def sample(*held) -> None:
+            """The stage's device memory now: `held`, the receives posted, the sends under way, the
+            groups and graphs kept for backwards to come (and what the relay's accounting adds)."""
+            relay.sample_memory(*held, [bufs for bufs, _ in (*recv_acts.values(), *recv_grads.values())],
+                                [t for t, _, _ in links.sends], [(s.held, s.graphs) for s in steps])
+
+        actions = self.schedule.actions(self.stage, self.stages, u * len(steps))
         base, busy = relay.eps.step, 0.0
         try:
             post(0)
-            for action in self.schedule.actions(self.stage, self.stages, u * len(steps)):
+            for n, action in enumerate(actions):
                 g = action.mb
                 t, j = divmod(g, u)
                 step = steps[t]
                 if action.kind == "F":
                     if j == 0:
                         relay.eps.expect_step(list(users), sorted(users, key=lambda key: -users[key][0]))
-                        step.params = self._fetch(base + t, step.live)
                         post(t + 1)
                     if first_stage:
                         x = step.xs[j]
@@ -652,15 +666,9 @@ class PipelineRelay:
                         links.wait(works, f"receiving micro-batch {j}'s activations from stage {self.stage - 1}")
                         x = unflatten(step.trace.like(self.first - 1, j), bufs)
                     c0 = time.perf_counter()
-                    graphs[g] = []
-                    for i in own:
-                        x = grad_leaf(x) if (i > self.first or not first_stage) else x
-                        out = self._call(i, j, x, step.params[i], step.plan)
-                        graphs[g].append((x, out))
-                        x = unflatten(out, [o.detach() for o in flatten(out)])
-                    if last_stage:
-                        step.losses[j] = relay._loss(to_float(graphs[g][-1][1]), step.ts[j])
-                    else:
+                    with self._weights_of(base + t):
+                        x = self._forward(j, x, step, users, sample)
+                    if not last_stage:
                         links.send(flatten(x), self.stage + 1, tag_of(0, g))
                     busy += time.perf_counter() - c0
                 else:
@@ -674,14 +682,20 @@ class PipelineRelay:
                         bufs, works = recv_grads.pop(g)
                         links.wait(works, f"receiving micro-batch {j}'s gradients from stage {self.stage + 1}")
                         c0 = time.perf_counter()
-                        outs = flatten(graphs[g][-1][1])
                         it = iter(bufs)
-                        grads = [next(it) if o.is_floating_point() else None for o in outs]
-                    self._backward(g, graphs.pop(g), grads, users, step.live, last=j == u - 1)
+                        grads = [next(it) if s.dtype.is_floating_point else None
+                                 for s in step.trace.outputs[self.end - 1][j]]
+                    with self._weights_of(base + t):
+                        grads = self._backward(j, grads, step, users, sample, last=j == u - 1)
+                    if not first_stage:
+                        links.send(grads, self.stage - 1, tag_of(1, g))
                     if j == u - 1:  # the step's every group is pushed: commit it (2bw: without waiting)
                         relay.eps.commit_step(grad_scale=1.0, skip_nonfinite=False,
                                               wait=not self.schedule.pipedream_2bw)
+                        relay.weights.clear()  # what is on its way was read before the commit
                     busy += time.perf_counter() - c0
+                if n + 1 < len(actions):
+                    self._prefetch_action(actions[n + 1], base, steps)
             links.finish_sends()
         except PipelineError:
             self._abandon()
@@ -696,19 +710,141 @@ class PipelineRelay:
         losses += self._share_loss(torch.stack([step.total for step in steps]))
         return busy
 
-    def _fetch(self, step: int, live: dict) -> dict[int, dict[str, torch.Tensor]]:
-        """The stage's parameters for the step that commits as `step + 1`, by layer. Under 2bw that
-        is the version one commit back: while the step before (`step`) has not committed on this
-        stage, the newest one."""
+    # -- one layer's weights on the device at a time ----------------------------------------
+    def _weights_of(self, step: int):
+        """Where the fetches of the step that commits as `step + 1` read (a context around them): under
+        2bw the version one commit back, which is the newest while the step before (`step`) has not
+        committed on this stage."""
         relay = self.relay
         if relay.eps.step < step - 1:
             raise PipelineError(f"pipeline stage {self.stage}: step {step + 1} would start two commits ahead; "
                                 f"2bw keeps two weight versions (micro_batches >= stages)")
-        newest = relay.weights.newest() if relay.eps.step < step else contextlib.nullcontext()
-        with newest:
-            return {i: relay._params(i - self.first, live) for i in range(self.first, self.end)}
+        return relay.weights.newest() if relay.eps.step < step else contextlib.nullcontext()
 
-    def _call(self, i: int, j: int, x, params, plan):
+    def _with_loss(self, i: int) -> bool:
+        """Layer i is the model's last: its forward keeps its graph with the loss's (on the last
+        stage, 1F1B runs a micro-batch's backward right after its forward)."""
+        return i == len(self.layers) - 1
+
+    def _keeps_graph(self, i: int, j: int) -> bool:
+        """Whether layer i's forward on micro-batch j keeps its graph, and so its weights, until the
+        backward: the model's last layer, and every layer under recompute="none"."""
+        return self._with_loss(i) or not self.relay.keep.recomputes((i, j))
+
+    def _prefetch(self, i: int, j: int, live: dict) -> None:
+        """Start moving layer i's weights (and, for its backward, micro-batch j's stashed input) up."""
+        relay = self.relay
+        relay.weights.prefetch([key for key in relay.plans[i - self.first].groups if key not in live])
+        relay.keep.prefetch((i, j))  # a no-op until the layer's forward has stashed something
+
+    def _prefetch_action(self, action: Action, base: int, steps: list) -> None:
+        """The first layer of the next action on its way while this stage waits for its input,
+        where that action reads the version the weight stream reads by default (and its groups
+        are not held for it by a kept graph)."""
+        t, j = divmod(action.mb, self.micro_batches)
+        if self.relay.eps.step < base + t:  # it reads the newest version: its fetches start afresh
+            return
+        if action.kind == "F":
+            self._prefetch(self.first, j, {})
+        elif not self._with_loss(self.end - 1):  # the last layer's weights are held by its graph
+            self._prefetch(self.end - 1, j, steps[t].held.get(j, {}))
+
+    def _forward(self, j: int, x, step: _Step, users: dict, sample) -> object:
+        """Micro-batch j's forward through the stage with one layer's weights on the device at a
+        time: each layer fetched (the next one on its way meanwhile), run, its input stashed for the
+        recompute (relay.keep: the recompute policy) or its graph kept, then its weights released.
+        On the last stage the last layer's graph is kept with the loss: its backward comes next."""
+        relay, keep, meter = self.relay, self.relay.keep, self.relay.memory
+        live, held = {}, step.held.setdefault(j, {})
+        for i in range(self.first, self.end):
+            k = i - self.first
+            run = partial(self._call, i, j, params=relay._params(k, live), plan=step.plan)
+            if i + 1 < self.end:
+                self._prefetch(i + 1, j, live)
+            with meter.saving((i, j)):
+                if self._with_loss(i):
+                    x = grad_leaf(x)
+                    out = run(x, relay.plans[k].buffers)
+                    step.graphs[j] = (x, out)
+                    step.losses[j] = relay._loss(to_float(out), step.ts[j])
+                else:
+                    keep.begin_forward((i, j), [x])
+                    out = keep.forward((i, j), 0, x, run, relay.plans[k].buffers)
+                    keep.end_forward((i, j))
+            sample(live, x, out)
+            frozen = f"frozen:{k}"
+            if self._keeps_graph(i, j) and frozen in live:
+                held[frozen] = live.pop(frozen)
+            live.pop(frozen, None)
+            for key in relay.plans[k].groups:
+                if users[key][-1] == i:  # its last use in this forward: the backward fetches it again
+                    tensors = live.pop(key)
+                    if any(self._keeps_graph(user, j) for user in users[key]):
+                        held[key] = tensors  # a kept graph computes its gradient on these
+            x = out
+        return x
+
+    def _backward(self, j: int, grads, step: _Step, users: dict, sample, last: bool) -> list:
+        """Micro-batch j's backward through the stage, last layer to first, one layer's weights on
+        the device at a time: each fetched again and its forward recomputed (or its kept graph
+        taken), backpropagated, released; a group's gradient joins the step's sum after its last
+        use (on the last micro-batch: pushed). `grads`: of the stage's output (None on the last
+        stage: the loss's backward ran). Returns the gradients of the stage's floating inputs."""
+        relay, keep, meter = self.relay, self.relay.keep, self.relay.memory
+        live = step.held.pop(j, {})
+        inputs = None
+        for i in range(self.end - 1, self.first - 1, -1):
+            k = i - self.first
+            run = partial(self._call, i, j, params=relay._params(k, live), plan=step.plan)
+            if i > self.first:
+                self._prefetch(i - 1, j, live)
+            if self._with_loss(i):
+                x, out = step.graphs.pop(j)  # its backward ran with the loss's
+            else:
+                keep.begin_backward((i, j))
+                with meter.saving((i, j)):
+                    x, out = keep.backward((i, j), 0, run)
+                pairs = [(o, d) for o, d in zip(flatten(out), grads) if d is not None and o.requires_grad]
+                if pairs:
+                    torch.autograd.backward([o for o, _ in pairs], [d for _, d in pairs])
+            grads_in = relay._input_grads(x) if i > self.first or self.stage > 0 else None
+            sample(live, x, out, grads, grads_in)  # the layer's weights, their gradients, its graph: its peak
+            meter.drop_saved((i, j))
+            grads, inputs = grads_in, x
+            live.pop(f"frozen:{k}", None)
+            for key in relay.plans[k].groups:
+                if users[key][0] == i:  # its last use in this backward
+                    self._sum_grads(step, key, live.pop(key), last)
+        if self.stage == 0:
+            return []
+        return [d for d, t in zip(grads, flatten(inputs)) if t.is_floating_point()]
+
+    def _sum_grads(self, step: _Step, key: str, tensors: dict, last: bool) -> None:
+        """Add one micro-batch's gradient of group `key` (on its device leaves `tensors`) to the
+        step's sum, which waits in host memory between the group's visits: a sum on the device for
+        each of the stage's layers would grow with its depth. The micro-batches add in order, as
+        autograd accumulates them in the single process; on the last one the sum comes up, takes
+        its gradient and is pushed to the EPS."""
+        relay = self.relay
+        transport, pool = relay.transport, relay.transport.grad_pool
+        grads = relay.grad_sums.take(tensors)
+        total = {}
+        if key in step.sums:  # the micro-batches before: landed long since (a backward ago)
+            total, names, moving = step.sums.pop(key)
+            for name, g in zip(names, moving.landed()):
+                total[name] = total[name].add_(g) if name in total else g.clone() if transport.asynchronous else g
+            if transport.asynchronous:
+                pool.give_back(moving.tensors)
+        if not last:
+            step.sums[key] = (total, list(grads), transport.down(list(grads.values()), pool=pool))
+            return
+        if total:
+            up = dict(zip(total, transport.up(list(total.values())).wait()))
+            grads = {name: up[name].add_(grads[name]) if name in grads else up[name] for name in up} | \
+                {name: g for name, g in grads.items() if name not in up}
+        relay.eps.push_grads(key, relay._to_host(relay._clip(grads)), inv_scale=1.0 / relay.loss_scale)
+
+    def _call(self, i: int, j: int, x, buffers, params, plan):
         """Layer i on micro-batch j, with the generator where the single process has it."""
         k = i - self.first
         if plan is not None:
@@ -716,51 +852,29 @@ class PipelineRelay:
             set_rng_state(self.device, before)
         else:
             expected = rng_state(self.device)  # no layer draws: the generator must not move
-        out = self._run_layer(k, x, params)
+        out = self._run_layer(k, x, params, buffers)
         if not _same_rng(rng_state(self.device), expected):
             raise PipelineError(f"layer {i} drew random numbers that its meta-device trace did not predict; the "
                                 f"pipeline cannot replay its draws as the single process makes them")
         return out
 
-    def _run_layer(self, k: int, x, params: dict[str, torch.Tensor]):
-        """The stage's layer k on one micro-batch, its device parameters and buffers bound by
+    def _run_layer(self, k: int, x, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]):
+        """The stage's layer k on one micro-batch, its device parameters and `buffers` bound by
         functional_call (the module itself keeps meta parameters, as in the relay)."""
         plan = self.relay.plans[k]
         try:
-            out = functional_call(plan.module, {**params, **plan.buffers}, (x,))
+            out = functional_call(plan.module, {**params, **buffers}, (x,))
         except Exception as exc:
             raise RelayError(f"layer {self.first + k} ({type(plan.module).__name__}) failed on an input of "
                              f"{_shapes(x)}: {exc}") from exc
         return layer_output(self.first + k, plan.module, out)
 
-    def _backward(self, g: int, graph: list, grads, users: dict, live: dict, last: bool) -> None:
-        """Backward of micro-batch g (of the run) through this stage's layers, last to first; on
-        the step's last micro-batch, push each group as soon as its first layer's backward is done."""
-        relay = self.relay
-        for k in range(len(graph) - 1, -1, -1):
-            x, out = graph[k]
-            if grads is not None:
-                pairs = [(o, g) for o, g in zip(flatten(out), grads) if g is not None and o.requires_grad]
-                if pairs:
-                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-            i = self.first + k
-            if k > 0 or self.stage > 0:
-                grads = relay._input_grads(x)
-            graph[k] = None
-            inputs = x
-            if last:
-                for key in relay.plans[k].groups:
-                    if users[key][0] == i:
-                        tensors = live.pop(key)
-                        relay.eps.push_grads(key, relay._to_host(relay._clip(relay.grad_sums.take(tensors))),
-                                             inv_scale=1.0 / relay.loss_scale)
-        if self.stage > 0:  # the gradients of the stage's floating-point inputs go back
-            floating = [d for d, t in zip(grads, flatten(inputs)) if t.is_floating_point()]
-            self.links.send(floating, self.stage - 1, (2 * g + 1) * 64)
-
     def _abandon(self) -> None:
         relay = self.relay
         relay.weights.clear()
+        relay.keep.clear()
+        relay.stash.clear()
+        relay.memory.drop_saved()
         try:  # let scheduled updates finish, then forget the step
             relay.eps.wait()
             relay.eps.discard_step()
@@ -780,9 +894,7 @@ class PipelineRelay:
         try:
             xs, ts, weights, _ = relay._split(inputs, targets)
             trace = self._trace(xs)
-            live: dict[str, dict[str, torch.Tensor]] = {}
             with relay.weights.newest():
-                params = {i: relay._params(i - self.first, live) for i in range(self.first, self.end)}
                 for j in range(self.micro_batches):
                     if first_stage:
                         x = xs[j]
@@ -791,9 +903,13 @@ class PipelineRelay:
                                                  self.device)
                         links.wait(works, f"receiving micro-batch {j}'s activations from stage {self.stage - 1}")
                         x = unflatten(trace.like(self.first - 1, j), bufs)
-                    for i in range(self.first, self.end):
+                    for i in range(self.first, self.end):  # one layer's weights on the device at a time
                         k = i - self.first
-                        x = self._run_layer(k, x, params[i])
+                        live: dict[str, dict[str, torch.Tensor]] = {}
+                        params = relay._params(k, live)
+                        if i + 1 < self.end:
+                            self._prefetch(i + 1, j, live)
+                        x = self._run_layer(k, x, params, relay.plans[k].buffers)
                     if last_stage:
                         total += relay._loss(to_float(x), ts[j]).float() * weights[j]
                     else:
