@@ -35,6 +35,8 @@ def main(runs: int, worker: str) -> int:
                 if res.returncode != 0:
                     print(f"run {run} rank {rank}: exit {res.returncode}\n{res.stderr[-3000:]}", flush=True)
             clean += all(res.returncode == 0 for res in results)
+            if (run + 1) % 25 == 0:  # a run cut short still says how far it got
+                print(f"{worker}: {clean} of {run + 1} runs clean so far", flush=True)
     print(f"{worker}: {clean} of {runs} runs ended with exit 0 on both ranks; exit codes by rank {dict(codes)}; "
           f"{time.monotonic() - t0:.0f} s")
     return 0 if clean == runs else 1
