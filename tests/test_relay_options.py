@@ -95,10 +95,10 @@ def test_layer_drop_schedule_draws_reproducibly_and_trains():
     def run():
         relay = l2l_hw.Relay(gpt(), lm_loss, eps=l2l_hw.make_eps("cpu"), micro_batches=2,
                              layer_drop=lambda step: 0.5 if step > 1 else 0.0, layer_drop_seed=3)
-        drawn = [relay._active_layers(None)]
+        drawn = [relay.active_layers(None)]
         losses = []
         for x, y in gpt_batches(6):
-            drawn.append(relay._active_layers(None))
+            drawn.append(relay.active_layers(None))
             losses.append(relay.train_step(x, y))
         return drawn, losses
 

@@ -135,6 +135,38 @@ def test_no_module_imports_a_private_name_of_another_module():
     assert not offenders, offenders
 
 
+def _private_names(tree: ast.AST) -> set[str]:
+    """The private names a module defines: its functions, classes and methods, the attributes it
+    assigns (self._x = ...) and its module-level variables."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def test_no_module_reads_a_private_attribute_of_another_module():
+    """`x._name` (x not self or cls) where `_name` is private to another l2l_hw module: what one
+    module needs of another is public. Not flagged: torch's own tensor attributes, and PYNQ's
+    `_name_` hooks (its device protocol)."""
+    trees = {path: ast.parse(path.read_text()) for path in [*(ROOT / "l2l_hw").rglob("*.py"),
+                                                           *(ROOT / "tests").rglob("*.py")]}
+    defined = {path: _private_names(tree) for path, tree in trees.items()}
+    library = set().union(*(names for path, names in defined.items() if "l2l_hw" in path.parts))
+    offenders = []
+    for path, tree in trees.items():
+        for node in ast.walk(tree):
+            name = getattr(node, "attr", "")
+            if (isinstance(node, ast.Attribute) and name in library and name not in defined[path]
+                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+                    and not hasattr(torch.Tensor, name) and not name.endswith("_")):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}")
+    assert not offenders, offenders
+
 
 def import_graph() -> dict[str, set[str]]:
     """module -> the l2l_hw modules it imports, at any depth of the file (a function's lazy

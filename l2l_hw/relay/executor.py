@@ -356,7 +356,7 @@ class Relay:
                              f"{_describe(x)}: {exc}") from exc
         return layer_output(i, plan.module, out)
 
-    def _loss(self, out, target) -> torch.Tensor:
+    def compute_loss(self, out, target) -> torch.Tensor:
         try:
             loss = self.loss_fn(out, target)
         except Exception as exc:
@@ -366,7 +366,7 @@ class Relay:
                              f"micro-batch as a scalar tensor")
         return loss.reshape(())
 
-    def _params(self, i: int, live: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    def layer_params(self, i: int, live: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Layer i's device parameters by module name, bound once per visit of the layer: groups
         not yet on the device are fetched, frozen parameters go up with them."""
         plan = self.plans[i]
@@ -381,7 +381,7 @@ class Relay:
 
 
     # -- the batch --------------------------------------------------------------
-    def _split(self, inputs, targets):
+    def split_micro_batches(self, inputs, targets):
         """Split into micro-batches along dim 0; weights n_j / B make the loss the minibatch mean."""
         def batch_size(x, what):
             items = _flatten(x) if isinstance(x, (torch.Tensor, tuple, list)) else None
@@ -411,7 +411,7 @@ class Relay:
         weights = [_flatten(t)[0].shape[0] / n for t in ts]
         return xs, ts, weights, n
 
-    def _active_layers(self, layers) -> list[int]:
+    def active_layers(self, layers) -> list[int]:
         """The layers this step runs, in order: given, or drawn from the layer-drop schedule."""
         L = len(self.layers)
         if layers is None:
@@ -433,10 +433,10 @@ class Relay:
         `layers` selects the layers to run this step (the last one always runs); a
         skipped layer passes its input through and costs neither transfer nor compute,
         and its weights get no update. Without it, the layer-drop schedule decides."""
-        xs, ts, weights, local_n = self._split(inputs, targets)
+        xs, ts, weights, local_n = self.split_micro_batches(inputs, targets)
         if self.dp is not None:
             self.dp.start_step(local_n)
-        order = self._active_layers(layers)
+        order = self.active_layers(layers)
         users: dict[str, list[int]] = {}  # EPS group -> active layers using it, ascending
         for i in order:
             for key in self.plans[i].groups:
@@ -452,7 +452,7 @@ class Relay:
             # Forward, layer-major.
             for n, i in enumerate(order[:-1]):
                 run = partial(self._call, i)
-                visit = self._visit(i, self._params(i, live))
+                visit = self._visit(i, self.layer_params(i, live))
                 self._prefetch(order[n + 1], live)
                 keep.begin_forward(i, acts)
                 outs = []
@@ -468,7 +468,7 @@ class Relay:
             # Last layer: forward, loss and backward together, micro-batch by micro-batch.
             last = order[-1]
             total = torch.zeros((), dtype=torch.float32, device=self.device)
-            visit = self._visit(last, self._params(last, live))
+            visit = self._visit(last, self.layer_params(last, live))
             if len(order) > 1:
                 self._prefetch(order[-2], live)
             grads_in = []
@@ -476,11 +476,11 @@ class Relay:
                 for j in range(u):
                     x = grad_leaf(acts[j])
                     with meter.saving(last):
-                        loss = self._loss(_to_float(self._call(last, x, self.plans[last].buffers)), ts[j])
+                        loss = self.compute_loss(_to_float(self._call(last, x, self.plans[last].buffers)), ts[j])
                     self.sample_memory(live, acts, grads_in)
                     (loss * (weights[j] * self.loss_scale)).backward()
                     total += loss.detach().float() * weights[j]
-                    grads_in.append(self._input_grads(x))
+                    grads_in.append(self.input_grads(x))
                     meter.drop_saved(last)  # its graph is consumed
             acts = None  # the last layer's inputs are done with
             self._release(last, live, users, backward=True)
@@ -489,7 +489,7 @@ class Relay:
             for n in range(len(order) - 2, -1, -1):
                 i = order[n]
                 run = partial(self._call, i)
-                visit = self._visit(i, self._params(i, live))
+                visit = self._visit(i, self.layer_params(i, live))
                 if n > 0:
                     self._prefetch(order[n - 1], live)
                 keep.begin_backward(i)
@@ -503,7 +503,7 @@ class Relay:
                                  if g is not None and o.requires_grad]
                         if pairs:
                             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-                        grads_in.append(self._input_grads(x))
+                        grads_in.append(self.input_grads(x))
                         grads_out[j] = None  # micro-batch j of this layer is done with
                         if keep.recomputes(i):
                             meter.drop_saved(i)
@@ -549,7 +549,7 @@ class Relay:
                            kept=[self.stash.on_device(), self.keep.held()])
 
     @staticmethod
-    def _input_grads(x: Activation) -> list[torch.Tensor | None]:
+    def input_grads(x: Activation) -> list[torch.Tensor | None]:
         return [t.grad if t.grad is not None or not t.requires_grad else torch.zeros_like(t)
                 for t in _flatten(x)]
 
@@ -568,7 +568,7 @@ class Relay:
         """Hand a group's gradients to the EPS; data parallel, first start averaging them across
         ranks and push the group reduced during this layer's backward."""
         if self.dp is None or not grads:
-            self.eps.push_grads(key, self._to_host(self._clip(grads)), inv_scale=1.0 / self.loss_scale)
+            self.push_group(key, grads)
             return
         self._push_reduced()
         self._pending.append(self.dp.launch(key, grads))
@@ -577,7 +577,12 @@ class Relay:
         while self._pending:
             reduction = self._pending.pop(0)
             grads = self.dp.finish(reduction)
-            self.eps.push_grads(reduction.key, self._to_host(self._clip(grads)), inv_scale=1.0 / self.loss_scale)
+            self.push_group(reduction.key, grads)
+
+    def push_group(self, key: str, grads: dict[str, torch.Tensor]) -> None:
+        """Group `key`'s gradients, summed over the micro-batches (and reduced across ranks),
+        clipped, sent down and handed to the EPS's update."""
+        self.eps.push_grads(key, self._to_host(self._clip(grads)), inv_scale=1.0 / self.loss_scale)
 
     def _to_host(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A group's gradients on their way down, right after its backward (and its reduction
@@ -629,7 +634,7 @@ class Relay:
     def evaluate(self, inputs, targets) -> float:
         """Mean loss on a minibatch, layer-major, in eval mode; no update. On the newest
         committed weights, under PipeDream-2BW too (its steps compute one version back)."""
-        xs, ts, weights, n = self._split(inputs, targets)
+        xs, ts, weights, n = self.split_micro_batches(inputs, targets)
         modes = [m.training for m in self.layers]
         for m in self.layers:
             m.train(False)
@@ -640,7 +645,7 @@ class Relay:
             with self.weights.newest():
                 acts = xs
                 for i in range(len(self.layers)):
-                    visit = self._visit(i, self._params(i, live))
+                    visit = self._visit(i, self.layer_params(i, live))
                     if i + 1 < len(self.layers):
                         self._prefetch(i + 1, live)
                     with visit:
@@ -650,7 +655,7 @@ class Relay:
                     for key in self.plans[i].groups:  # as in training, a layer's weights leave after their last use
                         if last_use[key] == i:
                             live.pop(key)
-            total = sum(float(self._loss(_to_float(a), t)) * w for a, t, w in zip(acts, ts, weights))
+            total = sum(float(self.compute_loss(_to_float(a), t)) * w for a, t, w in zip(acts, ts, weights))
         finally:
             for m, mode in zip(self.layers, modes):
                 m.train(mode)

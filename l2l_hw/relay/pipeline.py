@@ -614,7 +614,7 @@ class PipelineRelay:
         try:
             steps = []
             for inputs, targets in batches:
-                xs, ts, weights, _ = relay._split(inputs, targets)
+                xs, ts, weights, _ = relay.split_micro_batches(inputs, targets)
                 trace = self._trace(xs)
                 steps.append(_Step(xs, ts, weights, trace, self._rng_plan(trace),
                                    torch.zeros((), dtype=torch.float32, device=self.device)))
@@ -758,7 +758,7 @@ class PipelineRelay:
         live, held = {}, step.held.setdefault(j, {})
         for i in range(self.first, self.end):
             k = i - self.first
-            run = partial(self._call, i, j, params=relay._params(k, live), plan=step.plan)
+            run = partial(self._call, i, j, params=relay.layer_params(k, live), plan=step.plan)
             if i + 1 < self.end:
                 self._prefetch(i + 1, j, live)
             with meter.saving((i, j)):
@@ -766,7 +766,7 @@ class PipelineRelay:
                     x = grad_leaf(x)
                     out = run(x, relay.plans[k].buffers)
                     step.graphs[j] = (x, out)
-                    step.losses[j] = relay._loss(to_float(out), step.ts[j])
+                    step.losses[j] = relay.compute_loss(to_float(out), step.ts[j])
                 else:
                     keep.begin_forward((i, j), [x])
                     out = keep.forward((i, j), 0, x, run, relay.plans[k].buffers)
@@ -795,7 +795,7 @@ class PipelineRelay:
         inputs = None
         for i in range(self.end - 1, self.first - 1, -1):
             k = i - self.first
-            run = partial(self._call, i, j, params=relay._params(k, live), plan=step.plan)
+            run = partial(self._call, i, j, params=relay.layer_params(k, live), plan=step.plan)
             if i > self.first:
                 self._prefetch(i - 1, j, live)
             if self._with_loss(i):
@@ -807,7 +807,7 @@ class PipelineRelay:
                 pairs = [(o, d) for o, d in zip(flatten(out), grads) if d is not None and o.requires_grad]
                 if pairs:
                     torch.autograd.backward([o for o, _ in pairs], [d for _, d in pairs])
-            grads_in = relay._input_grads(x) if i > self.first or self.stage > 0 else None
+            grads_in = relay.input_grads(x) if i > self.first or self.stage > 0 else None
             sample(live, x, out, grads, grads_in)  # the layer's weights, their gradients, its graph: its peak
             meter.drop_saved((i, j))
             grads, inputs = grads_in, x
@@ -842,7 +842,7 @@ class PipelineRelay:
             up = dict(zip(total, transport.up(list(total.values())).wait()))
             grads = {name: up[name].add_(grads[name]) if name in grads else up[name] for name in up} | \
                 {name: g for name, g in grads.items() if name not in up}
-        relay.eps.push_grads(key, relay._to_host(relay._clip(grads)), inv_scale=1.0 / relay.loss_scale)
+        relay.push_group(key, grads)
 
     def _call(self, i: int, j: int, x, buffers, params, plan):
         """Layer i on micro-batch j, with the generator where the single process has it."""
@@ -892,7 +892,7 @@ class PipelineRelay:
             m.train(False)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         try:
-            xs, ts, weights, _ = relay._split(inputs, targets)
+            xs, ts, weights, _ = relay.split_micro_batches(inputs, targets)
             trace = self._trace(xs)
             with relay.weights.newest():
                 for j in range(self.micro_batches):
@@ -906,12 +906,12 @@ class PipelineRelay:
                     for i in range(self.first, self.end):  # one layer's weights on the device at a time
                         k = i - self.first
                         live: dict[str, dict[str, torch.Tensor]] = {}
-                        params = relay._params(k, live)
+                        params = relay.layer_params(k, live)
                         if i + 1 < self.end:
                             self._prefetch(i + 1, j, live)
                         x = self._run_layer(k, x, params, relay.plans[k].buffers)
                     if last_stage:
-                        total += relay._loss(to_float(x), ts[j]).float() * weights[j]
+                        total += relay.compute_loss(to_float(x), ts[j]).float() * weights[j]
                     else:
                         links.send(flatten(x), self.stage + 1, (2 * j) * 64)
             links.finish_sends()
