@@ -155,7 +155,7 @@ def _launch(bench: dict, kind: str, world: int, threads: int) -> dict:
 
 
 def run(stages: int = 2, steps: int = 5, layers: int = 8, width: int = 256, heads: int = 4, context: int = 128,
-        batch: int = 32, micro_batches: int = 8, recompute: str = "full") -> dict:
+        batch: int = 32, micro_batches: int = 8, recompute: str = "none") -> dict:
     bench = dict(steps=steps, layers=layers, width=width, heads=heads, context=context, batch=batch,
                  micro_batches=micro_batches, recompute=recompute)
     torch.set_num_threads(1)
@@ -215,9 +215,10 @@ def add_arguments(p) -> None:
     p.add_argument("--context", type=int, default=128, help="tokens per sample (default 128)")
     p.add_argument("--batch", type=int, default=32, help="samples per minibatch (default 32)")
     p.add_argument("--micro-batches", type=int, default=8, help="micro-batches per minibatch (default 8)")
-    p.add_argument("--recompute", choices=("full", "selective", "none"), default="full",
-                   help="the relay's and the stages' recompute policy (default full; none keeps the forward graphs "
-                        "and with them each stage's weights: torch 1F1B's memory, not L2L)")
+    p.add_argument("--recompute", choices=("full", "selective", "none"), default="none",
+                   help="the relay's and the stages' recompute policy (default none: the forward graphs kept, "
+                        "the same work as torch's 1F1B; full runs each forward again in the backward, as L2L's "
+                        "memory wants)")
 
 
 def run_from_args(args) -> int:
