@@ -218,13 +218,20 @@ def caught_signals(pid: int) -> int:
     return 0
 
 
+def python_signals() -> None:
+    """A child's SIGINT as a terminal leaves it (Python then installs its KeyboardInterrupt handler),
+    even where this test runs in the background of a shell, whose children inherit SIGINT ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_while_the_command_imports_is_one_line_with_its_code_and_writes_nothing(tmp_path, inputs,
                                                                                        signum):  # case 11
     out = tmp_path / "run"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     proc = subprocess.Popen([sys.executable, "-m", "l2l_hw.cli", *command_argv("train", inputs, out)], cwd=ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=python_signals)
     deadline = time.monotonic() + 60
     while not caught_signals(proc.pid) & (1 << (signal.SIGTERM - 1)):  # the first line of l2l_hw has run
         assert proc.poll() is None and time.monotonic() < deadline
@@ -241,7 +248,7 @@ def test_the_command_leaves_the_signals_as_they_were_when_imported_as_a_library(
                                                  "print(signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, "
                                                  "signal.getsignal(signal.SIGINT) == signal.default_int_handler)"],
                           cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, preexec_fn=python_signals)
     assert done.stdout.split() == ["True", "True"], done.stderr
 
 
