@@ -94,7 +94,7 @@ def main(cfg: dict) -> None:
     dist.destroy_process_group()
     # Everything is closed and the group destroyed, yet a rank's interpreter exit still aborts now and then
     # ("terminate called without an active exception": 2 of the ~30 data-parallel launches of one full suite
-    # under load, 0 of 50 runs of this worker alone). Its cause is not found (issue 48); the pipeline's was.
+    # under load, 0 of 120 runs of this worker alone). Its cause is not found (issue 48); the pipeline's was.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
