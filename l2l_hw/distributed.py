@@ -12,6 +12,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+# torch.distributed.nn's collectives take `group=group.WORLD` as a default argument, bound when the
+# module is first imported (torch._dynamo imports it: FakeTensorMode in l2l_hw.estimate, selective
+# recompute). Imported after a process group exists, ten functions hold that group for the life of
+# the interpreter: destroy_process_group cannot free it, and its gloo worker threads release their
+# last collective's tensors while Python finalizes, which aborts the process now and then
+# ("terminate called without an active exception"). Imported here, before any group, they bind None.
+import torch.distributed.nn  # noqa: F401
 
 
 FAILURE_KEY = "l2l/failure"  # in the process group's store: the first failure of a rank, "rank R of N: what"

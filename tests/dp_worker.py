@@ -15,6 +15,7 @@ EPS received in the first step to "{record}.{rank}", as received).
 import datetime
 import json
 import os
+import signal
 import sys
 
 import safetensors.torch
@@ -50,7 +51,7 @@ def main(cfg: dict) -> None:
     losses, report = [], {}
     for step, (x, y) in enumerate(batches[cfg.get("start", 0):], start=cfg.get("start", 0)):
         if step == cfg.get("die_before_step") and rank == world - 1:
-            os._exit(3)  # models a crash: no clean-up, no goodbye, as a killed process
+            os.kill(os.getpid(), signal.SIGKILL)  # a crash: no clean-up, no goodbye
         x, y = rank_shard((x, y), rank, world)
         if step == cfg.get("inf_at_step"):  # rank 0's own gradient of layer1 overflows
             before, scale = eps.state_dict(), relay.loss_scale
@@ -92,12 +93,6 @@ def main(cfg: dict) -> None:
     dist.barrier()  # rank 0 writes while the others would tear the group down: gloo can abort on that
     relay.close()
     dist.destroy_process_group()
-    # Everything is closed and the group destroyed, yet a rank's interpreter exit still aborts now and then
-    # ("terminate called without an active exception": 2 of the ~30 data-parallel launches of one full suite
-    # under load, 0 of 120 runs of this worker alone). Its cause is not found (issue 48); the pipeline's was.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from l2l_hw.checkpoint import load_checkpoint
-from l2l_hw.distributed import free_port
+from l2l_hw.distributed import free_port, run_local_ranks
 from tests.test_nothing_lost import CKPT, same_run, snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -200,6 +200,30 @@ def test_a_rank_that_cannot_start_stops_every_rank_before_training_each_in_one_l
     one_line_each(results, {0: 2}, f"--out {out}", "already holds a run")
     one_line_each(results, {1: 2}, "stopped before training: rank 0 cannot start", "already holds a run")
     assert snapshot(out) == before
+
+
+LEFT_GROUP_IS_FREED = """
+import sys
+import torch.distributed as dist
+from l2l_hw.distributed import failed_ranks, join_torchrun, leave_torchrun
+ranks = join_torchrun("cpu", 60)
+group = dist.group.WORLD
+import torch._dynamo  # as l2l_hw.estimate's FakeTensorMode does, once the group exists
+failed_ranks(None, "a last collective")
+leave_torchrun(ranks)
+print(sys.getrefcount(group) - 2)  # references left beside `group` (and getrefcount's argument)
+"""
+
+
+def test_a_group_left_is_freed_at_once_though_torch_dynamo_was_imported_after_it_was_joined():
+    """A process group left by leave_torchrun is freed there (its gloo worker threads joined), not at
+    the interpreter's exit: torch.distributed.nn binds `group.WORLD` as a default argument when
+    first imported (by torch._dynamo), and a group freed while Python finalizes aborted a rank
+    now and then ("terminate called without an active exception", issue 48)."""
+    results = run_local_ranks(["-c", LEFT_GROUP_IS_FREED], 2, timeout_s=TIMEOUT, cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    for r in results:
+        assert (r.returncode, r.stdout.split()) == (0, ["0"]), r.stderr[-2000:]
 
 
 def test_a_pipeline_with_a_state_dir_keeps_a_folder_per_rank_and_trains_as_in_memory(tmp_path, data, straight):
