@@ -11,7 +11,8 @@ train_steps call: one schedule over their micro-batches; default one train_step 
 record (each rank writes the gradients its EPS received in the first step to "{record}.{rank}", by
 the whole model's group names), precision / recompute / activations / device (RelayOptions), memory (a list
 of layer counts per stage: each rank trains a pipeline of that many identical blocks a stage for each and
-writes its stage's peak device memory to "{out}.{rank}").
+writes its stage's peak device memory to "{out}.{rank}"), replicas (data parallel replicas of each stage:
+the world is stages x replicas, rank = replica * stages + stage, each replica trains its shard of the minibatch).
 A PipelineError is printed as one line on stderr, exit code 2 (the pipeline closed, the interpreter's own exit).
 """
 import datetime
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 import l2l_hw
+from l2l_hw.distributed import rank_shard
 from l2l_hw.relay.options import PipelineConfig
 from l2l_hw.relay.pipeline import PipelineError, PipelineRelay
 from tests.helpers import record_pushes
@@ -96,10 +98,21 @@ def main(cfg: dict) -> None:
     current = {"step": -1}
     if cfg.get("fail_at_step") is not None:
         layers[-1] = Boom(layers[-1], lambda: current["step"] == cfg["fail_at_step"])
-    eps = l2l_hw.make_eps(EPS_BACKEND, **OPTIMIZERS[cfg["optimizer"]][0])
-    pipeline = PipelineConfig(stages=world, schedule=cfg.get("schedule", "flush"), boundaries=cfg.get("boundaries"),
+    replicas = cfg.get("replicas", 1)
+    stages, (replica, stage) = world // replicas, divmod(rank, world // replicas)
+    group = replica_group = None
+    if replicas > 1:  # every rank makes every group, in one order (new_group is collective)
+        pipes = [dist.new_group([r * stages + s for s in range(stages)]) for r in range(replicas)]
+        stage_groups = [dist.new_group([r * stages + s for r in range(replicas)]) for s in range(stages)]
+        group, replica_group = pipes[replica], stage_groups[stage]
+    shard = (lambda batch: rank_shard(batch, replica, replicas))
+    sharded = cfg.get("shard_state", False)  # over the stage's replicas
+    eps = l2l_hw.make_eps(EPS_BACKEND, **OPTIMIZERS[cfg["optimizer"]][0], shard_state=sharded,
+                          process_group=replica_group if sharded else None)
+    pipeline = PipelineConfig(stages=stages, schedule=cfg.get("schedule", "flush"), boundaries=cfg.get("boundaries"),
                               timeout_s=cfg.get("timeout", 60))
-    relay = PipelineRelay(layers, loss_fn, eps, pipeline=pipeline, micro_batches=cfg.get("micro_batches", 4),
+    relay = PipelineRelay(layers, loss_fn, eps, pipeline=pipeline, group=group, replicas=replica_group,
+                          micro_batches=cfg.get("micro_batches", 4),
                           **{k: cfg[k] for k in ("precision", "recompute", "activations", "device") if k in cfg})
     pushed = {}
     if cfg.get("record"):
@@ -113,12 +126,12 @@ def main(cfg: dict) -> None:
     try:
         if cfg.get("stream"):
             for k in range(0, len(batches), cfg["stream"]):
-                losses += relay.train_steps(batches[k:k + cfg["stream"]])
+                losses += relay.train_steps([shard(batch) for batch in batches[k:k + cfg["stream"]]])
         for step, (x, y) in enumerate(batches if not cfg.get("stream") else [], start=start):
             current["step"] = step
             if step == cfg.get("die_at_step") and rank == world - 1:
                 os.kill(os.getpid(), signal.SIGKILL)  # a crash: no clean-up, no goodbye
-            losses.append(relay.train_step(x, y))
+            losses.append(relay.train_step(*shard((x, y))))
             if cfg.get("record") and step == start:  # the stage's own groups layer{k} are layer{first + k}
                 safetensors.torch.save_file({f"layer{int(k[5:]) + relay.first}/{n}": g.contiguous()
                                              for k, group in pushed.items() for n, g in group.items()},
@@ -129,7 +142,7 @@ def main(cfg: dict) -> None:
         dist.destroy_process_group()
         sys.exit(2)
     x, y = make_batches(1, batch=cfg["batch"])[0]
-    evaluated = relay.evaluate(x, y)
+    evaluated = relay.evaluate(*shard((x, y)))
     state = relay.full_state_dict() if cfg.get("save") else None
     model = relay.materialize()
     if rank == 0:

@@ -103,6 +103,19 @@ def test_pipeline_equals_the_single_process_relay_over_10_steps_and_evaluates_al
     assert_same(got, want, losses, f"{model}, {stages} stages, {schedule}")
 
 
+@pytest.mark.parametrize("schedule,options", [
+    ("flush", {}), pytest.param("2bw", {"recompute": "full", "activations": "host"}, marks=SLOW),
+    pytest.param("2bw", {"recompute": "none", "shard_state": True}, marks=SLOW)])
+def test_two_replicas_of_a_2_stage_pipeline_equal_the_single_process_relay_on_the_whole_minibatch(tmp_path, schedule,
+                                                                                                  options):
+    # 4 ranks: stages x replicas = 2 x 2; each replica trains its shard (7 and 6 of 13 samples) in 2
+    # micro-batches, each stage's gradients averaged over its replicas by their sample counts
+    got = run_ok(4, model="mlp", optimizer="adamw", steps=STEPS, batch=13, micro_batches=2, replicas=2,
+                 schedule=schedule, out=str(tmp_path / "out.safetensors"), **options)
+    want, losses = single_process("mlp", "adamw", STEPS, 13, 4, pipedream_2bw=schedule == "2bw")
+    assert_same(got, want, losses, f"2 stages x 2 replicas, {schedule}, {options}")
+
+
 @SLOW
 def test_resume_5_plus_5_steps_is_bit_identical_to_10_straight_and_loads_into_the_single_process_relay(tmp_path):
     cfg = dict(model="mlp", optimizer="adamw", steps=STEPS, batch=12, micro_batches=3, schedule="2bw")

@@ -509,10 +509,10 @@ class Relay:
                             meter.drop_saved(i)
                 meter.drop_saved(i)  # without recompute: what its forward graph saved
                 self._release(i, live, users, backward=True)
-            self._push_reduced()
+            self.push_reduced()
             keep.end_step()
         except BaseException as exc:
-            self._pending.clear()
+            self.discard_reductions()
             self.weights.clear()
             self.stash.clear()
             keep.clear()
@@ -560,24 +560,30 @@ class Relay:
         for key in self.plans[i].groups:
             if backward and i == users[key][0]:
                 tensors = live.pop(key)
-                self._push(key, self.grad_sums.take(tensors))
+                self.push(key, self.grad_sums.take(tensors))
             elif not backward and len(users[key]) == 1:
                 live.pop(key)  # fetched again for the backward sweep
 
-    def _push(self, key: str, grads: dict[str, torch.Tensor]) -> None:
+    def push(self, key: str, grads: dict[str, torch.Tensor]) -> None:
         """Hand a group's gradients to the EPS; data parallel, first start averaging them across
-        ranks and push the group reduced during this layer's backward."""
+        ranks and push the group reduced during this layer's backward (push_reduced pushes the
+        last ones before the commit)."""
         if self.dp is None or not grads:
             self.push_group(key, grads)
             return
-        self._push_reduced()
+        self.push_reduced()
         self._pending.append(self.dp.launch(key, grads))
 
-    def _push_reduced(self) -> None:
+    def push_reduced(self) -> None:
+        """Wait for the gradient reductions under way and push them, oldest first."""
         while self._pending:
             reduction = self._pending.pop(0)
             grads = self.dp.finish(reduction)
             self.push_group(reduction.key, grads)
+
+    def discard_reductions(self) -> None:
+        """Forget the gradient reductions under way (an abandoned step's)."""
+        self._pending.clear()
 
     def push_group(self, key: str, grads: dict[str, torch.Tensor]) -> None:
         """Group `key`'s gradients, summed over the micro-batches (and reduced across ranks),

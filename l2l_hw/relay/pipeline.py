@@ -419,6 +419,7 @@ class _Step:
     xs: list
     ts: list
     weights: list[float]  # each micro-batch's share of the minibatch
+    n: int  # the minibatch's samples (this replica's)
     trace: Trace
     plan: tuple | None  # the generator's states (PipelineRelay._rng_plan)
     total: torch.Tensor  # the last stage's weighted sum of the micro-batches' losses
@@ -435,10 +436,16 @@ class PipelineRelay:
     Every rank builds it with the whole model (layers of other stages may be on the meta
     device; they are moved there) and calls train_step with the same minibatch: the first
     stage reads the inputs, the last the targets. train_step returns the minibatch's mean
-    loss on every rank."""
+    loss on every rank.
+
+    Data parallel replicas of each stage: `group` holds one replica's stages and `replicas` this
+    stage's ranks across the replicas (torch.distributed groups; every rank of `replicas` runs the
+    same stage on its own shard of the minibatch). A stage's gradients are averaged over its
+    replicas as the Relay averages them over data-parallel ranks, and the loss over all the
+    replicas' samples is returned. A sharded EPS shards over `replicas`."""
 
     def __init__(self, layers: nn.Sequential | Sequence[nn.Module], loss_fn: Callable, eps,
-                 options: RelayOptions | None = None, *, pipeline: PipelineConfig, group=None,
+                 options: RelayOptions | None = None, *, pipeline: PipelineConfig, group=None, replicas=None,
                  boundaries: Sequence[int] | None = None, plan=None,
                  init: Callable[[int, nn.Module], dict[str, torch.Tensor]] | None = None,
                  no_decay: Callable[[int, str], bool] | None = None, **option_values):
@@ -490,13 +497,16 @@ class PipelineRelay:
                                     f"contiguous stages (give the first layer of stages 1..{self.stages - 1})")
         self.first, self.end = self.bounds[self.stage], self.bounds[self.stage + 1]
         self._check_no_shared_parameters()
-        # Every rank joins one single-rank group per rank (new_group is collective): the stage's
-        # Relay then runs without data parallelism over the pipeline's ranks.
-        solo = [dist.new_group([r]) for r in range(dist.get_world_size())]
-        self._groups = [g for g in solo if g is not dist.GroupMember.NON_GROUP_MEMBER]  # destroyed by close()
+        self._groups = []  # made here, destroyed by close()
+        if replicas is None:
+            # Every rank joins one single-rank group per rank (new_group is collective): the stage's
+            # Relay then runs without data parallelism over the pipeline's ranks.
+            solo = [dist.new_group([r]) for r in range(dist.get_world_size())]
+            self._groups = [g for g in solo if g is not dist.GroupMember.NON_GROUP_MEMBER]
+            replicas = solo[dist.get_rank()]
         own = self.layers[self.first:self.end]
         shift = self.first
-        self.relay = Relay(own, loss_fn, eps, options, process_group=solo[dist.get_rank()],
+        self.relay = Relay(own, loss_fn, eps, options, process_group=replicas,
                            init=(lambda i, m: init(i + shift, m)) if init is not None else None,
                            no_decay=(lambda i, n: no_decay(i + shift, n)) if no_decay is not None else None)
         self.device = self.relay.device
@@ -614,9 +624,9 @@ class PipelineRelay:
         try:
             steps = []
             for inputs, targets in batches:
-                xs, ts, weights, _ = relay.split_micro_batches(inputs, targets)
+                xs, ts, weights, n = relay.split_micro_batches(inputs, targets)
                 trace = self._trace(xs)
-                steps.append(_Step(xs, ts, weights, trace, self._rng_plan(trace),
+                steps.append(_Step(xs, ts, weights, n, trace, self._rng_plan(trace),
                                    torch.zeros((), dtype=torch.float32, device=self.device)))
         except PipelineError as exc:
             raise PipelineError(links.report(f"pipeline stage {self.stage}: {exc}")) from exc
@@ -685,11 +695,14 @@ class PipelineRelay:
                         it = iter(bufs)
                         grads = [next(it) if s.dtype.is_floating_point else None
                                  for s in step.trace.outputs[self.end - 1][j]]
+                    if j == u - 1 and relay.dp is not None:  # the replicas' weights of the pushes to come
+                        relay.dp.start_step(step.n)
                     with self._weights_of(base + t):
                         grads = self._backward(j, grads, step, users, sample, last=j == u - 1)
                     if not first_stage:
                         links.send(grads, self.stage - 1, tag_of(1, g))
                     if j == u - 1:  # the step's every group is pushed: commit it (2bw: without waiting)
+                        relay.push_reduced()
                         relay.eps.commit_step(grad_scale=1.0, skip_nonfinite=False,
                                               wait=not self.schedule.pipedream_2bw)
                         relay.weights.clear()  # what is on its way was read before the commit
@@ -707,7 +720,9 @@ class PipelineRelay:
         plans = [step.plan for step in steps if step.plan is not None]
         if plans:
             set_rng_state(self.device, plans[-1][1])
-        losses += self._share_loss(torch.stack([step.total for step in steps]))
+        shared = self._share_loss(torch.stack([step.total for step in steps]))
+        losses += [self._over_replicas(loss, step.n, "averaging the step's loss over the replicas")
+                   for loss, step in zip(shared, steps)]
         return busy
 
     # -- one layer's weights on the device at a time ----------------------------------------
@@ -842,7 +857,7 @@ class PipelineRelay:
             up = dict(zip(total, transport.up(list(total.values())).wait()))
             grads = {name: up[name].add_(grads[name]) if name in grads else up[name] for name in up} | \
                 {name: g for name, g in grads.items() if name not in up}
-        relay.push_group(key, grads)
+        relay.push(key, grads)
 
     def _call(self, i: int, j: int, x, buffers, params, plan):
         """Layer i on micro-batch j, with the generator where the single process has it."""
@@ -871,6 +886,7 @@ class PipelineRelay:
 
     def _abandon(self) -> None:
         relay = self.relay
+        relay.discard_reductions()
         relay.weights.clear()
         relay.keep.clear()
         relay.stash.clear()
@@ -892,7 +908,7 @@ class PipelineRelay:
             m.train(False)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         try:
-            xs, ts, weights, _ = relay.split_micro_batches(inputs, targets)
+            xs, ts, weights, n = relay.split_micro_batches(inputs, targets)
             trace = self._trace(xs)
             with relay.weights.newest():
                 for j in range(self.micro_batches):
@@ -923,7 +939,11 @@ class PipelineRelay:
         finally:
             for m, mode in zip(relay.layers, modes):
                 m.train(mode)
-        return self._share_loss(total)[0]
+        return self._over_replicas(self._share_loss(total)[0], n, "averaging the evaluation loss over the replicas")
+
+    def _over_replicas(self, loss: float, n: int, what: str) -> float:
+        """A replica's mean loss over its `n` samples made the mean over every replica's."""
+        return self.relay.dp.mean(loss, n, what) if self.relay.dp is not None else loss
 
     def _share_loss(self, totals: torch.Tensor) -> list[float]:
         """The last stage's losses (one per step), sent to every other stage."""
