@@ -84,6 +84,20 @@ def join_torchrun(device: str, timeout_s: float) -> Ranks:
     return Ranks(dist.get_rank(), dist.get_world_size(), f"cuda:{local}" if cuda else None, joined=True)
 
 
+def stage_groups(stages: int) -> tuple:
+    """A pipeline of `stages` stages replicated over the world, rank = replica * stages + stage:
+    this rank's pipeline group (its replica's stages) and replica group (its stage's ranks across
+    the replicas), made on every rank in one order (new_group is collective). (None, None) where
+    the world is a single pipeline."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    replicas = world // stages
+    if replicas == 1:
+        return None, None
+    pipes = [dist.new_group([r * stages + s for s in range(stages)]) for r in range(replicas)]
+    replica_groups = [dist.new_group([r * stages + s for r in range(replicas)]) for s in range(stages)]
+    return pipes[rank // stages], replica_groups[rank % stages]
+
+
 def leave_torchrun(ranks: Ranks) -> None:
     if ranks.joined:
         dist.destroy_process_group()

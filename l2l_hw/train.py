@@ -46,7 +46,7 @@ from l2l_hw import finetune_data, hf
 from l2l_hw.checkpoint import (Checkpoint, CheckpointError, open_checkpoint, remove_stale_temporaries, save_checkpoint,
                                temporary_beside)
 from l2l_hw.distributed import (Ranks, close_all, failed_ranks, guarded, join_torchrun, rank_and_world, rank_body,
-                                rank_shard)
+                                rank_shard, stage_groups)
 from l2l_hw.eps import make_eps
 from l2l_hw.eps.base import STATE_SLOTS
 from l2l_hw.eps.options import LAMB_LR, EpsOptions, ScheduleOptions
@@ -187,6 +187,9 @@ class TrainConfig(RunOptions, PipelineOptions, RelayOptions, EpsOptions, Schedul
                 fail("micro_batches", self.micro_batches, f"must be at most batch_size ({self.batch_size})")
             if self.min_lr is not None and self.min_lr > self.lr:
                 fail("min_lr", self.min_lr, f"must be at most lr ({self.lr})")
+            if self.pipeline_stages > 1 and self.shard_state:
+                fail("shard_state", True, f"is not supported with a pipeline (pipeline_stages {self.pipeline_stages}) "
+                     "yet: each stage's replicas keep their state whole")
             if self.pipeline_stages > 1 and self.grad_compression != "none":
                 fail("grad_compression", self.grad_compression, "compresses the gradient all-reduce of data "
                      f"parallelism, and a pipeline (pipeline_stages {self.pipeline_stages}) has none: drop it")
@@ -298,8 +301,14 @@ def build_relay(cfg: TrainConfig, layers=None, loss_fn: Callable | None = None, 
     reference = layers is None
     if reference:
         layers, loss_fn = build_gpt(cfg.model_config()), lm_loss
-    if cfg.pipeline_stages > 1:  # stages on the ranks (docs/PIPELINE.md); every rank trains the whole minibatch
+    if cfg.pipeline_stages > 1:  # stages on the ranks (docs/PIPELINE.md); each replica trains its shard of the minibatch
         from l2l_hw.relay.pipeline import PipelineRelay
+
+        _, world = rank_and_world()
+        if world > 1 and world % cfg.pipeline_stages:
+            raise ConfigError(f"must divide the {world} ranks (a pipeline of that many stages on each data-parallel "
+                              "replica)", "pipeline_stages", cfg.pipeline_stages)
+        group, replicas = stage_groups(cfg.pipeline_stages) if world > cfg.pipeline_stages else (None, None)
 
         plan = None
         if cfg.pipeline_boundaries == "auto":  # the planner times the layers on random bytes of the batch's shape
@@ -312,7 +321,7 @@ def build_relay(cfg: TrainConfig, layers=None, loss_fn: Callable | None = None, 
             plan = plan_on_ranks(list(layers), loss_fn, x, torch.roll(x, -1, 1), cfg.pipeline_stages,
                                  cfg.micro_batches, threads=cfg.threads or 1)
         return PipelineRelay(layers, loss_fn, eps or build_eps(cfg, shard_state), relay_options(cfg, device),
-                             pipeline=cfg.pipeline_config(), init=init, plan=plan)
+                             pipeline=cfg.pipeline_config(), group=group, replicas=replicas, init=init, plan=plan)
     return Relay(layers, loss_fn, eps=eps or build_eps(cfg, shard_state), options=relay_options(cfg, device),
                  init=init)
 
@@ -694,7 +703,7 @@ def _trained_by_stage(relay, cfg: TrainConfig, ranks: Ranks) -> list[int]:
 
     counts = [0] * ranks.world
     dist.all_gather_object(counts, trained)
-    return counts
+    return counts[:cfg.pipeline_stages]  # the first replica's stages (rank = replica * stages + stage)
 
 
 class _PlanAnnouncer:
@@ -725,8 +734,10 @@ def _banner(cfg: TrainConfig, relay, ranks: Ranks, corpus: Corpus | None, stages
         model = f"{len(relay.layers)} relay layers"
     step_tokens = cfg.batch_size * cfg.context
     pipeline = cfg.pipeline_stages > 1
-    if pipeline:  # every rank runs the whole minibatch through its own stage
-        where = f" through {len(stages)} pipeline stages, one a rank"
+    if pipeline:  # every replica runs its shard of the minibatch through its stages, one a rank
+        replicas = ranks.world // len(stages)
+        where = f" through {len(stages)} pipeline stages, one a rank" + (
+            f", a shard on each of {replicas} data-parallel replicas of the pipeline" if replicas > 1 else "")
         split = ", ".join(f"stage {s} layers {a}-{b - 1} {n:,}" for s, (a, b, n) in
                           enumerate(zip(relay.bounds, relay.bounds[1:], stages)))
         held = f"{trained:,} trained: {split}"
@@ -782,8 +793,10 @@ class _Loop:
         self.elapsed = 0.0
         self.skip = 0  # batches of a fresh pass over `data` already trained on (resume without a data state)
         self.saved_step: int | None = None  # the step of the newest checkpoint in out
-        # Where each rank's part of a minibatch comes from: its shard (data parallel), or all of it (a pipeline)
-        self.shard = (0, 1) if cfg.pipeline_stages > 1 else (ranks.rank, ranks.world)
+        # Where each rank's part of a minibatch comes from: its shard (data parallel), its replica's (a pipeline
+        # replicated over the ranks, rank = replica * stages + stage)
+        stages = cfg.pipeline_stages if ranks.world > 1 else 1
+        self.shard = (ranks.rank // stages, ranks.world // stages)
 
     def restore(self, checkpoint: Checkpoint, meta: dict) -> None:
         """The run as the checkpoint left it. Every entry is checked (names, dtypes, shapes, the step)

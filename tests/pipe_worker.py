@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import l2l_hw
-from l2l_hw.distributed import rank_shard
+from l2l_hw.distributed import rank_shard, stage_groups
 from l2l_hw.relay.options import PipelineConfig
 from l2l_hw.relay.pipeline import PipelineError, PipelineRelay
 from tests.helpers import record_pushes
@@ -99,12 +99,9 @@ def main(cfg: dict) -> None:
     if cfg.get("fail_at_step") is not None:
         layers[-1] = Boom(layers[-1], lambda: current["step"] == cfg["fail_at_step"])
     replicas = cfg.get("replicas", 1)
-    stages, (replica, stage) = world // replicas, divmod(rank, world // replicas)
-    group = replica_group = None
-    if replicas > 1:  # every rank makes every group, in one order (new_group is collective)
-        pipes = [dist.new_group([r * stages + s for s in range(stages)]) for r in range(replicas)]
-        stage_groups = [dist.new_group([r * stages + s for r in range(replicas)]) for s in range(stages)]
-        group, replica_group = pipes[replica], stage_groups[stage]
+    stages = world // replicas
+    replica = rank // stages
+    group, replica_group = stage_groups(stages)
     shard = (lambda batch: rank_shard(batch, replica, replicas))
     sharded = cfg.get("shard_state", False)  # over the stage's replicas
     eps = l2l_hw.make_eps(EPS_BACKEND, **OPTIMIZERS[cfg["optimizer"]][0], shard_state=sharded,

@@ -300,6 +300,24 @@ def test_l2l_train_pipeline_stages_equals_one_process_in_2bw_and_resumes_bit_exa
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
 
 
+@SLOW
+def test_l2l_train_on_4_ranks_as_2_stages_x_2_replicas_equals_one_process_and_resumes_bit_exactly(tmp_path):
+    # no dropout: a replica draws its masks for its shard, the single process for the whole minibatch
+    pipeline = ["--pipeline-stages", "2", "--dropout", "0"]
+    l2l_train(1, "--steps", "4", "--pipedream-2bw", "--dropout", "0", "--out", str(tmp_path / "single"))
+    out = l2l_train(4, "--steps", "4", *pipeline, "--out", str(tmp_path / "straight"))
+    assert "through 2 pipeline stages, one a rank, a shard on each of 2 data-parallel replicas" in out
+    l2l_train(4, "--steps", "2", *pipeline, "--out", str(tmp_path / "split"))
+    l2l_train(4, "--steps", "4", *pipeline, "--resume", "--out", str(tmp_path / "split"))
+    single, straight, split = (metrics(tmp_path / name) for name in ("single", "straight", "split"))
+    assert len(single) == len(straight) == len(split) == 4
+    for a, b, c in zip(single, straight, split):
+        assert a["loss"] == pytest.approx(b["loss"], rel=TOL) and b["loss"] == c["loss"], (a, b, c)
+    want = safetensors.torch.load_file(tmp_path / "straight" / "checkpoint.safetensors")
+    got = safetensors.torch.load_file(tmp_path / "split" / "checkpoint.safetensors")
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
 def test_l2l_train_with_the_planners_boundaries_prints_its_plan_and_trains_as_one_process(tmp_path):
     l2l_train(1, "--steps", "3", "--pipedream-2bw", "--out", str(tmp_path / "single"))
     out = l2l_train(2, "--steps", "3", "--pipeline-stages", "2", "--pipeline-boundaries", "auto",
@@ -331,6 +349,19 @@ def test_bad_pipeline_input_is_one_clear_error():
     from l2l_hw.train import ConfigError, TrainConfig, build_relay
     with pytest.raises(ConfigError, match="auto profiles the reference GPT"):
         build_relay(TrainConfig(pipeline_stages=2, pipeline_boundaries="auto"), mlp_layers(), nn.functional.mse_loss)
+    with pytest.raises(ConfigError, match="shard_state=True: is not supported with a pipeline"):
+        TrainConfig(pipeline_stages=2, shard_state=True)
+
+
+@SLOW
+def test_l2l_train_on_ranks_the_stages_do_not_divide_is_one_clear_line_on_every_rank(tmp_path):
+    results = run_local_ranks(["-m", "l2l_hw.cli", "train", *TINY_RUN, "--steps", "2", "--pipeline-stages", "2",
+                               "--out", str(tmp_path / "run")], 3, timeout_s=LAUNCH_TIMEOUT, cwd=ROOT,
+                              env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    for rank, res in enumerate(results):
+        assert res.returncode == 2 and res.stderr.strip().splitlines() == [
+            f"l2l train: rank {rank} of 3: --pipeline-stages 2: must divide the 3 ranks (a pipeline of that many stages on each "
+            "data-parallel replica)"], res.stderr[-2000:]
 
 
 def test_bench_pipeline_runs_every_variant_and_torch_1f1b_on_a_tiny_gpt():
