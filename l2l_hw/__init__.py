@@ -4,7 +4,7 @@ import os
 # OpenMP threads that wait at the end of a parallel region sleep instead of spinning, unless
 # the user says otherwise: on a machine shared with one busy process, spinning threads took
 # the core from the thread they waited for, and a step of the relay (many small regions, one
-# per layer and micro-batch) ran 2-3x slower, plain PyTorch's too (docs/BENCHMARKS.md,
+# per layer and micro-batch) ran 2-3x slower, plain PyTorch's too (docs/BENCHMARKS_HISTORY.md,
 # `l2l bench relay --contention`). Read once, when torch is first imported.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 

