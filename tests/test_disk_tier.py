@@ -472,7 +472,9 @@ def test_bench_disk_llama_run_resumes_from_its_checkpoint_bit_exact(tmp_path, mo
     resumed = bench_disk.llama_resume(tmp_path, layers=2)
     assert len(trained["steps"]) == bench_disk.LLAMA_STEPS and trained["checkpoint_bytes"] > 0
     assert resumed["crcs"] == trained["crcs"] and resumed["next"]["loss"] == trained["next"]["loss"]
-    assert trained["steps"][-1]["disk_bytes"] > 0 and trained["peak_rss_bytes"] > 0
+    # the state goes through the disk: a step's updates are written back in the background, so under load
+    # a step's bytes may land in the next step's window (the last step's in none): summed over the run
+    assert sum(s["disk_bytes"] for s in (*trained["steps"], trained["next"])) > 0 and trained["peak_rss_bytes"] > 0
 
 
 def test_read_ahead_spares_a_group_whose_update_is_queued_and_a_demand_does_not_wait_on_it(tmp_path):
