@@ -21,12 +21,12 @@ Files in `cfg.out` (rank 0 only; nothing when out is None):
   loss.png                 train and validation loss curves
   checkpoint.safetensors   relay state, config and every RNG state (l2l_hw.checkpoint)
   tensorboard/             event files, with cfg.tensorboard (torch.utils.tensorboard)
-  tokens/, model/          finetune(): the tokenized data (finetune_data.tokenize_text's
-                           cache), the model for transformers (hf.save_replacing)
+  tokens/, model/          l2l_hw.finetune.finetune() (l2l_hw/finetune.py): the tokenized
+                           data (finetune_data.tokenize_text's cache), the model for
+                           transformers (hf.save_replacing)
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import itertools
@@ -42,7 +42,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from l2l_hw import finetune_data, hf
+from l2l_hw import hf
 from l2l_hw.checkpoint import (Checkpoint, CheckpointError, open_checkpoint, remove_stale_temporaries, save_checkpoint,
                                temporary_beside)
 from l2l_hw.distributed import (Ranks, close_all, failed_ranks, guarded, join_torchrun, rank_and_world, rank_body,
@@ -51,7 +51,6 @@ from l2l_hw.eps import make_eps
 from l2l_hw.eps.base import STATE_SLOTS
 from l2l_hw.eps.options import LAMB_LR, EpsOptions, ScheduleOptions
 from l2l_hw.estimate import check_fits, eps_bytes_per_parameter
-from l2l_hw.inputs import path_kind
 from l2l_hw.models import Corpus, GPTConfig, build_gpt, generate, lm_loss
 from l2l_hw.models.gpt import ModelOptions
 from l2l_hw.options import OptionError, check_options, fail, option, pick, with_default
@@ -60,7 +59,7 @@ from l2l_hw.relay.options import PipelineConfig, PipelineOptions
 from l2l_hw.version import __version__
 
 CHECKPOINT, METRICS, PLOT, TENSORBOARD = "checkpoint.safetensors", "metrics.jsonl", "loss.png", "tensorboard"
-MODEL, TOKEN_CACHE = "model", "tokens"  # finetune's: the Hugging Face folder, the tokens (finetune_data's cache)
+MODEL = "model"  # a fine-tune's (l2l_hw/finetune.py): the Hugging Face folder it saves
 EVAL_BATCHES = 4  # validation minibatches per eval point of the reference corpus; the same windows every time
 RUN_FILES = (CHECKPOINT, METRICS, PLOT, TENSORBOARD)  # what a run writes into out: an earlier run is these
 EVENT_FILES = "events.out.tfevents.*"  # the names SummaryWriter gives its files in out/tensorboard
@@ -389,7 +388,7 @@ def train(cfg: TrainConfig | None = None, *, layers=None, loss_fn: Callable | No
         if cfg.verbose:  # every rank: the report gathers the weights (a collective when sharded)
             loop.report(result, sample=corpus is not None)
         if ranks.world > 1:  # leave together: rank 0 may still write while a peer tears the group down
-            _all_here(ranks)
+            leave_together(ranks)
         return result
 
 
@@ -403,103 +402,6 @@ def _closed_on_failure(owned):
     except BaseException as e:
         close_all([owned] if owned is not None else [], e)
         raise
-
-
-def finetune(cfg: TrainConfig, callbacks: Iterable[Callable[[dict], None]] = ()) -> TrainResult:
-    """`l2l finetune`: the Hugging Face model in cfg.model trained on cfg.data through the relay.
-
-    The data (finetune_data.finetune_batches) is tokenized once into out/tokens (read back by a
-    later run of the same data, tokenizer and options), packed and shuffled; validation is
-    cfg.val_data or a tenth of the minibatches held out. cfg.epochs, where given, sets the steps.
-    The weights stream into the EPS (hf.from_pretrained), train() trains them; out/model is the
-    model as transformers saves it (the folder's other files copied unchanged), written at the
-    end and every cfg.save_every steps, each time whole (hf.save_replacing). cfg.prompt: a
-    greedy sample printed at each evaluation (the last step is one). Under torchrun the ranks
-    join their group first: the relay built here averages its gradients across them."""
-    ranks = join_torchrun(cfg.device, cfg.dist_timeout)
-    with rank_body(ranks) as owned:
-        return _finetune(cfg, ranks, callbacks, owned)
-
-
-def _finetune(cfg: TrainConfig, ranks: Ranks, callbacks: Iterable[Callable[[dict], None]],
-              owned: list) -> TrainResult:
-    lead = ranks.lead
-    say = print if cfg.verbose and lead else (lambda *_: None)
-    out = Path(cfg.out) if cfg.out is not None else None
-    failure = None
-    try:  # before anything is read or written (the token cache goes into out), on every rank
-        if cfg.prompt is not None and hf.masked_lm(hf.load_config(cfg.model)):
-            raise ConfigError(f"a sample continues a causal LM's text, and {cfg.model} holds a masked LM", "prompt",
-                              cfg.prompt)
-        for name in ("data", "val_data"):
-            if getattr(cfg, name) is not None and path_kind(getattr(cfg, name)) == "missing":
-                raise ConfigError("does not exist", name, getattr(cfg, name))
-        check_fits(cfg)  # before anything is read or loaded: a run this machine cannot hold is refused
-        if out is not None and lead:  # a run there is refused, or continued, or replaced once all is checked
-            check_out(cfg)
-    except Exception as e:
-        failure = _config_error(e)
-    _agree(ranks, failure)
-
-    def minibatches(data, role: str):
-        return finetune_data.finetune_batches(cfg.model, data, cfg.batch_size, cfg.context, seed=cfg.seed,
-                                              doc_separator=cfg.doc_separator, text_field=cfg.text_field,
-                                              chat=cfg.chat,
-                                              cache=out / TOKEN_CACHE / role if out is not None else None)
-
-    fit = minibatches(cfg.data, "train")
-    if cfg.val_data is not None:
-        val = minibatches(cfg.val_data, "val")
-        say(f"validation: {len(val)} minibatches of {cfg.val_data}")
-    else:  # a tenth of the minibatches held out, at least one where there are two
-        held = len(fit) // 10 or (1 if len(fit) > 1 else 0)
-        say(f"validation: {held} of the {len(fit)} minibatches of {cfg.data} held out"
-            + ("" if held else " (none: give --val-data to validate)"))
-        fit, val = fit[held:], fit[:held] or None
-    if cfg.epochs is not None and not cfg.resume:  # the run's length in steps: its schedule needs it
-        cfg = dataclasses.replace(cfg, steps=cfg.epochs * len(fit))
-        say(f"{cfg.epochs} epoch(s) of {len(fit)} minibatches: {cfg.steps} steps")
-    eps = build_eps(cfg, sharded(cfg, ranks))
-    owned.append(eps)  # closed by rank_body on failure (and where the group ends here); else by the caller
-    relay = hf.from_pretrained(cfg.model, eps=eps, options=relay_options(cfg, ranks.device))
-    owned.append(relay)  # its caller closes TrainResult.relay
-    tokenizer = hf.load_tokenizer(cfg.model) if cfg.prompt is not None and cfg.verbose else None
-    saved_step = None
-
-    def save() -> None:
-        nonlocal saved_step
-        if out is None or saved_step == relay.step:
-            return
-        if lead:
-            try:
-                hf.save_replacing(relay, out / MODEL, files_from=cfg.model)
-            except OSError as e:
-                raise OutputError(f"{out / MODEL}: cannot save the model ({e.strerror or e}); the one saved "
-                                  "before is unchanged") from e
-            if relay.step < cfg.steps:  # the last save is reported with the run's end
-                say(f"saved the model for transformers in {out / MODEL} at step {relay.step}")
-        else:  # the export is a collective when the state is sharded: every rank takes part
-            collections.deque(relay.export(), maxlen=0)
-        saved_step = relay.step
-
-    def at_each_step(row: dict) -> None:
-        if cfg.save_every and row["step"] % cfg.save_every == 0:
-            save()
-        if tokenizer is not None and "val_loss" in row:  # an evaluation
-            model = relay.materialize()  # every rank: with a sharded EPS the weights are gathered
-            if lead:
-                sample = cfg.prompt + hf.generate(model, tokenizer, cfg.prompt)
-                print(f"sample at step {row['step']}: {one_line(sample)}")
-
-    epochs = -(-cfg.steps // len(fit))  # passes enough for the steps
-    result = train(cfg, relay=relay, data=itertools.chain.from_iterable(itertools.repeat(fit, epochs)),
-                   val_data=val, callbacks=[at_each_step, *callbacks])
-    save()
-    if ranks.world > 1:  # leave together: rank 0 writes the model while a peer would tear the group down
-        _all_here(ranks)
-    if out is not None:
-        say(f"saved the fine-tuned model for transformers in {out / MODEL}")
-    return result
 
 
 def _set_up(cfg: TrainConfig, ranks: Ranks, layers, loss_fn, data, val_data, relay, checkpoint):
@@ -520,9 +422,9 @@ def _set_up(cfg: TrainConfig, ranks: Ranks, layers, loss_fn, data, val_data, rel
             eps = build_eps(cfg, sharded(cfg, ranks))
         failure = None
     except Exception as e:
-        failure = _config_error(e)
+        failure = as_config_error(e)
     with _closed_on_failure(eps):
-        _agree(ranks, failure)
+        agree_to_start(ranks, failure)
         try:
             if relay is None:  # resuming, layers on the meta device (or a relay's: only structure) are filled
                 init = init_from_state(checkpoint[0].view("relay.")) if checkpoint is not None else None  # the file's
@@ -531,19 +433,21 @@ def _set_up(cfg: TrainConfig, ranks: Ranks, layers, loss_fn, data, val_data, rel
             if checkpoint is not None:  # after building: construction draws from the RNGs restored now
                 loop.restore(*checkpoint)
         except Exception as e:
-            raise _config_error(e)
+            raise as_config_error(e)
         if cfg.out is not None and ranks.lead:
             prepare_out(cfg)
     return loop, corpus
 
 
-def _all_here(ranks: Ranks) -> None:
+def leave_together(ranks: Ranks) -> None:
+    """Every rank waits for the others at the end of a run (a barrier): rank 0 may still be
+    writing while a peer that left first would tear the group down."""
     import torch.distributed as dist
 
     guarded(None, "waiting for every rank at the end", dist.barrier)
 
 
-def _agree(ranks: Ranks, failure: Exception | None) -> None:
+def agree_to_start(ranks: Ranks, failure: Exception | None) -> None:
     """Every rank learns whether another could not start (a collective): `failure` is raised on
     its rank, and on each of the others a ConfigError naming the rank and its reason."""
     if ranks.world > 1:
@@ -556,7 +460,7 @@ def _agree(ranks: Ranks, failure: Exception | None) -> None:
         raise failure
 
 
-def _config_error(e: Exception) -> Exception:
+def as_config_error(e: Exception) -> Exception:
     """Set-up's errors: a value or a file of the config, named in the message (a ConfigError);
     anything else as it is."""
     if isinstance(e, ConfigError) or not isinstance(e, (ValueError, TypeError, OSError)):
@@ -1039,12 +943,6 @@ class StopSignals:
         if got:
             self.where = f" by {signal.Signals(got[0][1]).name} to rank {got[0][0]}"
         return bool(got)
-
-
-def one_line(text: str) -> str:
-    """A sample as one line of the log: newlines, tabs and other control characters escaped
-    (`\\n`), everything else as it is."""
-    return "".join(c if c.isprintable() or c == " " else c.encode("unicode_escape").decode() for c in text)
 
 
 def perplexity(loss: float) -> float:
