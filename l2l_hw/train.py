@@ -38,7 +38,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator, NoReturn
 
 import torch
 
@@ -686,6 +686,8 @@ class _Loop:
         self.elapsed = 0.0
         self.skip = 0  # batches of a fresh pass over `data` already trained on (resume without a data state)
         self.saved_step: int | None = None  # the step of the newest checkpoint in out
+        self.val_loss: float | None = None  # the last validation of this call
+        self.discarded = 0  # steps discarded in a row (non-finite): MAX_DISCARDED stops the run
         # Where each rank's part of a minibatch comes from: its shard (data parallel), or all of it (a pipeline)
         self.shard = (0, 1) if cfg.pipeline_stages > 1 else (ranks.rank, ranks.world)
 
@@ -762,85 +764,88 @@ class _Loop:
                               "checkpoint is unchanged") from e
         self.saved_step = self.relay.step
 
-    def write_rows(self, metrics, rows: list[dict], rewrite: bool = False) -> None:
-        try:
-            if rewrite:
-                metrics.seek(0)
-                metrics.truncate()
-            metrics.writelines(json.dumps(r) + "\n" for r in rows)
-            metrics.flush()
-        except OSError as e:
-            raise OutputError(f"{self.out / METRICS}: cannot write the metrics ({e.strerror or e})") from e
-
     def run(self) -> TrainResult:
-        from tqdm import tqdm
+        """Train to the step target (or cfg.stop_after) a chunk of minibatches at a time, each
+        step's row through the non-finite policy into the outputs. A signal stops the run at the
+        next step boundary, checkpointed; a finite iterable of data, where it ends."""
+        stop = min(self.cfg.steps, self.cfg.stop_after) if self.cfg.stop_after else self.cfg.steps
+        outputs = _Outputs(self.out if self.files else None, self.cfg.tensorboard, self.relay.step)
+        batches = self.batches()  # before metrics.jsonl is rewritten: data that ends too soon leaves it whole
+        show = self.cfg.verbose and self.ranks.lead
+        with outputs.opened(self.history, stop, self.relay.step, show), StopSignals() as signals:
+            while self.relay.step < stop:
+                if signals.agreed(self.ranks):  # a safe point: between steps, nothing half written
+                    self.interrupt(signals)
+                chunk = list(itertools.islice(batches, self.chunk(stop)))
+                if not chunk:
+                    self.end_of_data(outputs)
+                    break
+                for row in self.steps(chunk):
+                    self.apply_nonfinite_policy(row)
+                    if math.isfinite(row["loss"]):  # else a discarded step: the weights are as they were
+                        self.record(row, stop, outputs)
+        return self.result()
 
-        cfg, relay = self.cfg, self.relay
-        stop = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
-        if self.files:
-            self.out.mkdir(parents=True, exist_ok=True)
-        board = _tensorboard(self.out, relay.step) if cfg.tensorboard and self.files else None
+    def batches(self) -> Iterator:
+        """The data from where the checkpoint left it: without a data state of its own, the first
+        `skip` batches of a fresh pass are skipped."""
         batches = iter(self.data)
         for skipped in range(self.skip):
             if next(batches, None) is None:
                 raise ConfigError(f"the data ends after {skipped} batches, before the checkpoint's step {self.skip}")
-        val_loss = None
-        bar = tqdm(total=stop, initial=relay.step, unit="step", desc="train", dynamic_ncols=True,
-                   disable=True if not (cfg.verbose and self.ranks.lead) else None)  # None: off unless a terminal
-        discarded = 0  # steps discarded in a row
-        # the bar closes (ends its line) before an error is reported; metrics.jsonl is rewritten: rows past the
-        with bar, open(self.out / METRICS if self.files else os.devnull, "w") as metrics, StopSignals() as signals:
-            self.write_rows(metrics, self.history)  # checkpoint are dropped
-            while relay.step < stop:
-                if signals.agreed(self.ranks):  # a safe point: between steps, nothing half written
-                    if self.saved_step != relay.step:
-                        self.save()
-                    raise TrainingInterrupted(signals.received, relay.step, saved=self.out is not None,
-                                              where=signals.where)
-                chunk = list(itertools.islice(batches, self.chunk(stop)))
-                if not chunk:  # a finite iterable ran out: validate and checkpoint where it ended
-                    if self.history and "val_loss" not in self.history[-1]:
-                        val_loss = self.validate(self.history[-1])
-                        if self.files:  # the last row again, with its val_loss
-                            self.write_rows(metrics, self.history, rewrite=True)
-                        self.save()
-                    break
-                rows = self.steps(chunk)
-                for row in rows:
-                    discarded = 0 if row.pop("taken") else discarded + 1
-                    if not math.isfinite(row["loss"]) and discarded == 0:
-                        raise NonFiniteLoss(
-                            f"the loss is {row['loss']} at step {row['step']} and the step was taken, so the weights "
-                            f"are not finite now; stopped before any checkpoint of them ({self._last_checkpoint()}). "
-                            "Lower the learning rate, or set skip_nonfinite to discard such steps")
-                    if discarded >= MAX_DISCARDED:
-                        raise NonFiniteLoss(f"{discarded} steps in a row after step {row['step']} had non-finite "
-                                            f"gradients and were discarded; stopped ({self._last_checkpoint()})")
-                    if not math.isfinite(row["loss"]):  # discarded: the weights are as they were
-                        continue
-                    evaluate = row["step"] % cfg.eval_interval == 0 or row["step"] == stop
-                    if evaluate:
-                        val_loss = self.validate(row)
-                    if self.files:
-                        self.write_rows(metrics, [row])
-                    if evaluate:  # after the row: a checkpoint never runs ahead of its metrics
-                        self.save()
-                    self.history.append(row)
-                    for callback in self.callbacks:
-                        callback(row)
-                    if board is not None:
-                        for name, value in row.items():
-                            if name != "step" and value is not None:
-                                board.add_scalar(name, value, row["step"])
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}")
-        if board is not None:
-            board.close()
-        if val_loss is None:  # nothing left to train: report the checkpoint as it is
-            val_loss = self.evaluate()
+        return batches
+
+    def interrupt(self, signals: StopSignals) -> NoReturn:
+        """Stop at a signal: the step reached is checkpointed (where it is not yet), then TrainingInterrupted."""
+        if self.saved_step != self.relay.step:
+            self.save()
+        raise TrainingInterrupted(signals.received, self.relay.step, saved=self.out is not None, where=signals.where)
+
+    def apply_nonfinite_policy(self, row: dict) -> None:
+        """Stop the run (NonFiniteLoss) where a step with a non-finite loss was taken (its weights
+        are lost), or MAX_DISCARDED steps in a row were discarded (skip_nonfinite, fp16's scale);
+        `taken` leaves the row."""
+        self.discarded = 0 if row.pop("taken") else self.discarded + 1
+        if not math.isfinite(row["loss"]) and self.discarded == 0:
+            raise NonFiniteLoss(
+                f"the loss is {row['loss']} at step {row['step']} and the step was taken, so the weights "
+                f"are not finite now; stopped before any checkpoint of them ({self._last_checkpoint()}). "
+                "Lower the learning rate, or set skip_nonfinite to discard such steps")
+        if self.discarded >= MAX_DISCARDED:
+            raise NonFiniteLoss(f"{self.discarded} steps in a row after step {row['step']} had non-finite "
+                                f"gradients and were discarded; stopped ({self._last_checkpoint()})")
+
+    def record(self, row: dict, stop: int, outputs: _Outputs) -> None:
+        """A step's outputs: at an eval point its validation, then its metrics row, then the
+        checkpoint (never ahead of its metrics); the history, the callbacks, TensorBoard, the bar."""
+        evaluate = row["step"] % self.cfg.eval_interval == 0 or row["step"] == stop
+        if evaluate:
+            self.val_loss = self.validate(row)
+        outputs.add(row)
+        if evaluate:
+            self.save()
+        self.history.append(row)
+        for callback in self.callbacks:
+            callback(row)
+        outputs.show(row)
+
+    def end_of_data(self, outputs: _Outputs) -> None:
+        """A finite iterable of data ran out: its last step is validated (its row written again,
+        with its val_loss) and checkpointed, where that is not done yet."""
+        if self.history and "val_loss" not in self.history[-1]:
+            self.val_loss = self.validate(self.history[-1])
+            outputs.rewrite(self.history)
+            self.save()
+
+    def result(self) -> TrainResult:
+        """The run's result, its loss curves plotted; where it trained nothing (resumed at its end),
+        the validation of the checkpoint as it is."""
+        if self.val_loss is None:
+            self.val_loss = self.evaluate()
         if self.files and self.history:
-            plot(self.history, self.out / PLOT, title=f"l2l finetune {Path(cfg.model).name}" if cfg.model else "l2l train")
-        return TrainResult(relay, self.history, val_loss, self.elapsed)
+            title = f"l2l finetune {Path(self.cfg.model).name}" if self.cfg.model else "l2l train"
+            plot(self.history, self.out / PLOT, title=title)
+        return TrainResult(self.relay, self.history, self.val_loss, self.elapsed)
 
     def _last_checkpoint(self) -> str:
         if self.out is None:
@@ -892,6 +897,62 @@ class _Loop:
             text = generate(model, SAMPLE_PROMPT, SAMPLE_BYTES, temperature=0.8, top_k=40, block_size=cfg.context,
                             generator=torch.Generator().manual_seed(cfg.seed))
             print("sample:\n" + (SAMPLE_PROMPT + text).decode("utf-8", errors="replace"))
+
+
+class _Outputs:
+    """What a run writes and shows as it trains: the rows of metrics.jsonl, TensorBoard's events
+    and the progress bar. `out` None: no files (no out, or a rank other than 0)."""
+
+    def __init__(self, out: Path | None, tensorboard: bool, step: int):
+        """The folder made and, with `tensorboard`, its writer opened (events past `step` purged)."""
+        self.out = out
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+        self.board = _tensorboard(out, step) if tensorboard and out is not None else None
+        self.metrics = self.bar = None
+
+    @contextlib.contextmanager
+    def opened(self, rows: list[dict], stop: int, step: int, show: bool) -> Iterator[_Outputs]:
+        """While the run trains: metrics.jsonl rewritten with `rows` (rows past the checkpoint are
+        dropped) and the progress bar from `step` to `stop`, which closes (ends its line) before
+        an error is reported. TensorBoard's writer is closed when the run ends well."""
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=stop, initial=step, unit="step", desc="train", dynamic_ncols=True,
+                        disable=True if not show else None)  # None: off unless a terminal
+        with self.bar, open(self.out / METRICS if self.out is not None else os.devnull, "w") as self.metrics:
+            self.write(rows)
+            yield self
+        if self.board is not None:
+            self.board.close()
+
+    def add(self, row: dict) -> None:
+        if self.out is not None:
+            self.write([row])
+
+    def rewrite(self, rows: list[dict]) -> None:
+        """Every row again (the last one has changed: its val_loss)."""
+        if self.out is not None:
+            self.write(rows, rewrite=True)
+
+    def write(self, rows: list[dict], rewrite: bool = False) -> None:
+        try:
+            if rewrite:
+                self.metrics.seek(0)
+                self.metrics.truncate()
+            self.metrics.writelines(json.dumps(r) + "\n" for r in rows)
+            self.metrics.flush()
+        except OSError as e:
+            raise OutputError(f"{self.out / METRICS}: cannot write the metrics ({e.strerror or e})") from e
+
+    def show(self, row: dict) -> None:
+        """A step on TensorBoard and the progress bar."""
+        if self.board is not None:
+            for name, value in row.items():
+                if name != "step" and value is not None:
+                    self.board.add_scalar(name, value, row["step"])
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}")
 
 
 class StopSignals:
