@@ -1,8 +1,8 @@
 """The `l2l` command: argparse only. `l2l train` builds a TrainConfig from its flags and
 calls l2l_hw.train (l2l_hw/train.py, where the loop and its outputs are described);
-`l2l finetune` does the same for a local Hugging Face model (l2l_hw/hf.py) and its data
-(l2l_hw/finetune_data.py); `l2l info` prints what is usable here; `l2l bench NAME` runs one
-benchmark of l2l_hw.bench.
+`l2l finetune` does the same for a local Hugging Face model (l2l_hw/finetune.py, around
+l2l_hw/hf.py and its data, l2l_hw/finetune_data.py); `l2l info` prints what is usable here;
+`l2l bench NAME` runs one benchmark of l2l_hw.bench.
 """
 import argparse
 import importlib
@@ -19,10 +19,11 @@ import l2l_hw
 from l2l_hw import startup
 from l2l_hw.checkpoint import CheckpointError
 from l2l_hw.distributed import DataParallelError, rank_and_world
+from l2l_hw.finetune import finetune
 from l2l_hw.options import COMMANDS, OptionError, allowed_choices, help_for, option_fields, parse_size, spec
 from l2l_hw.relay.pipeline import PipelineError
 from l2l_hw.train import (COMPONENTS, CONTROL_FIELDS, NonFiniteLoss, RunOptions, TrainConfig, TrainingInterrupted,
-                          finetune, resume_config, train)
+                          resume_config, train)
 
 # ---------------------------------------------------------------------------- train
 
@@ -118,7 +119,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_finetune(args) -> int:
-    """`l2l finetune`: l2l_hw.train.finetune with the flags' TrainConfig."""
+    """`l2l finetune`: l2l_hw.finetune.finetune with the flags' TrainConfig."""
 
     def body():
         cfg = train_config(args)

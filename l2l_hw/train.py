@@ -21,12 +21,12 @@ Files in `cfg.out` (rank 0 only; nothing when out is None):
   loss.png                 train and validation loss curves
   checkpoint.safetensors   relay state, config and every RNG state (l2l_hw.checkpoint)
   tensorboard/             event files, with cfg.tensorboard (torch.utils.tensorboard)
-  tokens/, model/          finetune(): the tokenized data (finetune_data.tokenize_text's
-                           cache), the model for transformers (hf.save_replacing)
+  tokens/, model/          l2l_hw.finetune.finetune() (l2l_hw/finetune.py): the tokenized
+                           data (finetune_data.tokenize_text's cache), the model for
+                           transformers (hf.save_replacing)
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import itertools
@@ -38,11 +38,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator, NoReturn
 
 import torch
 
-from l2l_hw import finetune_data, hf
+from l2l_hw import hf
 from l2l_hw.checkpoint import (Checkpoint, CheckpointError, open_checkpoint, remove_stale_temporaries, save_checkpoint,
                                temporary_beside)
 from l2l_hw.distributed import (Ranks, close_all, failed_ranks, guarded, join_torchrun, rank_and_world, rank_body,
@@ -51,7 +51,6 @@ from l2l_hw.eps import make_eps
 from l2l_hw.eps.base import STATE_SLOTS
 from l2l_hw.eps.options import LAMB_LR, EpsOptions, ScheduleOptions
 from l2l_hw.estimate import check_fits, eps_bytes_per_parameter
-from l2l_hw.inputs import path_kind
 from l2l_hw.models import Corpus, GPTConfig, build_gpt, generate, lm_loss
 from l2l_hw.models.gpt import ModelOptions
 from l2l_hw.options import OptionError, check_options, fail, option, pick, with_default
@@ -60,7 +59,7 @@ from l2l_hw.relay.options import PipelineConfig, PipelineOptions
 from l2l_hw.version import __version__
 
 CHECKPOINT, METRICS, PLOT, TENSORBOARD = "checkpoint.safetensors", "metrics.jsonl", "loss.png", "tensorboard"
-MODEL, TOKEN_CACHE = "model", "tokens"  # finetune's: the Hugging Face folder, the tokens (finetune_data's cache)
+MODEL = "model"  # a fine-tune's (l2l_hw/finetune.py): the Hugging Face folder it saves
 EVAL_BATCHES = 4  # validation minibatches per eval point of the reference corpus; the same windows every time
 RUN_FILES = (CHECKPOINT, METRICS, PLOT, TENSORBOARD)  # what a run writes into out: an earlier run is these
 EVENT_FILES = "events.out.tfevents.*"  # the names SummaryWriter gives its files in out/tensorboard
@@ -398,7 +397,7 @@ def train(cfg: TrainConfig | None = None, *, layers=None, loss_fn: Callable | No
         if cfg.verbose:  # every rank: the report gathers the weights (a collective when sharded)
             loop.report(result, sample=corpus is not None)
         if ranks.world > 1:  # leave together: rank 0 may still write while a peer tears the group down
-            _all_here(ranks)
+            leave_together(ranks)
         return result
 
 
@@ -412,103 +411,6 @@ def _closed_on_failure(owned):
     except BaseException as e:
         close_all([owned] if owned is not None else [], e)
         raise
-
-
-def finetune(cfg: TrainConfig, callbacks: Iterable[Callable[[dict], None]] = ()) -> TrainResult:
-    """`l2l finetune`: the Hugging Face model in cfg.model trained on cfg.data through the relay.
-
-    The data (finetune_data.finetune_batches) is tokenized once into out/tokens (read back by a
-    later run of the same data, tokenizer and options), packed and shuffled; validation is
-    cfg.val_data or a tenth of the minibatches held out. cfg.epochs, where given, sets the steps.
-    The weights stream into the EPS (hf.from_pretrained), train() trains them; out/model is the
-    model as transformers saves it (the folder's other files copied unchanged), written at the
-    end and every cfg.save_every steps, each time whole (hf.save_replacing). cfg.prompt: a
-    greedy sample printed at each evaluation (the last step is one). Under torchrun the ranks
-    join their group first: the relay built here averages its gradients across them."""
-    ranks = join_torchrun(cfg.device, cfg.dist_timeout)
-    with rank_body(ranks) as owned:
-        return _finetune(cfg, ranks, callbacks, owned)
-
-
-def _finetune(cfg: TrainConfig, ranks: Ranks, callbacks: Iterable[Callable[[dict], None]],
-              owned: list) -> TrainResult:
-    lead = ranks.lead
-    say = print if cfg.verbose and lead else (lambda *_: None)
-    out = Path(cfg.out) if cfg.out is not None else None
-    failure = None
-    try:  # before anything is read or written (the token cache goes into out), on every rank
-        if cfg.prompt is not None and hf.masked_lm(hf.load_config(cfg.model)):
-            raise ConfigError(f"a sample continues a causal LM's text, and {cfg.model} holds a masked LM", "prompt",
-                              cfg.prompt)
-        for name in ("data", "val_data"):
-            if getattr(cfg, name) is not None and path_kind(getattr(cfg, name)) == "missing":
-                raise ConfigError("does not exist", name, getattr(cfg, name))
-        check_fits(cfg)  # before anything is read or loaded: a run this machine cannot hold is refused
-        if out is not None and lead:  # a run there is refused, or continued, or replaced once all is checked
-            check_out(cfg)
-    except Exception as e:
-        failure = _config_error(e)
-    _agree(ranks, failure)
-
-    def minibatches(data, role: str):
-        return finetune_data.finetune_batches(cfg.model, data, cfg.batch_size, cfg.context, seed=cfg.seed,
-                                              doc_separator=cfg.doc_separator, text_field=cfg.text_field,
-                                              chat=cfg.chat,
-                                              cache=out / TOKEN_CACHE / role if out is not None else None)
-
-    fit = minibatches(cfg.data, "train")
-    if cfg.val_data is not None:
-        val = minibatches(cfg.val_data, "val")
-        say(f"validation: {len(val)} minibatches of {cfg.val_data}")
-    else:  # a tenth of the minibatches held out, at least one where there are two
-        held = len(fit) // 10 or (1 if len(fit) > 1 else 0)
-        say(f"validation: {held} of the {len(fit)} minibatches of {cfg.data} held out"
-            + ("" if held else " (none: give --val-data to validate)"))
-        fit, val = fit[held:], fit[:held] or None
-    if cfg.epochs is not None and not cfg.resume:  # the run's length in steps: its schedule needs it
-        cfg = dataclasses.replace(cfg, steps=cfg.epochs * len(fit))
-        say(f"{cfg.epochs} epoch(s) of {len(fit)} minibatches: {cfg.steps} steps")
-    eps = build_eps(cfg, sharded(cfg, ranks))
-    owned.append(eps)  # closed by rank_body on failure (and where the group ends here); else by the caller
-    relay = hf.from_pretrained(cfg.model, eps=eps, options=relay_options(cfg, ranks.device))
-    owned.append(relay)  # its caller closes TrainResult.relay
-    tokenizer = hf.load_tokenizer(cfg.model) if cfg.prompt is not None and cfg.verbose else None
-    saved_step = None
-
-    def save() -> None:
-        nonlocal saved_step
-        if out is None or saved_step == relay.step:
-            return
-        if lead:
-            try:
-                hf.save_replacing(relay, out / MODEL, files_from=cfg.model)
-            except OSError as e:
-                raise OutputError(f"{out / MODEL}: cannot save the model ({e.strerror or e}); the one saved "
-                                  "before is unchanged") from e
-            if relay.step < cfg.steps:  # the last save is reported with the run's end
-                say(f"saved the model for transformers in {out / MODEL} at step {relay.step}")
-        else:  # the export is a collective when the state is sharded: every rank takes part
-            collections.deque(relay.export(), maxlen=0)
-        saved_step = relay.step
-
-    def at_each_step(row: dict) -> None:
-        if cfg.save_every and row["step"] % cfg.save_every == 0:
-            save()
-        if tokenizer is not None and "val_loss" in row:  # an evaluation
-            model = relay.materialize()  # every rank: with a sharded EPS the weights are gathered
-            if lead:
-                sample = cfg.prompt + hf.generate(model, tokenizer, cfg.prompt)
-                print(f"sample at step {row['step']}: {one_line(sample)}")
-
-    epochs = -(-cfg.steps // len(fit))  # passes enough for the steps
-    result = train(cfg, relay=relay, data=itertools.chain.from_iterable(itertools.repeat(fit, epochs)),
-                   val_data=val, callbacks=[at_each_step, *callbacks])
-    save()
-    if ranks.world > 1:  # leave together: rank 0 writes the model while a peer would tear the group down
-        _all_here(ranks)
-    if out is not None:
-        say(f"saved the fine-tuned model for transformers in {out / MODEL}")
-    return result
 
 
 def _set_up(cfg: TrainConfig, ranks: Ranks, layers, loss_fn, data, val_data, relay, checkpoint):
@@ -529,9 +431,9 @@ def _set_up(cfg: TrainConfig, ranks: Ranks, layers, loss_fn, data, val_data, rel
             eps = build_eps(cfg, sharded(cfg, ranks))
         failure = None
     except Exception as e:
-        failure = _config_error(e)
+        failure = as_config_error(e)
     with _closed_on_failure(eps):
-        _agree(ranks, failure)
+        agree_to_start(ranks, failure)
         try:
             if relay is None:  # resuming, layers on the meta device (or a relay's: only structure) are filled
                 init = init_from_state(checkpoint[0].view("relay.")) if checkpoint is not None else None  # the file's
@@ -540,19 +442,21 @@ def _set_up(cfg: TrainConfig, ranks: Ranks, layers, loss_fn, data, val_data, rel
             if checkpoint is not None:  # after building: construction draws from the RNGs restored now
                 loop.restore(*checkpoint)
         except Exception as e:
-            raise _config_error(e)
+            raise as_config_error(e)
         if cfg.out is not None and ranks.lead:
             prepare_out(cfg)
     return loop, corpus
 
 
-def _all_here(ranks: Ranks) -> None:
+def leave_together(ranks: Ranks) -> None:
+    """Every rank waits for the others at the end of a run (a barrier): rank 0 may still be
+    writing while a peer that left first would tear the group down."""
     import torch.distributed as dist
 
     guarded(None, "waiting for every rank at the end", dist.barrier)
 
 
-def _agree(ranks: Ranks, failure: Exception | None) -> None:
+def agree_to_start(ranks: Ranks, failure: Exception | None) -> None:
     """Every rank learns whether another could not start (a collective): `failure` is raised on
     its rank, and on each of the others a ConfigError naming the rank and its reason."""
     if ranks.world > 1:
@@ -565,7 +469,7 @@ def _agree(ranks: Ranks, failure: Exception | None) -> None:
         raise failure
 
 
-def _config_error(e: Exception) -> Exception:
+def as_config_error(e: Exception) -> Exception:
     """Set-up's errors: a value or a file of the config, named in the message (a ConfigError);
     anything else as it is."""
     if isinstance(e, ConfigError) or not isinstance(e, (ValueError, TypeError, OSError)):
@@ -793,6 +697,8 @@ class _Loop:
         self.elapsed = 0.0
         self.skip = 0  # batches of a fresh pass over `data` already trained on (resume without a data state)
         self.saved_step: int | None = None  # the step of the newest checkpoint in out
+        self.val_loss: float | None = None  # the last validation of this call
+        self.discarded = 0  # steps discarded in a row (non-finite): MAX_DISCARDED stops the run
         # Where each rank's part of a minibatch comes from: its shard (data parallel), its replica's (a pipeline
         # replicated over the ranks, rank = replica * stages + stage)
         stages = cfg.pipeline_stages if ranks.world > 1 else 1
@@ -871,85 +777,88 @@ class _Loop:
                               "checkpoint is unchanged") from e
         self.saved_step = self.relay.step
 
-    def write_rows(self, metrics, rows: list[dict], rewrite: bool = False) -> None:
-        try:
-            if rewrite:
-                metrics.seek(0)
-                metrics.truncate()
-            metrics.writelines(json.dumps(r) + "\n" for r in rows)
-            metrics.flush()
-        except OSError as e:
-            raise OutputError(f"{self.out / METRICS}: cannot write the metrics ({e.strerror or e})") from e
-
     def run(self) -> TrainResult:
-        from tqdm import tqdm
+        """Train to the step target (or cfg.stop_after) a chunk of minibatches at a time, each
+        step's row through the non-finite policy into the outputs. A signal stops the run at the
+        next step boundary, checkpointed; a finite iterable of data, where it ends."""
+        stop = min(self.cfg.steps, self.cfg.stop_after) if self.cfg.stop_after else self.cfg.steps
+        outputs = _Outputs(self.out if self.files else None, self.cfg.tensorboard, self.relay.step)
+        batches = self.batches()  # before metrics.jsonl is rewritten: data that ends too soon leaves it whole
+        show = self.cfg.verbose and self.ranks.lead
+        with outputs.opened(self.history, stop, self.relay.step, show), StopSignals() as signals:
+            while self.relay.step < stop:
+                if signals.agreed(self.ranks):  # a safe point: between steps, nothing half written
+                    self.interrupt(signals)
+                chunk = list(itertools.islice(batches, self.chunk(stop)))
+                if not chunk:
+                    self.end_of_data(outputs)
+                    break
+                for row in self.steps(chunk):
+                    self.apply_nonfinite_policy(row)
+                    if math.isfinite(row["loss"]):  # else a discarded step: the weights are as they were
+                        self.record(row, stop, outputs)
+        return self.result()
 
-        cfg, relay = self.cfg, self.relay
-        stop = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
-        if self.files:
-            self.out.mkdir(parents=True, exist_ok=True)
-        board = _tensorboard(self.out, relay.step) if cfg.tensorboard and self.files else None
+    def batches(self) -> Iterator:
+        """The data from where the checkpoint left it: without a data state of its own, the first
+        `skip` batches of a fresh pass are skipped."""
         batches = iter(self.data)
         for skipped in range(self.skip):
             if next(batches, None) is None:
                 raise ConfigError(f"the data ends after {skipped} batches, before the checkpoint's step {self.skip}")
-        val_loss = None
-        bar = tqdm(total=stop, initial=relay.step, unit="step", desc="train", dynamic_ncols=True,
-                   disable=True if not (cfg.verbose and self.ranks.lead) else None)  # None: off unless a terminal
-        discarded = 0  # steps discarded in a row
-        # the bar closes (ends its line) before an error is reported; metrics.jsonl is rewritten: rows past the
-        with bar, open(self.out / METRICS if self.files else os.devnull, "w") as metrics, StopSignals() as signals:
-            self.write_rows(metrics, self.history)  # checkpoint are dropped
-            while relay.step < stop:
-                if signals.agreed(self.ranks):  # a safe point: between steps, nothing half written
-                    if self.saved_step != relay.step:
-                        self.save()
-                    raise TrainingInterrupted(signals.received, relay.step, saved=self.out is not None,
-                                              where=signals.where)
-                chunk = list(itertools.islice(batches, self.chunk(stop)))
-                if not chunk:  # a finite iterable ran out: validate and checkpoint where it ended
-                    if self.history and "val_loss" not in self.history[-1]:
-                        val_loss = self.validate(self.history[-1])
-                        if self.files:  # the last row again, with its val_loss
-                            self.write_rows(metrics, self.history, rewrite=True)
-                        self.save()
-                    break
-                rows = self.steps(chunk)
-                for row in rows:
-                    discarded = 0 if row.pop("taken") else discarded + 1
-                    if not math.isfinite(row["loss"]) and discarded == 0:
-                        raise NonFiniteLoss(
-                            f"the loss is {row['loss']} at step {row['step']} and the step was taken, so the weights "
-                            f"are not finite now; stopped before any checkpoint of them ({self._last_checkpoint()}). "
-                            "Lower the learning rate, or set skip_nonfinite to discard such steps")
-                    if discarded >= MAX_DISCARDED:
-                        raise NonFiniteLoss(f"{discarded} steps in a row after step {row['step']} had non-finite "
-                                            f"gradients and were discarded; stopped ({self._last_checkpoint()})")
-                    if not math.isfinite(row["loss"]):  # discarded: the weights are as they were
-                        continue
-                    evaluate = row["step"] % cfg.eval_interval == 0 or row["step"] == stop
-                    if evaluate:
-                        val_loss = self.validate(row)
-                    if self.files:
-                        self.write_rows(metrics, [row])
-                    if evaluate:  # after the row: a checkpoint never runs ahead of its metrics
-                        self.save()
-                    self.history.append(row)
-                    for callback in self.callbacks:
-                        callback(row)
-                    if board is not None:
-                        for name, value in row.items():
-                            if name != "step" and value is not None:
-                                board.add_scalar(name, value, row["step"])
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}")
-        if board is not None:
-            board.close()
-        if val_loss is None:  # nothing left to train: report the checkpoint as it is
-            val_loss = self.evaluate()
+        return batches
+
+    def interrupt(self, signals: StopSignals) -> NoReturn:
+        """Stop at a signal: the step reached is checkpointed (where it is not yet), then TrainingInterrupted."""
+        if self.saved_step != self.relay.step:
+            self.save()
+        raise TrainingInterrupted(signals.received, self.relay.step, saved=self.out is not None, where=signals.where)
+
+    def apply_nonfinite_policy(self, row: dict) -> None:
+        """Stop the run (NonFiniteLoss) where a step with a non-finite loss was taken (its weights
+        are lost), or MAX_DISCARDED steps in a row were discarded (skip_nonfinite, fp16's scale);
+        `taken` leaves the row."""
+        self.discarded = 0 if row.pop("taken") else self.discarded + 1
+        if not math.isfinite(row["loss"]) and self.discarded == 0:
+            raise NonFiniteLoss(
+                f"the loss is {row['loss']} at step {row['step']} and the step was taken, so the weights "
+                f"are not finite now; stopped before any checkpoint of them ({self._last_checkpoint()}). "
+                "Lower the learning rate, or set skip_nonfinite to discard such steps")
+        if self.discarded >= MAX_DISCARDED:
+            raise NonFiniteLoss(f"{self.discarded} steps in a row after step {row['step']} had non-finite "
+                                f"gradients and were discarded; stopped ({self._last_checkpoint()})")
+
+    def record(self, row: dict, stop: int, outputs: _Outputs) -> None:
+        """A step's outputs: at an eval point its validation, then its metrics row, then the
+        checkpoint (never ahead of its metrics); the history, the callbacks, TensorBoard, the bar."""
+        evaluate = row["step"] % self.cfg.eval_interval == 0 or row["step"] == stop
+        if evaluate:
+            self.val_loss = self.validate(row)
+        outputs.add(row)
+        if evaluate:
+            self.save()
+        self.history.append(row)
+        for callback in self.callbacks:
+            callback(row)
+        outputs.show(row)
+
+    def end_of_data(self, outputs: _Outputs) -> None:
+        """A finite iterable of data ran out: its last step is validated (its row written again,
+        with its val_loss) and checkpointed, where that is not done yet."""
+        if self.history and "val_loss" not in self.history[-1]:
+            self.val_loss = self.validate(self.history[-1])
+            outputs.rewrite(self.history)
+            self.save()
+
+    def result(self) -> TrainResult:
+        """The run's result, its loss curves plotted; where it trained nothing (resumed at its end),
+        the validation of the checkpoint as it is."""
+        if self.val_loss is None:
+            self.val_loss = self.evaluate()
         if self.files and self.history:
-            plot(self.history, self.out / PLOT, title=f"l2l finetune {Path(cfg.model).name}" if cfg.model else "l2l train")
-        return TrainResult(relay, self.history, val_loss, self.elapsed)
+            title = f"l2l finetune {Path(self.cfg.model).name}" if self.cfg.model else "l2l train"
+            plot(self.history, self.out / PLOT, title=title)
+        return TrainResult(self.relay, self.history, self.val_loss, self.elapsed)
 
     def _last_checkpoint(self) -> str:
         if self.out is None:
@@ -1003,6 +912,62 @@ class _Loop:
             print("sample:\n" + (SAMPLE_PROMPT + text).decode("utf-8", errors="replace"))
 
 
+class _Outputs:
+    """What a run writes and shows as it trains: the rows of metrics.jsonl, TensorBoard's events
+    and the progress bar. `out` None: no files (no out, or a rank other than 0)."""
+
+    def __init__(self, out: Path | None, tensorboard: bool, step: int):
+        """The folder made and, with `tensorboard`, its writer opened (events past `step` purged)."""
+        self.out = out
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+        self.board = _tensorboard(out, step) if tensorboard and out is not None else None
+        self.metrics = self.bar = None
+
+    @contextlib.contextmanager
+    def opened(self, rows: list[dict], stop: int, step: int, show: bool) -> Iterator[_Outputs]:
+        """While the run trains: metrics.jsonl rewritten with `rows` (rows past the checkpoint are
+        dropped) and the progress bar from `step` to `stop`, which closes (ends its line) before
+        an error is reported. TensorBoard's writer is closed when the run ends well."""
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=stop, initial=step, unit="step", desc="train", dynamic_ncols=True,
+                        disable=True if not show else None)  # None: off unless a terminal
+        with self.bar, open(self.out / METRICS if self.out is not None else os.devnull, "w") as self.metrics:
+            self.write(rows)
+            yield self
+        if self.board is not None:
+            self.board.close()
+
+    def add(self, row: dict) -> None:
+        if self.out is not None:
+            self.write([row])
+
+    def rewrite(self, rows: list[dict]) -> None:
+        """Every row again (the last one has changed: its val_loss)."""
+        if self.out is not None:
+            self.write(rows, rewrite=True)
+
+    def write(self, rows: list[dict], rewrite: bool = False) -> None:
+        try:
+            if rewrite:
+                self.metrics.seek(0)
+                self.metrics.truncate()
+            self.metrics.writelines(json.dumps(r) + "\n" for r in rows)
+            self.metrics.flush()
+        except OSError as e:
+            raise OutputError(f"{self.out / METRICS}: cannot write the metrics ({e.strerror or e})") from e
+
+    def show(self, row: dict) -> None:
+        """A step on TensorBoard and the progress bar."""
+        if self.board is not None:
+            for name, value in row.items():
+                if name != "step" and value is not None:
+                    self.board.add_scalar(name, value, row["step"])
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}")
+
+
 class StopSignals:
     """SIGINT and SIGTERM, while training, ask the loop to stop at the next step boundary (where
     it checkpoints and raises TrainingInterrupted) instead of killing it mid-step. A second
@@ -1052,12 +1017,6 @@ class StopSignals:
         if got:
             self.where = f" by {signal.Signals(got[0][1]).name} to rank {got[0][0]}"
         return bool(got)
-
-
-def one_line(text: str) -> str:
-    """A sample as one line of the log: newlines, tabs and other control characters escaped
-    (`\\n`), everything else as it is."""
-    return "".join(c if c.isprintable() or c == " " else c.encode("unicode_escape").decode() for c in text)
 
 
 def perplexity(loss: float) -> float:

@@ -79,9 +79,10 @@ MEASURE = """
 import json, sys
 from l2l_hw import cli
 from l2l_hw.estimate import rss_bytes
-train = sys.modules["l2l_hw.train"]
+from l2l_hw.finetune import finetune
+from l2l_hw.train import train
 args = cli.build_parser().parse_args(sys.argv[1:])
-result = (train.finetune if args.command == "finetune" else train.train)(cli.train_config(args))
+result = (finetune if args.command == "finetune" else train)(cli.train_config(args))
 print(json.dumps({"host_bytes": rss_bytes("VmHWM"), "device_bytes": result.relay.memory_report()["peak_bytes"]}))
 """
 ESTIMATE = """

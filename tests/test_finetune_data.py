@@ -16,8 +16,9 @@ from torch.nn import functional as F
 import l2l_hw
 from l2l_hw import finetune_data, hf
 from l2l_hw.cli import main
-from l2l_hw.train import TrainConfig, finetune
-from l2l_hw.train import one_line as log_line
+from l2l_hw.finetune import finetune
+from l2l_hw.finetune import one_line as log_line
+from l2l_hw.train import TrainConfig
 from tests.test_finetune import PARAGRAPHS, finetune_argv, gpt2_folder  # noqa: F401 (a fixture)
 from tests.test_nothing_lost import cli, one_line
 

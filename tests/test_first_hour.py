@@ -12,8 +12,8 @@ import transformers
 from tokenizers import Tokenizer, models
 
 from l2l_hw.cli import build_parser, main
+from l2l_hw.finetune import one_line
 from l2l_hw.options import parse_size
-from l2l_hw.train import one_line
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--layers", "2", "--width", "32", "--heads", "2", "--context", "16", "--batch-size", "4",

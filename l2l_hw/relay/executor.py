@@ -437,93 +437,121 @@ class Relay:
         if self.dp is not None:
             self.dp.start_step(local_n)
         order = self.active_layers(layers)
-        users: dict[str, list[int]] = {}  # EPS group -> active layers using it, ascending
+        users = self._users(order)
+        live: dict[str, dict[str, torch.Tensor]] = {}  # EPS groups on the device now
+        self._sq_norm = torch.zeros((), dtype=torch.float32, device=self.device)  # for global-norm clipping
+        try:
+            acts = self._forward_sweep(order, xs, live, users)
+            total, grads_in = self._last_layer(order, acts, ts, weights, live)
+            acts = None  # the last layer's inputs are done with, before its gradients leave
+            self._release(order[-1], live, users, backward=True)
+            self._backward_sweep(order, grads_in, live, users)
+        except BaseException as exc:
+            self._abandon_step(exc)
+            raise
+        return self._commit_step(total, local_n)
+
+    def _users(self, order: list[int]) -> dict[str, list[int]]:
+        """EPS group -> the active layers using it, ascending. The EPS is told the order of the
+        step's fetches and pushes (a group is pushed after its first user's backward), to read ahead."""
+        users: dict[str, list[int]] = {}
         for i in order:
             for key in self.plans[i].groups:
                 users.setdefault(key, []).append(i)
-        self.eps.expect_step(list(users), sorted(users, key=lambda key: -users[key][0]))  # the EPS reads ahead
-        u = self.micro_batches
-        live: dict[str, dict[str, torch.Tensor]] = {}  # EPS groups on the device now
-        keep = self.keep  # what the backward gets of the forward: the recompute policy
-        self._sq_norm = torch.zeros((), dtype=torch.float32, device=self.device)  # for global-norm clipping
-        meter = self.memory
-        acts = xs
-        try:
-            # Forward, layer-major.
-            for n, i in enumerate(order[:-1]):
-                run = partial(self._call, i)
-                visit = self._visit(i, self.layer_params(i, live))
-                self._prefetch(order[n + 1], live)
-                keep.begin_forward(i, acts)
-                outs = []
-                with visit, meter.saving(i):
-                    for j in range(u):
-                        outs.append(keep.forward(i, j, acts[j], run, self.plans[i].buffers))
-                        self.sample_memory(live, acts, outs)
-                keep.end_forward(i)
-                if keep.recomputes(i):
-                    self._release(i, live, users, backward=False)
-                acts = outs
+        self.eps.expect_step(list(users), sorted(users, key=lambda key: -users[key][0]))
+        return users
 
-            # Last layer: forward, loss and backward together, micro-batch by micro-batch.
-            last = order[-1]
-            total = torch.zeros((), dtype=torch.float32, device=self.device)
-            visit = self._visit(last, self.layer_params(last, live))
-            if len(order) > 1:
-                self._prefetch(order[-2], live)
-            grads_in = []
+    def _forward_sweep(self, order: list[int], acts: list, live: dict, users: dict[str, list[int]]) -> list:
+        """Every active layer but the last, layer-major, on every micro-batch; what the backward gets
+        of each forward is the recompute policy's (self.keep). Returns the last layer's inputs."""
+        keep, meter = self.keep, self.memory
+        for n, i in enumerate(order[:-1]):
+            run = partial(self._call, i)
+            visit = self._visit(i, self.layer_params(i, live))
+            self._prefetch(order[n + 1], live)
+            keep.begin_forward(i, acts)
+            outs = []
+            with visit, meter.saving(i):
+                for j in range(self.micro_batches):
+                    outs.append(keep.forward(i, j, acts[j], run, self.plans[i].buffers))
+                    self.sample_memory(live, acts, outs)
+            keep.end_forward(i)
+            if keep.recomputes(i):
+                self._release(i, live, users, backward=False)
+            acts = outs
+        return acts
+
+    def _last_layer(self, order: list[int], acts: list, ts: list, weights: list[float],
+                    live: dict) -> tuple[torch.Tensor, list]:
+        """The last layer's forward, loss and backward together, micro-batch by micro-batch.
+        Returns the minibatch's loss (on the device) and the gradients of the layer's inputs."""
+        last, meter = order[-1], self.memory
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        visit = self._visit(last, self.layer_params(last, live))
+        if len(order) > 1:
+            self._prefetch(order[-2], live)
+        grads_in = []
+        with visit:
+            for j in range(self.micro_batches):
+                x = grad_leaf(acts[j])
+                with meter.saving(last):
+                    loss = self.compute_loss(_to_float(self._call(last, x, self.plans[last].buffers)), ts[j])
+                self.sample_memory(live, acts, grads_in)
+                (loss * (weights[j] * self.loss_scale)).backward()
+                total += loss.detach().float() * weights[j]
+                grads_in.append(self.input_grads(x))
+                meter.drop_saved(last)  # its graph is consumed
+        return total, grads_in
+
+    def _backward_sweep(self, order: list[int], grads_in: list, live: dict, users: dict[str, list[int]]) -> None:
+        """The other active layers in reverse: each micro-batch's graph kept or recomputed, then
+        backprop; each group's gradients pushed after its last use (_release). Then the
+        reductions still under way are pushed and the recompute policy's step ends."""
+        keep, meter = self.keep, self.memory
+        for n in range(len(order) - 2, -1, -1):
+            i = order[n]
+            run = partial(self._call, i)
+            visit = self._visit(i, self.layer_params(i, live))
+            if n > 0:
+                self._prefetch(order[n - 1], live)
+            keep.begin_backward(i)
+            grads_out, grads_in = grads_in, []
             with visit:
-                for j in range(u):
-                    x = grad_leaf(acts[j])
-                    with meter.saving(last):
-                        loss = self.compute_loss(_to_float(self._call(last, x, self.plans[last].buffers)), ts[j])
-                    self.sample_memory(live, acts, grads_in)
-                    (loss * (weights[j] * self.loss_scale)).backward()
-                    total += loss.detach().float() * weights[j]
+                for j in range(self.micro_batches):
+                    with meter.saving(i):
+                        x, out = keep.backward(i, j, run)
+                    self.sample_memory(live, grads_out, grads_in)
+                    pairs = [(o, g) for o, g in zip(_flatten(out), grads_out[j])
+                             if g is not None and o.requires_grad]
+                    if pairs:
+                        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
                     grads_in.append(self.input_grads(x))
-                    meter.drop_saved(last)  # its graph is consumed
-            acts = None  # the last layer's inputs are done with
-            self._release(last, live, users, backward=True)
+                    grads_out[j] = None  # micro-batch j of this layer is done with
+                    if keep.recomputes(i):
+                        meter.drop_saved(i)
+            meter.drop_saved(i)  # without recompute: what its forward graph saved
+            self._release(i, live, users, backward=True)
+        self.push_reduced()
+        keep.end_step()
 
-            # Backward, reverse layer order: each micro-batch's graph kept or recomputed, then backprop.
-            for n in range(len(order) - 2, -1, -1):
-                i = order[n]
-                run = partial(self._call, i)
-                visit = self._visit(i, self.layer_params(i, live))
-                if n > 0:
-                    self._prefetch(order[n - 1], live)
-                keep.begin_backward(i)
-                grads_out, grads_in = grads_in, []
-                with visit:
-                    for j in range(u):
-                        with meter.saving(i):
-                            x, out = keep.backward(i, j, run)
-                        self.sample_memory(live, grads_out, grads_in)
-                        pairs = [(o, g) for o, g in zip(_flatten(out), grads_out[j])
-                                 if g is not None and o.requires_grad]
-                        if pairs:
-                            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-                        grads_in.append(self.input_grads(x))
-                        grads_out[j] = None  # micro-batch j of this layer is done with
-                        if keep.recomputes(i):
-                            meter.drop_saved(i)
-                meter.drop_saved(i)  # without recompute: what its forward graph saved
-                self._release(i, live, users, backward=True)
-            self.push_reduced()
-            keep.end_step()
-        except BaseException as exc:
-            self.discard_reductions()
-            self.weights.clear()
-            self.stash.clear()
-            keep.clear()
-            meter.drop_saved()
-            try:  # let scheduled updates finish, then forget the step; the first error stays the one raised
-                self.eps.wait()
-                self.eps.discard_step()
-            except Exception as cleanup:
-                exc.add_note(f"while abandoning the step: {cleanup}")
-            raise
-        meter.drop_saved()
+    def _abandon_step(self, exc: BaseException) -> None:
+        """A step that failed leaves nothing behind: what is in flight is dropped, scheduled
+        updates finish and the step is forgotten; the first error stays the one raised."""
+        self.discard_reductions()
+        self.weights.clear()
+        self.stash.clear()
+        self.keep.clear()
+        self.memory.drop_saved()
+        try:
+            self.eps.wait()
+            self.eps.discard_step()
+        except Exception as cleanup:
+            exc.add_note(f"while abandoning the step: {cleanup}")
+
+    def _commit_step(self, total: torch.Tensor, local_n: int) -> float:
+        """The EPS finishes the step's updates (clipped by the global norm, discarded where a
+        gradient was not finite and skip_nonfinite); returns the minibatch's mean loss."""
+        self.memory.drop_saved()
         # PipeDream-2BW: the next step computes on the version this one replaces, so it need
         # not wait for this step's last updates (unless fp16 must first learn of an overflow).
         found = self.eps.commit_step(grad_scale=self._global_clip_factor(), skip_nonfinite=self.skip_nonfinite,
