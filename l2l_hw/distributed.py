@@ -17,8 +17,11 @@ import torch.distributed as dist
 # recompute). Imported after a process group exists, ten functions hold that group for the life of
 # the interpreter: destroy_process_group cannot free it, and its gloo worker threads release their
 # last collective's tensors while Python finalizes, which aborts the process now and then
-# ("terminate called without an active exception"). Imported here, before any group, they bind None.
-import torch.distributed.nn  # noqa: F401
+# ("terminate called without an active exception"). Imported here, before any group, they bind
+# None; a program that joins its group before importing l2l_hw is left as it is (importing the
+# module now would bind that group), so such a program imports l2l_hw first.
+if not dist.is_initialized():
+    import torch.distributed.nn  # noqa: F401
 
 
 FAILURE_KEY = "l2l/failure"  # in the process group's store: the first failure of a rank, "rank R of N: what"

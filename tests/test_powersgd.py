@@ -91,6 +91,8 @@ def relay_worker(cfg: dict) -> None:
 def main(cfg: dict) -> None:
     import torch.distributed as dist
 
+    import l2l_hw.distributed  # noqa: F401  before the group (see its import of torch.distributed.nn)
+
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     try:
         {"reducer": reducer_worker, "relay": relay_worker}[cfg["mode"]](cfg)
