@@ -434,8 +434,7 @@ class Relay:
         skipped layer passes its input through and costs neither transfer nor compute,
         and its weights get no update. Without it, the layer-drop schedule decides."""
         xs, ts, weights, local_n = self.split_micro_batches(inputs, targets)
-        if self.dp is not None:
-            self.dp.start_step(local_n)
+        self.start_step_over_ranks(local_n)
         order = self.active_layers(layers)
         users = self._users(order)
         live: dict[str, dict[str, torch.Tensor]] = {}  # EPS groups on the device now
@@ -558,9 +557,7 @@ class Relay:
                                      wait=not self.pipedream_2bw or self.skip_nonfinite)
         if self.scaler is not None:
             self.scaler.update(found)
-        if self.dp is not None:
-            return self.dp.mean(self.transport.read(total), local_n, "averaging the step's loss")
-        return self.transport.read(total)
+        return self.mean_over_ranks(self.transport.read(total), local_n, "averaging the step's loss")
 
     @property
     def loss_scale(self) -> float:
@@ -608,6 +605,15 @@ class Relay:
             reduction = self._pending.pop(0)
             grads = self.dp.finish(reduction)
             self.push_group(reduction.key, grads)
+
+    def start_step_over_ranks(self, local_n: int) -> None:
+        """Data parallel: agree on the step's minibatch size (this rank's gradient weight)."""
+        if self.dp is not None:
+            self.dp.start_step(local_n)
+
+    def mean_over_ranks(self, local_mean: float, local_n: int, what: str) -> float:
+        """This rank's mean over its `local_n` samples; data parallel, the mean over every rank's."""
+        return self.dp.mean(local_mean, local_n, what) if self.dp is not None else local_mean
 
     def discard_reductions(self) -> None:
         """Forget the gradient reductions under way (an abandoned step's)."""
@@ -693,7 +699,7 @@ class Relay:
         finally:
             for m, mode in zip(self.layers, modes):
                 m.train(mode)
-        return self.dp.mean(total, n, "averaging the evaluation loss") if self.dp is not None else total
+        return self.mean_over_ranks(total, n, "averaging the evaluation loss")
 
     def export(self) -> Iterator[Exported]:
         """The model's tensors, layer by layer, by each layer's own names (its parameters, then its

@@ -695,8 +695,8 @@ class PipelineRelay:
                         it = iter(bufs)
                         grads = [next(it) if s.dtype.is_floating_point else None
                                  for s in step.trace.outputs[self.end - 1][j]]
-                    if j == u - 1 and relay.dp is not None:  # the replicas' weights of the pushes to come
-                        relay.dp.start_step(step.n)
+                    if j == u - 1:  # the replicas' weights of the pushes to come
+                        relay.start_step_over_ranks(step.n)
                     with self._weights_of(base + t):
                         grads = self._backward(j, grads, step, users, sample, last=j == u - 1)
                     if not first_stage:
@@ -721,7 +721,7 @@ class PipelineRelay:
         if plans:
             set_rng_state(self.device, plans[-1][1])
         shared = self._share_loss(torch.stack([step.total for step in steps]))
-        losses += [self._over_replicas(loss, step.n, "averaging the step's loss over the replicas")
+        losses += [relay.mean_over_ranks(loss, step.n, "averaging the step's loss over the replicas")
                    for loss, step in zip(shared, steps)]
         return busy
 
@@ -939,11 +939,8 @@ class PipelineRelay:
         finally:
             for m, mode in zip(relay.layers, modes):
                 m.train(mode)
-        return self._over_replicas(self._share_loss(total)[0], n, "averaging the evaluation loss over the replicas")
-
-    def _over_replicas(self, loss: float, n: int, what: str) -> float:
-        """A replica's mean loss over its `n` samples made the mean over every replica's."""
-        return self.relay.dp.mean(loss, n, what) if self.relay.dp is not None else loss
+        return relay.mean_over_ranks(self._share_loss(total)[0], n,
+                                     "averaging the evaluation loss over the replicas")
 
     def _share_loss(self, totals: torch.Tensor) -> list[float]:
         """The last stage's losses (one per step), sent to every other stage."""
