@@ -38,7 +38,7 @@ def flag_of(name: str) -> str:
 def train_config(args) -> TrainConfig:
     """`l2l train`'s (or finetune's) flags as a TrainConfig; with --resume, the checkpoint's run
     with the flags given."""
-    RunOptions(resume=args.resume, overwrite=args.overwrite)  # before the checkpoint is read
+    RunOptions(resume=args.resume, overwrite=args.overwrite, save=args.save)  # before the checkpoint is read
     if not args.resume and args.warmup is not None and args.warmup_ratio is not None:
         raise OptionError("--warmup and --warmup-ratio both set the warm-up: give one of them")
     # Run flags default to None, so --resume can tell what was given from what was not; a new

@@ -973,14 +973,16 @@ def figures(cfg, baseline: int) -> Estimate:
         largest_phase = max(phases, key=phases.get)
         hosts.append(({**parts, largest_phase: phases[largest_phase]}, phases))
     host, phases = max(hosts, key=lambda h: sum(h[0].values()))
-    disk = {"checkpoint": checkpoint_bytes(cfg, model)} if cfg.out is not None else {}
+    saves = cfg.out is not None and cfg.save  # --no-save: no checkpoint, no model folder
+    disk = {"checkpoint": checkpoint_bytes(cfg, model)} if saves else {}
     if disk:  # written beside the previous one, which stays until the new one is complete
         disk["checkpoints"] = 2 * disk["checkpoint"]
     if state_dir:
         disk["state_dir"] = state_dir
-    if run.folder is not None and cfg.out is not None:  # out/model (fp32 safetensors) beside the one it replaces
+    if run.folder is not None and saves:  # out/model (fp32 safetensors) beside the one it replaces
         copied = _files_bytes(p for p in run.folder.iterdir() if not p.name.startswith("model"))  # tokenizer, config
         disk["model"] = 2 * (whole_fp32 + copied)
+    if run.folder is not None and cfg.out is not None:
         disk["tokens"] = token_bytes(cfg)
     trained = sum(math.prod(s) for t in model.shapes.values() for s in t.values())
     frozen = sum(p.numel() for layer in run.layers for p in layer.parameters() if not p.requires_grad)

@@ -90,7 +90,7 @@ def _finetune(cfg: TrainConfig, ranks: Ranks, callbacks: Iterable[Callable[[dict
 
     def save() -> None:
         nonlocal saved_step
-        if out is None or saved_step == relay.step:
+        if out is None or not cfg.save or saved_step == relay.step:
             return
         if lead:
             try:
@@ -119,7 +119,7 @@ def _finetune(cfg: TrainConfig, ranks: Ranks, callbacks: Iterable[Callable[[dict
     save()
     if ranks.world > 1:  # leave together: rank 0 writes the model while a peer would tear the group down
         leave_together(ranks)
-    if out is not None:
+    if out is not None and cfg.save:
         say(f"saved the fine-tuned model for transformers in {out / MODEL}")
     return result
 

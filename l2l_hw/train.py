@@ -150,6 +150,9 @@ class RunOptions:
                                 check=lambda text: "must not be empty" if not text.strip() else None)
     tensorboard: bool = option(False, "also write the metrics as TensorBoard event files into --out/tensorboard",
                                kind="bool")
+    save: bool = option(True, "False (--no-save): write no checkpoint and no --out/model, only metrics.jsonl, loss.png "
+                        "and TensorBoard: a trial of speed or memory, which needs no disk for the state and cannot "
+                        "be resumed", kind="bool", flag="--no-save")
     dist_timeout: float = option(300.0, "under torchrun: how long a rank waits for the others (a pipeline stage for its "
                                  "neighbours) before failing",
                                  kind="float", low=0.0, low_open=True, metavar="SECONDS")
@@ -160,6 +163,10 @@ class RunOptions:
         check_options(self)
         if self.resume and self.overwrite:
             fail("overwrite", True, "replaces the run in out, resume continues it: give one of them")
+        if not self.save:
+            for name in ("resume", "stop_after", "save_every"):
+                if getattr(self, name):
+                    fail("save", False, f"writes no checkpoint or model, which {name} needs: give one of them")
 
 
 COMPONENTS = (ModelOptions, DataOptions, ScheduleOptions, EpsOptions, RelayOptions, PipelineOptions, RunOptions)
@@ -222,7 +229,7 @@ class TrainConfig(RunOptions, PipelineOptions, RelayOptions, EpsOptions, Schedul
         return self.unprefixed(timeout_s=self.dist_timeout)
 
 
-CONTROL_FIELDS = ("out", "resume", "overwrite", "stop_after", "tensorboard", "verbose", "overlay", "kernel",
+CONTROL_FIELDS = ("out", "resume", "overwrite", "stop_after", "tensorboard", "save", "verbose", "overlay", "kernel",
                   "state_dir", "dist_timeout", "save_every", "prompt")
 FINGERPRINT = "model_fingerprint"  # in a fine-tuning run's saved config: l2l_hw.hf.config_fingerprint
 
@@ -758,7 +765,7 @@ class _Loop:
         return sum(losses) / len(losses)
 
     def save(self) -> None:
-        if self.out is None:  # the same on every rank
+        if self.out is None or not self.cfg.save:  # the same on every rank
             return
         # Streamed to the file, read one tensor at a time; every rank: a collective if sharded.
         tensors = {f"relay.{k}": v for k, v in self.relay.state_entries().items()}
@@ -812,7 +819,8 @@ class _Loop:
         """Stop at a signal: the step reached is checkpointed (where it is not yet), then TrainingInterrupted."""
         if self.saved_step != self.relay.step:
             self.save()
-        raise TrainingInterrupted(signals.received, self.relay.step, saved=self.out is not None, where=signals.where)
+        raise TrainingInterrupted(signals.received, self.relay.step, saved=self.out is not None and self.cfg.save,
+                                  where=signals.where)
 
     def apply_nonfinite_policy(self, row: dict) -> None:
         """Stop the run (NonFiniteLoss) where a step with a non-finite loss was taken (its weights
@@ -861,7 +869,7 @@ class _Loop:
         return TrainResult(self.relay, self.history, self.val_loss, self.elapsed)
 
     def _last_checkpoint(self) -> str:
-        if self.out is None:
+        if self.out is None or not self.cfg.save:
             return "this run writes no checkpoint"
         if self.saved_step is None:
             return "no checkpoint was written yet"

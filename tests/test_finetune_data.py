@@ -259,11 +259,34 @@ def test_a_resumed_finetune_reads_its_tokens_from_the_cache(gpt2_folder, tmp_pat
     (["--warmup-ratio", "1"], ["--warmup-ratio 1", "[0, 1)"]),
     (["--prompt", " "], ["--prompt", "must not be empty"]),
     (["--save-every", "0"], ["--save-every 0", ">= 1"]),
+    (["--no-save", "--save-every", "2"], ["--no-save", "save_every needs"]),
+    (["--no-save", "--stop-after", "2"], ["--no-save", "stop_after needs"]),
+    (["--no-save", "--resume"], ["--no-save", "resume needs"]),
 ])
 def test_bad_run_flags_are_one_line(gpt2_folder, tmp_path, capsys, flags, words):  # noqa: F811
     rc, _, err = cli(capsys, *finetune_argv(gpt2_folder(), tmp_path, "run", "--steps", "4", *flags))
     assert rc == 2
     one_line(err, "finetune", *words)
+
+
+def test_no_save_trains_the_same_steps_and_writes_no_checkpoint_or_model_and_needs_no_disk_for_them(
+        gpt2_folder, tmp_path):  # noqa: F811
+    from l2l_hw import estimate
+
+    folder = gpt2_folder()
+    argv = finetune_argv(folder, tmp_path, "saved", "--steps", "4")
+    assert main(argv) == 0
+    assert main([*finetune_argv(folder, tmp_path, "trial", "--steps", "4"), "--no-save"]) == 0
+    saved, trial = tmp_path / "saved", tmp_path / "trial"
+    assert {"checkpoint.safetensors", "model"} <= {p.name for p in saved.iterdir()}
+    assert sorted(p.name for p in trial.iterdir()) == ["loss.png", "metrics.jsonl", "tokens"]
+    rows = [[json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+            for out in (saved, trial)]
+    assert rows[0] == rows[1] and len(rows[0]) == 4
+    cfg = TrainConfig(model=str(folder), data=str(tmp_path / "text.txt"), out=str(trial), steps=4, verbose=False)
+    needs = {save: estimate.estimate(TrainConfig(**{**cfg.__dict__, "save": save})).disk for save in (True, False)}
+    assert {"checkpoint", "checkpoints", "model"} <= needs[True].keys()
+    assert needs[False].keys() == {"tokens"}
 
 
 def test_a_prompt_for_a_masked_lm_is_one_line(tmp_path, capsys):

@@ -23,8 +23,9 @@ summary.json names every failure ("failed") and the command exits 1 when there i
                    itself: the same recipe with the minibatch in one micro-batch instead of two
                    (the same sums re-associated, bf16's noise), x2 (LOSS_BOUND_FACTOR)
     llama_8b       a Llama-3-8B-shaped folder (gpu_llama) made on the machine, `l2l finetune
-                   --device cuda` at context 4096, 8 sequences in 4 micro-batches, fp32 AdamW
-                   state: tokens/s, TFLOPS with attention, MFU, peak device memory, peak host
+                   --device cuda --no-save` at context 4096, 8 sequences in 4 micro-batches, AdamW
+                   with the most exact state the host holds (fp32, else bf16, else 8-bit; fp32 at
+                   8.03 B needs ~138 GiB, an H200 machine has 125): tokens/s, TFLOPS with attention, MFU, peak device memory, peak host
                    RSS, the GPU's idle share over 5 timed steps after 2 of warm-up
     peers          DeepSpeed ZeRO-3 offload, ZeRO-2 offload (ZeRO-Offload), FSDP2 CPU offload and
                    resident PyTorch (where it fits) on the deepest model of Llama-3-8B's shape
@@ -427,8 +428,18 @@ class Campaign:
         return figures
 
     def llama_8b(self) -> dict:
+        """With the most exact optimizer state this host holds (fp32 state at 8.03 B needs ~138 GiB)."""
+        from l2l_hw.estimate import STATE_FORMATS_BY_PRECISION
+
         layers = DRY_LLAMA_LAYERS[0] if self.dry_run else self.sizes.llama["num_hidden_layers"]
-        return self.finetune(layers, "fp32")
+        refused = {}
+        for state in STATE_FORMATS_BY_PRECISION:
+            try:
+                return {**self.finetune(layers, state), "refused": refused}
+            except gpu_llama.DoesNotFit as e:
+                refused[state] = str(e)
+                self.say(f"llama_8b: {state} state does not fit: {e}")
+        raise RuntimeError(f"no optimizer state format fits: {refused}")
 
     def llama_largest(self) -> dict:
         from l2l_hw.train import TrainConfig, eps_bytes_per_parameter

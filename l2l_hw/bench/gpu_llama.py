@@ -66,6 +66,10 @@ def deepest(shape: dict, budget_bytes: float, bytes_per_parameter: float) -> int
     return max(0, int((budget_bytes - fixed) // (layer_parameters(shape) * bytes_per_parameter)))
 
 
+class DoesNotFit(RuntimeError):
+    """`l2l finetune` refused the run before loading it: this machine cannot hold it (its line)."""
+
+
 class Folders:
     """Model folders of one shape under `root`: shards/ holds the tensors, written once each."""
 
@@ -159,13 +163,16 @@ def finetune(folder: Path, text: Path, out: Path, *, device: str, context: int, 
            "--optimizer-state", optimizer_state, "--steps", str(warmup + timed + 2), "--eval-every", "1000000",
            "--schedule", "constant", "--seed", str(seed), "--lr", str(adamw["lr"]),
            "--adam-beta1", str(adamw["betas"][0]), "--adam-beta2", str(adamw["betas"][1]),
-           "--adam-eps", str(adamw["eps"]), "--weight-decay", str(adamw["weight_decay"])]
+           "--adam-eps", str(adamw["eps"]), "--weight-decay", str(adamw["weight_decay"]),
+           "--no-save"]  # timed steps, then stopped: no checkpoint or model folder needs the disk
     out.mkdir(parents=True, exist_ok=True)
     log = out.parent / f"{out.name}.log"
     metrics = out / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
     seen = watch(cmd, metrics, log, stop_after_rows=warmup + timed, timeout=timeout)
     rows = seen["rows"]
+    if not rows and seen["returncode"] == 2 and "does not fit this machine" in log_tail(log):
+        raise DoesNotFit(f"l2l finetune: {log_tail(log).strip()}")
     if len(rows) < warmup + timed:
         raise RuntimeError(f"l2l finetune stopped after {len(rows)} of {warmup + timed} steps (exit "
                            f"{seen['returncode']}, {seen['killed'] or 'not killed'}): {log_tail(log)}")

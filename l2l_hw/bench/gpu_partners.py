@@ -40,9 +40,8 @@ class GPTPartner:
             raise ValueError(f"recipe must be one of {', '.join(RECIPES)}, got {recipe!r}")
         self.device, self.recipe, self.micro_batches = device, recipe, micro_batches
         self.checkpointed = checkpointed
-        torch.manual_seed(seed)
-        with device:  # built where it runs: no host copy of a model only the device trains
-            self.model = build_gpt(cfg)
+        torch.manual_seed(seed)  # drawn on the host, as the relay draws its model: the same initial weights
+        self.model = build_gpt(cfg).to(device)  # (built under `with device:`, CUDA's generator would draw others)
         kernel = {"fused": True} if device.type == "cuda" else {"foreach": True}
         if recipe == "autocast":
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, **kernel)

@@ -54,7 +54,9 @@ def _draws_random(op, args, kwargs) -> bool:
 
 
 def _kept(policy: Callable, op, args, kwargs, out) -> bool:
-    decision = policy(SelectiveCheckpointContext(is_recompute=False, op_output=out), op, *args, **kwargs)
+    ctx = SelectiveCheckpointContext(is_recompute=False)
+    ctx.op_output = out  # torch >= 2.13 passes it to __init__; 2.11's context has no such argument
+    decision = policy(ctx, op, *args, **kwargs)
     if isinstance(decision, bool):
         return decision
     return decision in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
