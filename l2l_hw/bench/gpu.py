@@ -40,16 +40,8 @@ summary.json names every failure ("failed") and the command exits 1 when there i
 default set to keep it within its time: memory_by_depth, trace (a profiler trace of capped
 relay steps, DIR/trace.json), syncs, eps (gpu_extras).
 
-Time budget at real sizes (estimates from the first campaign's H200 figures and the sizes
-above; each part's measured seconds are in summary.json; one device call <= 600 s):
-
-    call 1: tests 60, matmul_peak 5, resident 110, capacity 150, loss 45,
-            llama_8b 150 (folder 30, load 60, 7 steps 35, start 25)             ~520 s
-    call 2: matmul_peak 5, peers 330 (relay 110 on shared shards, ZeRO-3 90, ZeRO-2 70, FSDP2 60),
-            llama_largest 200 (shards 20, load 100, 7 steps 60, start 20)      ~530 s
-
-    l2l bench gpu --out $OUT/gpu1 --parts tests matmul_peak resident capacity loss llama_8b
-    l2l bench gpu --out $OUT/gpu2 --parts matmul_peak peers llama_largest
+Time budget: measured seconds of each part and the device calls that fit the rest into a
+session's 15 minutes are in docs/GPU_CAMPAIGN.md ("Time budget and the device command").
 
 Files: summary.json, tests.txt (the tests' output), log.txt (the commands' output), trace.json.
 The model folders and runs go to --work (default: a temporary folder, removed at the end).

@@ -14,7 +14,7 @@ campaign (docs/BENCHMARKS.md):
 
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \\
       && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 && python3 setup.py -q build_ext --inplace \\
-      && python3 -m l2l_hw.cli bench gpu --out $OUT/gpu1 --parts tests matmul_peak resident capacity loss llama_8b
+      && python3 -m l2l_hw.cli bench gpu --out $OUT/gpu1 --parts tests matmul_peak loss peers
 """
 from __future__ import annotations
 
