@@ -11,7 +11,8 @@ train_steps call: one schedule over their micro-batches; default one train_step 
 record (each rank writes the gradients its EPS received in the first step to "{record}.{rank}", by
 the whole model's group names), precision / recompute / activations / device (RelayOptions), memory (a list
 of layer counts per stage: each rank trains a pipeline of that many identical blocks a stage for each and
-writes its stage's peak device memory to "{out}.{rank}"), replicas (data parallel replicas of each stage:
+writes its stage's peak device memory to "{out}.{rank}"), inf_at_step (rank 0's gradients overflow in
+that step), replicas (data parallel replicas of each stage:
 the world is stages x replicas, rank = replica * stages + stage, each replica trains its shard of the minibatch).
 A PipelineError is printed as one line on stderr, exit code 2 (the pipeline closed, the interpreter's own exit).
 """
@@ -28,6 +29,8 @@ import torch.distributed as dist
 import l2l_hw
 from l2l_hw.distributed import rank_shard, stage_groups
 from l2l_hw.relay.options import PipelineConfig
+
+RELAY_OPTIONS = ("precision", "recompute", "activations", "device", "clip_grad_norm", "clip_mode", "skip_nonfinite")
 from l2l_hw.relay.pipeline import PipelineError, PipelineRelay
 from tests.helpers import record_pushes
 from tests.test_pipeline import EPS_BACKEND, MODELS, OPTIMIZERS, RNG_SEED
@@ -110,7 +113,11 @@ def main(cfg: dict) -> None:
                               timeout_s=cfg.get("timeout", 60))
     relay = PipelineRelay(layers, loss_fn, eps, pipeline=pipeline, group=group, replicas=replica_group,
                           micro_batches=cfg.get("micro_batches", 4),
-                          **{k: cfg[k] for k in ("precision", "recompute", "activations", "device") if k in cfg})
+                          **{k: cfg[k] for k in RELAY_OPTIONS if k in cfg})
+    if cfg.get("inf_at_step") is not None and rank == 0:  # stage 0's own gradient overflows at that step
+        push = relay.relay.push
+        relay.relay.push = lambda key, grads: push(key, {n: g.fill_(float("inf")) if current["step"] == cfg["inf_at_step"]
+                                                           else g for n, g in grads.items()})
     pushed = {}
     if cfg.get("record"):
         record_pushes(eps, pushed)
@@ -142,6 +149,9 @@ def main(cfg: dict) -> None:
     evaluated = relay.evaluate(*shard((x, y)))
     state = relay.full_state_dict() if cfg.get("save") else None
     model = relay.materialize()
+    mine = torch.tensor([relay.relay.eps.step, relay.relay.loss_scale], dtype=torch.float64)
+    every = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
     if rank == 0:
         if cfg.get("save"):
             safetensors.torch.save_file(state, cfg["save"])
@@ -150,6 +160,7 @@ def main(cfg: dict) -> None:
                    for n, t in layer.state_dict().items()}
             out["losses"] = torch.tensor(losses, dtype=torch.float64)
             out["eval"] = torch.tensor([evaluated], dtype=torch.float64)
+            out["steps_and_scales"] = torch.stack(every)  # per rank: its EPS's step and its loss scale
             safetensors.torch.save_file(out, cfg["out"])
     dist.barrier()  # rank 0 writes while the others would tear the group down: gloo can abort on that
     relay.close()

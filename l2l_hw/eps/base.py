@@ -269,9 +269,11 @@ class EPS(ABC):
         `grads` may be a Landing (still on its way to host memory): the update waits for it."""
 
     @abstractmethod
-    def commit_step(self, grad_scale: float = 1.0, skip_nonfinite: bool = False, wait: bool = True) -> bool:
+    def commit_step(self, grad_scale: float = 1.0, skip_nonfinite: bool = False, wait: bool = True,
+                    agree: Callable[[bool], bool] | None = None) -> bool:
         """Finish the step's updates and make them the committed state (LocalEps says how);
-        whether a non-finite gradient was seen."""
+        whether a non-finite gradient was seen. `agree(found)`: the flag combined with the other
+        ranks that hold the rest of the model (a pipeline's stages), so all skip the same steps."""
 
     @abstractmethod
     def discard_step(self) -> None:
@@ -433,7 +435,8 @@ class LocalEps(EPS):
         self._check_grads(key, grads)
         self.pushes.add(key, grads, inv_scale, self.step + 1, self._push)
 
-    def commit_step(self, grad_scale: float = 1.0, skip_nonfinite: bool = False, wait: bool = True) -> bool:
+    def commit_step(self, grad_scale: float = 1.0, skip_nonfinite: bool = False, wait: bool = True,
+                    agree: Callable[[bool], bool] | None = None) -> bool:
         """Run deferred updates with their gradients times `grad_scale`, wait for every
         update of the step and make it the committed state; with `skip_nonfinite`, a
         step that saw a non-finite gradient is discarded whole instead (that needs double
@@ -454,7 +457,7 @@ class LocalEps(EPS):
             self.step += 1
             return False
         self._wait()
-        found = self.found_nonfinite
+        found = self.found_nonfinite if agree is None else agree(self.found_nonfinite)
         if found and skip_nonfinite:
             self.discard_step()
             return True

@@ -121,7 +121,8 @@ class ShardedEps(EPS):
                                  f"a ({want},) tensor, got {tuple(g.shape)}; the Relay reduce-scatters them")
         self.pushes.add(key, grads, inv_scale, self.step + 1, self.inner.push_grads)
 
-    def commit_step(self, grad_scale: float = 1.0, skip_nonfinite: bool = False, wait: bool = True) -> bool:
+    def commit_step(self, grad_scale: float = 1.0, skip_nonfinite: bool = False, wait: bool = True,
+                    agree=None) -> bool:
         """As the backend's, after every rank agrees whether any slice saw a non-finite gradient."""
         self.pushes.run_deferred(grad_scale, self.inner.push_grads)
         self.pushes.groups.clear()
@@ -132,7 +133,7 @@ class ShardedEps(EPS):
         guarded(self.process_group, "agreeing on non-finite gradients at commit", dist.all_reduce, flag,
                 op=dist.ReduceOp.MAX, group=self.process_group)
         self.inner.found_nonfinite = bool(flag.item())
-        return self.inner.commit_step(skip_nonfinite=skip_nonfinite)
+        return self.inner.commit_step(skip_nonfinite=skip_nonfinite, agree=agree)
 
     def discard_step(self) -> None:
         self.pushes.clear()

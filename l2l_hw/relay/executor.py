@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
+from torch import distributed as dist
 from torch import nn
 from torch.func import functional_call
 
@@ -230,6 +231,7 @@ class Relay:
                       defer_updates=self.clip_mode == "global", device=self.device,
                       threads=self._thread_policy(options.threads), inline=not self.transport.asynchronous)
         self.dp = self._data_parallel(process_group)
+        self._sq_norm = self._zero_norm()  # global-norm clipping: the step's squared norm so far
         self._pending = []  # gradient reductions under way, oldest first
         self.plans = self._plan(init, no_decay or (lambda i, name: False))
         self.weights = WeightStream(eps, self.transport, previous=self.pipedream_2bw)
@@ -438,7 +440,6 @@ class Relay:
         order = self.active_layers(layers)
         users = self._users(order)
         live: dict[str, dict[str, torch.Tensor]] = {}  # EPS groups on the device now
-        self._sq_norm = torch.zeros((), dtype=torch.float32, device=self.device)  # for global-norm clipping
         try:
             acts = self._forward_sweep(order, xs, live, users)
             total, grads_in = self._last_layer(order, acts, ts, weights, live)
@@ -537,6 +538,7 @@ class Relay:
         """A step that failed leaves nothing behind: what is in flight is dropped, scheduled
         updates finish and the step is forgotten; the first error stays the one raised."""
         self.discard_reductions()
+        self._sq_norm = self._zero_norm()
         self.weights.clear()
         self.stash.clear()
         self.keep.clear()
@@ -551,13 +553,24 @@ class Relay:
         """The EPS finishes the step's updates (clipped by the global norm, discarded where a
         gradient was not finite and skip_nonfinite); returns the minibatch's mean loss."""
         self.memory.drop_saved()
-        # PipeDream-2BW: the next step computes on the version this one replaces, so it need
-        # not wait for this step's last updates (unless fp16 must first learn of an overflow).
-        found = self.eps.commit_step(grad_scale=self._global_clip_factor(), skip_nonfinite=self.skip_nonfinite,
-                                     wait=not self.pipedream_2bw or self.skip_nonfinite)
+        self.commit_pushed()
+        return self.mean_over_ranks(self.transport.read(total), local_n, "averaging the step's loss")
+
+    def commit_pushed(self, across: Callable | None = None) -> None:
+        """The EPS finishes the step's pushed updates: scaled by the global clip factor, discarded
+        whole where a gradient was not finite (skip_nonfinite; fp16's loss scale learns of it).
+        `across(tensor, op, what)`: the tensor all-reduced over the ranks that hold the rest of
+        the model (a pipeline's stages), so the norm is the whole model's and every stage skips
+        the same steps. PipeDream-2BW: the next step computes on the version this one replaces,
+        so it need not wait for this step's last updates (unless it must first learn of an overflow)."""
+        agree = None
+        if across is not None and self.skip_nonfinite:
+            agree = lambda found: bool(across(torch.tensor([float(found)]), dist.ReduceOp.MAX,  # noqa: E731
+                                              "agreeing on non-finite gradients at commit").item())
+        found = self.eps.commit_step(grad_scale=self._global_clip_factor(across), skip_nonfinite=self.skip_nonfinite,
+                                     wait=not self.pipedream_2bw or self.skip_nonfinite, agree=agree)
         if self.scaler is not None:
             self.scaler.update(found)
-        return self.mean_over_ranks(self.transport.read(total), local_n, "averaging the step's loss")
 
     @property
     def loss_scale(self) -> float:
@@ -650,13 +663,20 @@ class Relay:
         coef = torch.clamp(self.clip_norm / (norm + 1e-6), max=1.0)
         return {n: g.mul_(coef.to(g.dtype)) for n, g in grads.items()}
 
-    def _global_clip_factor(self) -> float:
+    def _global_clip_factor(self, across: Callable | None = None) -> float:
         """Global-norm clipping: the factor every deferred update's gradient is scaled by."""
         if self.clip_mode != "global":
             return 1.0
-        sq = self.dp.sum(self._sq_norm, "summing the global gradient norm over ranks") if self._sharded else self._sq_norm
+        sq, self._sq_norm = self._sq_norm, self._zero_norm()
+        if self._sharded:
+            sq = self.dp.sum(sq, "summing the global gradient norm over ranks")
+        if across is not None:
+            sq = across(sq, dist.ReduceOp.SUM, "summing the global gradient norm over the stages")
         total = sq.sqrt()
         return self.transport.read(torch.clamp(self.clip_norm / (total + 1e-6), max=1.0))
+
+    def _zero_norm(self) -> torch.Tensor:
+        return torch.zeros((), dtype=torch.float32, device=self.device)
 
     @property
     def _sharded(self) -> bool:

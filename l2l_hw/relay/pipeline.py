@@ -269,6 +269,8 @@ class Links:
 
     def __init__(self, group, stage: int, stages: int, timeout_s: float):
         self.group, self.stage, self.stages, self.timeout_s = group, stage, stages, timeout_s
+        nccl = dist.get_backend(group) == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")  # collectives'
         self.store = dist.distributed_c10d._get_default_store()
         self.slot = f"l2l_pipeline/{next(self._instances)}"
         self.sends: list = []
@@ -295,6 +297,12 @@ class Links:
     def gather(self, parts: list, mine, what: str) -> None:
         """Every stage's `mine` into `parts` (all_gather_object); a lost stage is a PipelineError."""
         self._guard(what, dist.all_gather_object, parts, mine, group=self.group)
+
+    def all_reduce(self, t: torch.Tensor, op, what: str) -> torch.Tensor:
+        """`t` reduced over the stages (a copy on the group's device); a lost stage is a PipelineError."""
+        t = t.to(self.device, copy=True)
+        self.wait([self._guard(what, dist.all_reduce, t, op=op, group=self.group, async_op=True)], what)
+        return t
 
     def _guard(self, what: str, fn, *args, **kwargs):
         try:
@@ -465,10 +473,12 @@ class PipelineRelay:
             raise ValueError("pipedream_2bw=True asks for weights one step back: use schedule '2bw', not 'flush'")
         options = dataclasses.replace(options, pipedream_2bw=self.schedule.pipedream_2bw)
         unsupported = [(options.layer_drop != 0.0, "layer_drop (every stage would have to draw the same layers)"),
-                       (options.clip_grad_norm is not None and options.clip_mode == "global",
-                        "clip_mode='global' (the norm spans stages); use clip_mode='layer'"),
-                       (options.precision == "fp16" or options.skip_nonfinite,
-                        "fp16 or skip_nonfinite (a step skipped on one stage must be skipped on all)"),
+                       (self.schedule.pipedream_2bw and options.clip_grad_norm is not None
+                        and options.clip_mode == "global", "clip_mode='global' under '2bw' (a stage would wait "
+                        "for the whole model's norm while the next step streams in); use 'flush' or clip_mode='layer'"),
+                       (self.schedule.pipedream_2bw and (options.precision == "fp16" or options.skip_nonfinite),
+                        "fp16 or skip_nonfinite under '2bw' (every stage must learn of an overflow before the "
+                        "next step streams in); use 'flush'"),
                        (options.activation_budget is not None,
                         "activation_budget (its plan measures a layer over a whole step's micro-batches at once)"),
                        (options.grad_compression != "none",
@@ -703,8 +713,7 @@ class PipelineRelay:
                         links.send(grads, self.stage - 1, tag_of(1, g))
                     if j == u - 1:  # the step's every group is pushed: commit it (2bw: without waiting)
                         relay.push_reduced()
-                        relay.eps.commit_step(grad_scale=1.0, skip_nonfinite=False,
-                                              wait=not self.schedule.pipedream_2bw)
+                        relay.commit_pushed(across=self.links.all_reduce)
                         relay.weights.clear()  # what is on its way was read before the commit
                     busy += time.perf_counter() - c0
                 if n + 1 < len(actions):
