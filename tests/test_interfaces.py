@@ -103,3 +103,36 @@ def test_no_eps_module_reads_a_private_attribute_of_another_object():
                     and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
                 readers.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}")
     assert not readers, readers
+
+
+def private_names_of_classes(tree: ast.Module) -> set[str]:
+    """The private names a module's classes define: their methods and class attributes, and what
+    their methods store on self."""
+    names = set()
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        for node in ast.walk(cls):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("_"):
+                names.add(node.name)
+            elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and node.attr.startswith("_")
+                  and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                names.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) and node.id.startswith("_"):
+                names.add(node.id)
+    return {n for n in names if not n.endswith("__")}
+
+
+def test_no_module_reads_a_private_attribute_that_another_module_defines():
+    """Components meet through public names: no `x._name` (x not self or cls) in one module of
+    l2l_hw where `_name` belongs to a class of another. torch's own private names (a module's
+    `_parameters`, a tensor's `_version`) are torch's, which l2l_hw's classes do not define."""
+    trees = {path: ast.parse(path.read_text()) for path in sorted((ROOT / "l2l_hw").rglob("*.py"))}
+    owners: dict[str, set[Path]] = {}
+    for path, tree in trees.items():
+        for name in private_names_of_classes(tree):
+            owners.setdefault(name, set()).add(path)
+    readers = [f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}"
+               for path, tree in trees.items() for node in ast.walk(tree)
+               if isinstance(node, ast.Attribute) and node.attr in owners and path not in owners[node.attr]
+               and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))]
+    assert not readers, readers
+
