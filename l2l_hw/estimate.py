@@ -926,12 +926,12 @@ class Estimate:
 
 
 def world_size(cfg) -> int:
-    """Ranks on this machine: the pipeline's stages, else torchrun's WORLD_SIZE (data parallel)."""
-    if cfg.pipeline_stages > 1:
-        return cfg.pipeline_stages
+    """Ranks on this machine: torchrun's WORLD_SIZE (data-parallel ranks, or a pipeline's stages
+    times its replicas); a pipeline's stages at least."""
+    world = 1
     with contextlib.suppress(ValueError):
-        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
-    return 1
+        world = max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    return max(world, cfg.pipeline_stages)
 
 
 def figures(cfg, baseline: int) -> Estimate:
@@ -940,8 +940,8 @@ def figures(cfg, baseline: int) -> Estimate:
 
     run = run_model(cfg)
     ranks = world_size(cfg)
-    per_rank = cfg.batch_size if cfg.pipeline_stages > 1 else len(torch.tensor_split(
-        torch.empty(cfg.batch_size, device="meta"), ranks)[0])
+    replicas = max(1, ranks // max(1, cfg.pipeline_stages))  # each trains its shard of the minibatch
+    per_rank = len(torch.tensor_split(torch.empty(cfg.batch_size, device="meta"), replicas)[0])
     sizes = micro_sizes(per_rank, min(cfg.micro_batches, per_rank))
     budget = cfg.activation_budget is not None
     selective = cfg.recompute if callable(cfg.recompute) else (
@@ -964,9 +964,9 @@ def figures(cfg, baseline: int) -> Estimate:
             steps.append(replay_evaluate(sub, on_host))  # a validation minibatch: every micro-batch's output at once
             step = StepMemory(*(max(getattr(st, f.name) for st in steps) for f in dataclasses.fields(StepMemory)))
         eps = eps_bytes(cfg, sub.shapes)
-        if cfg.shard_state and ranks > 1:
-            eps = EpsBytes(eps.memory // ranks, eps.fetched, eps.disk)
-        state_dir += eps.disk
+        if cfg.shard_state and replicas > 1:
+            eps = EpsBytes(eps.memory // replicas, eps.fetched, eps.disk)
+        state_dir += eps.disk * replicas  # state_dir/rankR for each rank
         stages.append({"layers": [first, end], "device_bytes": step.peak, "kept_activation_bytes": step.kept_peak})
         parts, phases = host_parts(cfg, run, sub, eps, step, baseline=baseline, on_host=on_host,
                                    whole_model=whole_fp32)
@@ -986,7 +986,7 @@ def figures(cfg, baseline: int) -> Estimate:
         disk["tokens"] = token_bytes(cfg)
     trained = sum(math.prod(s) for t in model.shapes.values() for s in t.values())
     frozen = sum(p.numel() for layer in run.layers for p in layer.parameters() if not p.requires_grad)
-    every_rank = sum(sum(h.values()) for h, _ in hosts) if len(hosts) > 1 else sum(host.values()) * ranks
+    every_rank = sum(sum(h.values()) for h, _ in hosts) * replicas
     return Estimate(model=run.name, parameters=trained + frozen, trained=trained, device=cfg.device, ranks=ranks,
                     host_bytes=every_rank, host=host, host_phases=phases,
                     disk_bytes=sum(v for k, v in disk.items() if k != "checkpoint"), disk=disk,

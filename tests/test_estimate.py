@@ -224,6 +224,22 @@ def test_a_pipeline_is_estimated_per_stage_and_per_rank(one_thread):
     assert e.device_bytes == max(s["device_bytes"] for s in e.stages)
 
 
+def test_a_replicated_pipeline_holds_a_replicas_shard_of_the_activations_on_each_rank(one_thread, monkeypatch):
+    # 4 torchrun ranks as 2 stages x 2 replicas: a replica trains 4 of the 8 sequences, so each
+    # rank's stage is the 2-rank pipeline's on a minibatch of 4, and the machine holds two of them
+    cfg = dict(layers=4, width=64, heads=2, context=32, out=None, pipeline_stages=2, pipeline_schedule="flush",
+               micro_batches=2)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    replicated = est.estimate(TrainConfig(batch_size=8, **cfg))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    shard = est.estimate(TrainConfig(batch_size=4, **cfg))
+    assert replicated.ranks == 4 and shard.ranks == 2
+    assert replicated.stages == shard.stages
+    assert {k: v for k, v in replicated.host.items() if k != "baseline"} == \
+        {k: v for k, v in shard.host.items() if k != "baseline"}  # the baseline is this process's RSS as read
+    assert replicated.host_bytes - 4 * replicated.host["baseline"] == 2 * (shard.host_bytes - 2 * shard.host["baseline"])
+
+
 if __name__ == "__main__":
     import tempfile
 
