@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 import l2l_hw
 from l2l_hw.distributed import rank_shard, stage_groups
+from l2l_hw.eps.base import tensor_of
 from l2l_hw.relay.options import PipelineConfig
 
 RELAY_OPTIONS = ("precision", "recompute", "activations", "device", "clip_grad_norm", "clip_mode", "skip_nonfinite")
@@ -148,6 +149,27 @@ def main(cfg: dict) -> None:
     x, y = make_batches(1, batch=cfg["batch"])[0]
     evaluated = relay.evaluate(*shard((x, y)))
     state = relay.full_state_dict() if cfg.get("save") else None
+    if cfg.get("entries"):  # what a checkpoint streams: on rank 0, another stage's entries come when read
+        received = []
+        receive_one = relay.links.receive_one
+        relay.links.receive_one = lambda *a: received.append(a) or receive_one(*a)
+        entries = relay.state_entries()
+        lazy, read = [], {}
+        if received:
+            raise AssertionError(f"rank {rank} received {len(received)} entries before reading any")
+        for n, e in entries.items():
+            read[n] = tensor_of(e).clone()
+            if received:  # this read received it from its stage
+                lazy.append(n)
+                received.clear()
+        whole = relay.full_state_dict()
+        if rank == 0:
+            safetensors.torch.save_file({**{f"read.{n}": t for n, t in read.items()},
+                                         **{f"whole.{n}": t.contiguous() for n, t in whole.items()}}, cfg["entries"])
+            with open(cfg["entries"] + ".json", "w") as f:
+                json.dump({"lazy": sorted(lazy)}, f)
+        elif entries:
+            raise AssertionError(f"rank {rank} kept {len(entries)} entries of a checkpoint rank 0 writes")
     model = relay.materialize()
     mine = torch.tensor([relay.relay.eps.step, relay.relay.loss_scale], dtype=torch.float64)
     every = [torch.zeros_like(mine) for _ in range(world)]

@@ -150,6 +150,21 @@ def test_a_step_that_overflows_on_one_stage_is_skipped_by_every_stage(tmp_path, 
                 assert rel_diff(got[f"{i}.{n}"], w) <= TOL, f"{i}.{n}"
 
 
+def test_a_checkpoint_takes_each_stages_entries_from_that_stage_when_it_writes_them(tmp_path):
+    # rank 0 writes; stage 1's entries are received one at a time as they are read, not gathered
+    entries = str(tmp_path / "entries.safetensors")
+    ranks_ok("tests.pipe_worker", 2, dict(model="mlp", optimizer="adamw", steps=3, batch=12, micro_batches=2,
+                                          schedule="flush", entries=entries), LAUNCH_TIMEOUT)
+    got = safetensors.torch.load_file(entries)
+    read = {n[len("read."):]: t for n, t in got.items() if n.startswith("read.")}
+    whole = {n[len("whole."):]: t for n, t in got.items() if n.startswith("whole.")}
+    assert read.keys() == whole.keys() and all(torch.equal(read[n], whole[n]) for n in whole)
+    lazy = json.loads(Path(entries + ".json").read_text())["lazy"]
+    layer_of = {n: int(n.split("/")[1].removeprefix("layer")) for n in whole if n.startswith(("eps/layer", "buffers/"))}
+    first = even_split(max(layer_of.values()) + 1, 2)[1]  # stage 1's first layer
+    assert lazy == sorted(n for n, i in layer_of.items() if i >= first) and lazy
+
+
 @SLOW
 def test_resume_5_plus_5_steps_is_bit_identical_to_10_straight_and_loads_into_the_single_process_relay(tmp_path):
     cfg = dict(model="mlp", optimizer="adamw", steps=STEPS, batch=12, micro_batches=3, schedule="2bw")

@@ -62,10 +62,12 @@ from torch.func import functional_call
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from l2l_hw.distributed import short_cause
+from l2l_hw.eps.base import StateEntry, tensor_of
 from l2l_hw.relay.executor import Relay, RelayError, layer_output
 from l2l_hw.relay.options import PipelineConfig, RelayOptions
 from l2l_hw.relay.recompute import grad_leaf, rng_state, set_rng_state
 
+CHECKPOINT_TAG = 1 << 24  # the tags of a checkpoint's entries, above every step's transfers
 STORE_POLL_S = 0.05  # how often a waiting stage looks for another stage's error in the store
 ERROR_LINGER_S = 3.0  # how long rank 0 (the store's host) waits for every rank to read an error
 CLOSE_JOIN_S = 10.0  # how long close() waits for the waiter thread, its waits done or cancelled
@@ -293,6 +295,12 @@ class Links:
             t = t.detach().contiguous()
             self.sends.append((t, self._guard(f"sending to stage {stage}", dist.isend, t, self._peer(stage),
                                               group=self.group, tag=tag + k), stage))
+
+    def receive_one(self, spec: _Spec, stage: int, tag: int) -> torch.Tensor:
+        """One tensor shaped `spec` from `stage`, waited for, on the CPU."""
+        (buf,), works = self.recv([spec], stage, tag, self.device)
+        self.wait(works, f"receiving a checkpoint entry from stage {stage}")
+        return buf.cpu()
 
     def gather(self, parts: list, mine, what: str) -> None:
         """Every stage's `mine` into `parts` (all_gather_object); a lost stage is a PipelineError."""
@@ -998,9 +1006,33 @@ class PipelineRelay:
                 mine[local] = v
         self.relay.load_state_dict(mine)
 
-    def state_entries(self) -> dict[str, torch.Tensor]:
-        """What a checkpoint writes (l2l_hw.train): the whole model's state, gathered on every rank."""
-        return self.full_state_dict()
+    def state_entries(self) -> dict[str, StateEntry]:
+        """What a checkpoint writes (l2l_hw.train; collective over the stages): the whole model's
+        state under its layer indices, without a stage holding another's. The stages announce
+        their entries' names, shapes and dtypes; on the rank that writes (global rank 0: stage 0
+        of replica 0) another stage's entry is received when it is read, and every other stage
+        of that replica sends its entries one at a time, in that order, before this returns.
+        Other replicas (their state is replica 0's) keep theirs: they return their own entries."""
+        mine = {self._to_global(k): v for k, v in self.relay.state_entries().items()}
+        parts = [None] * self.stages
+        self.links.gather(parts, {k: (tuple(e.shape), e.dtype) for k, e in mine.items()},
+                          "announcing the stages' state for a checkpoint")
+        order = {}  # name -> (stage, its index there): a name every stage holds (the step) is stage 0's
+        for stage, part in enumerate(parts):
+            for n, name in enumerate(part):
+                order.setdefault(name, (stage, n))
+        if dist.get_global_rank(self.group, 0) != 0:  # not the writing replica
+            return mine
+        if self.stage > 0:
+            for name, (stage, n) in order.items():
+                if stage == self.stage:
+                    self.links.send([tensor_of(mine[name]).to(self.links.device)], 0, CHECKPOINT_TAG + n)
+                    self.links.finish_sends()
+            return {}
+        receive = lambda stage, n, spec: self.links.receive_one(spec, stage, CHECKPOINT_TAG + n)  # noqa: E731
+        return {name: mine[name] if stage == 0 else StateEntry(torch.Size(parts[stage][name][0]), parts[stage][name][1],
+                                                                partial(receive, stage, n, _Spec(*parts[stage][name])))
+                for name, (stage, n) in order.items()}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state, gathered on every rank (small models: tests, export)."""
