@@ -193,9 +193,6 @@ class TrainConfig(RunOptions, PipelineOptions, RelayOptions, EpsOptions, Schedul
                 fail("micro_batches", self.micro_batches, f"must be at most batch_size ({self.batch_size})")
             if self.min_lr is not None and self.min_lr > self.lr:
                 fail("min_lr", self.min_lr, f"must be at most lr ({self.lr})")
-            if self.pipeline_stages > 1 and self.shard_state:
-                fail("shard_state", True, f"is not supported with a pipeline (pipeline_stages {self.pipeline_stages}) "
-                     "yet: each stage's replicas keep their state whole")
             if self.pipeline_stages > 1 and self.grad_compression != "none":
                 fail("grad_compression", self.grad_compression, "compresses the gradient all-reduce of data "
                      f"parallelism, and a pipeline (pipeline_stages {self.pipeline_stages}) has none: drop it")
@@ -280,12 +277,15 @@ def _saved_config(meta: dict, path: Path) -> dict:
     return saved
 
 
-def build_eps(cfg: TrainConfig, shard_state: bool | None = None):
+def build_eps(cfg: TrainConfig, shard_state: bool | None = None, process_group=None):
     """The EPS of `cfg`: optimizer, schedule and backend. Under torchrun each rank keeps its state
-    (a pipeline stage's layers, or a data-parallel replica) in a state_dir of its own, state_dir/rankR."""
+    (a pipeline stage's layers, or a data-parallel replica) in a state_dir of its own, state_dir/rankR.
+    A sharded one shards over `process_group` (a pipeline stage's replicas; default every rank)."""
     arguments = pick(EpsOptions, cfg).make_eps_arguments(pick(ScheduleOptions, cfg))
     if shard_state is not None:
         arguments["shard_state"] = shard_state
+    if arguments.get("shard_state") and process_group is not None:
+        arguments["process_group"] = process_group
     rank, world = rank_and_world()
     if world > 1 and arguments.get("state_dir") is not None:
         arguments["state_dir"] = str(Path(arguments["state_dir"]) / f"rank{rank}")
@@ -298,11 +298,22 @@ def relay_options(cfg: TrainConfig, device: str | None = None) -> RelayOptions:
     return dataclasses.replace(options, device=device) if device else options
 
 
+def pipeline_groups(cfg: TrainConfig) -> tuple:
+    """A pipeline's process groups on torchrun's ranks (distributed.stage_groups: every rank, one
+    order): this rank's replica's stages and its stage's replicas; (None, None) without replicas."""
+    _, world = rank_and_world()
+    if world > 1 and world % cfg.pipeline_stages:
+        raise ConfigError(f"must divide the {world} ranks (a pipeline of that many stages on each data-parallel "
+                          "replica)", "pipeline_stages", cfg.pipeline_stages)
+    return stage_groups(cfg.pipeline_stages) if world > cfg.pipeline_stages else (None, None)
+
+
 def build_relay(cfg: TrainConfig, layers=None, loss_fn: Callable | None = None, *, device: str | None = None,
-                shard_state: bool | None = None, eps=None, init: Callable | None = None) -> Relay:
+                shard_state: bool | None = None, eps=None, init: Callable | None = None,
+                groups: tuple | None = None) -> Relay:
     """The relay of `cfg`: its EPS (`eps`, else built here) around `layers` and `loss_fn`, the
     reference GPT and its loss when not given. Seeds torch with cfg.seed first. `init` fills
-    layers on the meta device (Relay's init=)."""
+    layers on the meta device (Relay's init=); `groups`: a pipeline's (pipeline_groups, else made here)."""
     torch.manual_seed(cfg.seed)
     reference = layers is None
     if reference:
@@ -310,11 +321,7 @@ def build_relay(cfg: TrainConfig, layers=None, loss_fn: Callable | None = None, 
     if cfg.pipeline_stages > 1:  # stages on the ranks (docs/PIPELINE.md); each replica trains its shard of the minibatch
         from l2l_hw.relay.pipeline import PipelineRelay
 
-        _, world = rank_and_world()
-        if world > 1 and world % cfg.pipeline_stages:
-            raise ConfigError(f"must divide the {world} ranks (a pipeline of that many stages on each data-parallel "
-                              "replica)", "pipeline_stages", cfg.pipeline_stages)
-        group, replicas = stage_groups(cfg.pipeline_stages) if world > cfg.pipeline_stages else (None, None)
+        group, replicas = groups or pipeline_groups(cfg)
 
         plan = None
         if cfg.pipeline_boundaries == "auto":  # the planner times the layers on random bytes of the batch's shape
@@ -326,7 +333,7 @@ def build_relay(cfg: TrainConfig, layers=None, loss_fn: Callable | None = None, 
             x = torch.randint(0, 256, (cfg.batch_size, cfg.context), generator=torch.Generator().manual_seed(cfg.seed))
             plan = plan_on_ranks(list(layers), loss_fn, x, torch.roll(x, -1, 1), cfg.pipeline_stages,
                                  cfg.micro_batches, threads=cfg.threads or 1)
-        return PipelineRelay(layers, loss_fn, eps or build_eps(cfg, shard_state), relay_options(cfg, device),
+        return PipelineRelay(layers, loss_fn, eps or build_eps(cfg, shard_state, replicas), relay_options(cfg, device),
                              pipeline=cfg.pipeline_config(), group=group, replicas=replicas, init=init, plan=plan)
     return Relay(layers, loss_fn, eps=eps or build_eps(cfg, shard_state), options=relay_options(cfg, device),
                  init=init)
@@ -388,7 +395,11 @@ def train(cfg: TrainConfig | None = None, *, layers=None, loss_fn: Callable | No
         cfg = dataclasses.replace(cfg, warmup=checkpoint[1]["config"]["warmup"])
     ranks = join_torchrun(cfg.device, cfg.dist_timeout)
     with rank_body(ranks) as owned:
-        if cfg.shard_state and ranks.world == 1 and not cfg.resume:  # a resumed sharded run may go on whole
+        if cfg.shard_state and not sharded(cfg, ranks) and not cfg.resume:  # a resumed sharded run may go on whole
+            if cfg.pipeline_stages > 1:
+                raise ConfigError(f"shards each stage's optimizer state over its data-parallel replicas: run the "
+                                  f"{cfg.pipeline_stages} stages on a multiple of {cfg.pipeline_stages} ranks, "
+                                  f"{2 * cfg.pipeline_stages} or more; this is {ranks.world}", "shard_state", True)
             raise ConfigError("shards the optimizer state across ranks: run under torchrun with 2 or more "
                               "processes (torchrun --nproc-per-node N); this is one process", "shard_state", True)
         loop, corpus = _set_up(cfg, ranks, layers, loss_fn, data, val_data, relay, checkpoint)
@@ -423,8 +434,10 @@ def _closed_on_failure(owned):
 def _set_up(cfg: TrainConfig, ranks: Ranks, layers, loss_fn, data, val_data, relay, checkpoint):
     """The loop of a run, every input checked first: the output folder, the data, the EPS (its
     state_dir) on every rank, then the relay and the checkpoint it resumes. Only then is an
-    earlier run in the output folder removed (overwrite)."""
+    earlier run in the output folder removed (overwrite). A pipeline's groups are made first, on
+    every rank, before anything may refuse on one rank alone (a sharded EPS shards over them)."""
     corpus = eps = None
+    groups = pipeline_groups(cfg) if cfg.pipeline_stages > 1 and relay is None else (None, None)
     try:  # what may refuse the run on one rank alone, before the ranks' first collective
         if layers is None and relay is None:
             check_fits(cfg)
@@ -435,7 +448,7 @@ def _set_up(cfg: TrainConfig, ranks: Ranks, layers, loss_fn, data, val_data, rel
             data = CorpusBatches(corpus, cfg.batch_size, cfg.context, cfg.seed)
             val_data = corpus_val_batches(corpus, cfg)
         if relay is None:
-            eps = build_eps(cfg, sharded(cfg, ranks))
+            eps = build_eps(cfg, sharded(cfg, ranks), groups[1])
         failure = None
     except Exception as e:
         failure = as_config_error(e)
@@ -444,7 +457,7 @@ def _set_up(cfg: TrainConfig, ranks: Ranks, layers, loss_fn, data, val_data, rel
         try:
             if relay is None:  # resuming, layers on the meta device (or a relay's: only structure) are filled
                 init = init_from_state(checkpoint[0].view("relay.")) if checkpoint is not None else None  # the file's
-                relay = build_relay(cfg, layers, loss_fn, device=ranks.device, eps=eps, init=init)
+                relay = build_relay(cfg, layers, loss_fn, device=ranks.device, eps=eps, init=init, groups=groups)
             loop = _Loop(cfg, relay, data, val_data, ranks)
             if checkpoint is not None:  # after building: construction draws from the RNGs restored now
                 loop.restore(*checkpoint)
@@ -583,8 +596,9 @@ def _size(n: float) -> str:
 
 
 def sharded(cfg: TrainConfig, ranks: Ranks) -> bool:
-    """Sharding needs ranks to share with: a sharded run resumed on one process is replicated."""
-    return cfg.shard_state and ranks.world > 1
+    """Sharding needs ranks to share with (a pipeline stage's replicas): a sharded run resumed on
+    one process (or as one pipeline) is replicated."""
+    return cfg.shard_state and ranks.world > max(1, cfg.pipeline_stages)
 
 
 def _load_for_resume(cfg: TrainConfig):

@@ -350,12 +350,15 @@ def test_l2l_train_pipeline_stages_equals_one_process_in_2bw_and_resumes_bit_exa
 
 
 @SLOW
-def test_l2l_train_on_4_ranks_as_2_stages_x_2_replicas_equals_one_process_and_resumes_bit_exactly(tmp_path):
-    # no dropout: a replica draws its masks for its shard, the single process for the whole minibatch
-    pipeline = ["--pipeline-stages", "2", "--dropout", "0"]
+@pytest.mark.parametrize("shard", [[], ["--shard-state"]])
+def test_l2l_train_on_4_ranks_as_2_stages_x_2_replicas_equals_one_process_and_resumes_bit_exactly(tmp_path, shard):
+    # no dropout: a replica draws its masks for its shard, the single process for the whole minibatch;
+    # --shard-state: each stage's state sharded over its 2 replicas, its checkpoint whole
+    pipeline = ["--pipeline-stages", "2", "--dropout", "0", *shard]
     l2l_train(1, "--steps", "4", "--pipedream-2bw", "--dropout", "0", "--out", str(tmp_path / "single"))
     out = l2l_train(4, "--steps", "4", *pipeline, "--out", str(tmp_path / "straight"))
     assert "through 2 pipeline stages, one a rank, a shard on each of 2 data-parallel replicas" in out
+    assert ("EPS cpu (state sharded)" in out) == bool(shard)
     l2l_train(4, "--steps", "2", *pipeline, "--out", str(tmp_path / "split"))
     l2l_train(4, "--steps", "4", *pipeline, "--resume", "--out", str(tmp_path / "split"))
     single, straight, split = (metrics(tmp_path / name) for name in ("single", "straight", "split"))
@@ -398,8 +401,6 @@ def test_bad_pipeline_input_is_one_clear_error():
     from l2l_hw.train import ConfigError, TrainConfig, build_relay
     with pytest.raises(ConfigError, match="auto profiles the reference GPT"):
         build_relay(TrainConfig(pipeline_stages=2, pipeline_boundaries="auto"), mlp_layers(), nn.functional.mse_loss)
-    with pytest.raises(ConfigError, match="shard_state=True: is not supported with a pipeline"):
-        TrainConfig(pipeline_stages=2, shard_state=True)
 
 
 @SLOW
@@ -411,6 +412,16 @@ def test_l2l_train_on_ranks_the_stages_do_not_divide_is_one_clear_line_on_every_
         assert res.returncode == 2 and res.stderr.strip().splitlines() == [
             f"l2l train: rank {rank} of 3: --pipeline-stages 2: must divide the 3 ranks (a pipeline of that many stages on each "
             "data-parallel replica)"], res.stderr[-2000:]
+
+
+def test_shard_state_with_a_pipeline_needs_replicas_to_shard_over_in_one_line_on_every_rank(tmp_path):
+    results = run_local_ranks(["-m", "l2l_hw.cli", "train", *TINY_RUN, "--steps", "2", "--pipeline-stages", "2",
+                               "--shard-state", "--out", str(tmp_path / "run")], 2, timeout_s=LAUNCH_TIMEOUT, cwd=ROOT,
+                              env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    for rank, res in enumerate(results):
+        assert res.returncode == 2 and res.stderr.strip().splitlines() == [
+            f"l2l train: rank {rank} of 2: --shard-state: shards each stage's optimizer state over its data-parallel "
+            "replicas: run the 2 stages on a multiple of 2 ranks, 4 or more; this is 2"], res.stderr[-2000:]
 
 
 def test_bench_pipeline_runs_every_variant_and_torch_1f1b_on_a_tiny_gpt():
