@@ -120,26 +120,29 @@ def test_two_replicas_of_a_2_stage_pipeline_equal_the_single_process_relay_on_th
 CLIPPED = {"clip_grad_norm": 0.05, "clip_mode": "global"}  # below the mlp's gradient norm: every step is clipped
 
 
-def test_global_clipping_spans_the_stages_and_replicas_as_in_one_process(tmp_path):
-    # 2 stages x 2 replicas: the norm is the whole model's, summed over the stages (each stage's
-    # own norm would clip each half by its own factor: 9e-4 apart here)
-    got = run_ok(4, model="mlp", optimizer="adamw", steps=STEPS, batch=13, micro_batches=2, replicas=2,
-                 schedule="flush", out=str(tmp_path / "out.safetensors"), **CLIPPED)
-    want, losses = single_process("mlp", "adamw", STEPS, 13, 4, pipedream_2bw=False, **CLIPPED)
-    assert_same(got, want, losses, f"2 stages x 2 replicas, {CLIPPED}")
+@pytest.mark.parametrize("world,replicas,schedule,stream", [(4, 2, "flush", 0),
+                                                             pytest.param(3, 1, "2bw", 5, marks=SLOW)])
+def test_global_clipping_spans_the_stages_and_replicas_as_in_one_process(tmp_path, world, replicas, schedule, stream):
+    # the norm is the whole model's, summed over the stages (each stage's own norm would clip each
+    # part by its own factor: 9e-4 apart here); 2bw with 5 steps streamed as one schedule
+    got = run_ok(world, model="mlp", optimizer="adamw", steps=STEPS, batch=13, micro_batches=4 // replicas,
+                 replicas=replicas, schedule=schedule, stream=stream, out=str(tmp_path / "out.safetensors"), **CLIPPED)
+    want, losses = single_process("mlp", "adamw", STEPS, 13, 4, pipedream_2bw=schedule == "2bw", **CLIPPED)
+    assert_same(got, want, losses, f"{world // replicas} stages x {replicas} replicas, {schedule}, {CLIPPED}")
 
 
-@pytest.mark.parametrize("precision", ["fp32", pytest.param("fp16", marks=SLOW)])
-def test_a_step_that_overflows_on_one_stage_is_skipped_by_every_stage(tmp_path, precision):
+@pytest.mark.parametrize("precision,schedule", [("fp32", "flush"), pytest.param("fp32", "2bw", marks=SLOW),
+                                                pytest.param("fp16", "flush", marks=SLOW)])
+def test_a_step_that_overflows_on_one_stage_is_skipped_by_every_stage(tmp_path, precision, schedule):
     # stage 0's gradients are Inf in step 3; the last stage's are finite, so only agreement skips it there
-    got = run_ok(2, model="mlp", optimizer="adamw", steps=6, batch=12, micro_batches=2, schedule="flush",
+    got = run_ok(2, model="mlp", optimizer="adamw", steps=6, batch=12, micro_batches=2, schedule=schedule,
                  precision=precision, skip_nonfinite=True, inf_at_step=3, out=str(tmp_path / "out.safetensors"))
     steps, scales = got["steps_and_scales"].T.tolist()
     assert len(set(steps)) == 1 and len(set(scales)) == 1, (steps, scales)  # the stages agree
     if precision == "fp32":  # the run is the single process's on the other 5 minibatches
         make_model, make_batches, loss_fn = MODELS["mlp"]
         relay = l2l_hw.Relay(make_model(), loss_fn, eps=l2l_hw.make_eps(EPS_BACKEND, **OPTIMIZERS["adamw"][0]),
-                             micro_batches=2)
+                             micro_batches=2, pipedream_2bw=schedule == "2bw", skip_nonfinite=True)
         for k, (x, y) in enumerate(make_batches(6, batch=12)):
             if k != 3:
                 relay.train_step(x, y)

@@ -481,12 +481,6 @@ class PipelineRelay:
             raise ValueError("pipedream_2bw=True asks for weights one step back: use schedule '2bw', not 'flush'")
         options = dataclasses.replace(options, pipedream_2bw=self.schedule.pipedream_2bw)
         unsupported = [(options.layer_drop != 0.0, "layer_drop (every stage would have to draw the same layers)"),
-                       (self.schedule.pipedream_2bw and options.clip_grad_norm is not None
-                        and options.clip_mode == "global", "clip_mode='global' under '2bw' (a stage would wait "
-                        "for the whole model's norm while the next step streams in); use 'flush' or clip_mode='layer'"),
-                       (self.schedule.pipedream_2bw and (options.precision == "fp16" or options.skip_nonfinite),
-                        "fp16 or skip_nonfinite under '2bw' (every stage must learn of an overflow before the "
-                        "next step streams in); use 'flush'"),
                        (options.activation_budget is not None,
                         "activation_budget (its plan measures a layer over a whole step's micro-batches at once)"),
                        (options.grad_compression != "none",
