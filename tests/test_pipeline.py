@@ -106,6 +106,7 @@ def test_pipeline_equals_the_single_process_relay_over_10_steps_and_evaluates_al
 
 @pytest.mark.parametrize("schedule,options", [
     ("flush", {}), pytest.param("2bw", {"recompute": "full", "activations": "host"}, marks=SLOW),
+    pytest.param("flush", {"recompute": "selective", "activations": "host"}, marks=SLOW),
     pytest.param("2bw", {"recompute": "none", "shard_state": True}, marks=SLOW)])
 def test_two_replicas_of_a_2_stage_pipeline_equal_the_single_process_relay_on_the_whole_minibatch(tmp_path, schedule,
                                                                                                   options):
