@@ -555,12 +555,16 @@ class PipelineRelay:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def __getattr__(self, name: str):
-        """What the pipeline does not say itself, its stage's Relay says (transport, threads,
-        loss_scale, memory_report, ...: the training loop reads them)."""
-        if name == "relay":
-            raise AttributeError(name)
-        return getattr(self.relay, name)
+    # What the training loop reads of a relay, this stage's: its recompute policy (keep.describe()),
+    # its transport (asynchronous or not), its host threads, its loss scale and its device memory.
+    keep = property(lambda self: self.relay.keep)
+    transport = property(lambda self: self.relay.transport)
+    threads = property(lambda self: self.relay.threads)
+    loss_scale = property(lambda self: self.relay.loss_scale)
+
+    def memory_report(self) -> dict:
+        """This stage's peak device memory since it was built (Relay.memory_report)."""
+        return self.relay.memory_report()
 
     def _check_no_shared_parameters(self) -> None:
         where: dict[int, int] = {}
