@@ -57,7 +57,12 @@ def single_process(model: str, optimizer: str, steps: int, batch: int, micro_bat
     relay = l2l_hw.Relay(make_model(), loss_fn, eps=l2l_hw.make_eps(EPS_BACKEND, **OPTIMIZERS[optimizer][0]),
                          micro_batches=micro_batches, pipedream_2bw=pipedream_2bw, **options)
     torch.manual_seed(RNG_SEED)
-    losses = [relay.train_step(x, y) for x, y in make_batches(steps, batch=batch)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each stage runs (pipe_worker): a kernel's reduction order follows its threads
+    try:
+        losses = [relay.train_step(x, y) for x, y in make_batches(steps, batch=batch)]
+    finally:
+        torch.set_num_threads(threads)
     model = relay.materialize()
     want = {f"{i}.{n}": t for i, layer in enumerate(model) for n, t in layer.state_dict().items()}
     want["eval"] = torch.tensor([relay.evaluate(*make_batches(1, batch=batch)[0])], dtype=torch.float64)
@@ -130,6 +135,16 @@ def test_global_clipping_spans_the_stages_and_replicas_as_in_one_process(tmp_pat
                  replicas=replicas, schedule=schedule, stream=stream, out=str(tmp_path / "out.safetensors"), **CLIPPED)
     want, losses = single_process("mlp", "adamw", STEPS, 13, 4, pipedream_2bw=schedule == "2bw", **CLIPPED)
     assert_same(got, want, losses, f"{world // replicas} stages x {replicas} replicas, {schedule}, {CLIPPED}")
+
+
+@pytest.mark.parametrize("options", [{"precision": "fp16"}, pytest.param({**CLIPPED, "precision": "bf16"}, marks=SLOW)])
+def test_a_reduced_precision_pipeline_equals_the_single_process(tmp_path, options):
+    # bit for bit in the pushes: the micro-batches' fp32 sums in the same order, one rounding each.
+    # (Replicas re-associate the sums over the ranks, which a reduced precision's rounding shows.)
+    got = run_ok(2, model="mlp", optimizer="adamw", steps=STEPS, batch=13, micro_batches=4, schedule="flush",
+                 out=str(tmp_path / "out.safetensors"), **options)
+    want, losses = single_process("mlp", "adamw", STEPS, 13, 4, pipedream_2bw=False, **options)
+    assert_same(got, want, losses, f"2 stages, {options}")
 
 
 @pytest.mark.parametrize("precision,schedule", [("fp32", "flush"), pytest.param("fp32", "2bw", marks=SLOW),
