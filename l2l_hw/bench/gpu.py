@@ -40,8 +40,8 @@ summary.json names every failure ("failed") and the command exits 1 when there i
 default set to keep it within its time: memory_by_depth, trace (a profiler trace of capped
 relay steps, DIR/trace.json), syncs, eps (gpu_extras).
 
-Time budget: measured seconds of each part and the device calls that fit the rest into a
-session's 15 minutes are in docs/GPU_CAMPAIGN.md ("Time budget and the device command").
+Time budget: measured seconds of each part and the device calls that fit the rest into 15
+minutes of device time are in docs/GPU_CAMPAIGN.md ("Time budget and the device command").
 
 Files: summary.json, tests.txt (the tests' output), log.txt (the commands' output), trace.json.
 The model folders and runs go to --work (default: a temporary folder, removed at the end).
