@@ -1027,9 +1027,9 @@ class PipelineRelay:
                     self.links.send([tensor_of(mine[name]).to(self.links.device)], 0, CHECKPOINT_TAG + n)
                     self.links.finish_sends()
             return {}
-        receive = lambda stage, n, spec: self.links.receive_one(spec, stage, CHECKPOINT_TAG + n)  # noqa: E731
-        return {name: mine[name] if stage == 0 else StateEntry(torch.Size(parts[stage][name][0]), parts[stage][name][1],
-                                                                partial(receive, stage, n, _Spec(*parts[stage][name])))
+        return {name: mine[name] if stage == 0 else
+                StateEntry(torch.Size(parts[stage][name][0]), parts[stage][name][1],
+                           partial(self.links.receive_one, _Spec(*parts[stage][name]), stage, CHECKPOINT_TAG + n))
                 for name, (stage, n) in order.items()}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
