@@ -116,8 +116,8 @@ def main(cfg: dict) -> None:
                           micro_batches=cfg.get("micro_batches", 4),
                           **{k: cfg[k] for k in RELAY_OPTIONS if k in cfg})
     if cfg.get("inf_at_step") is not None and rank == 0:  # stage 0's own gradient overflows at that step
-        push = relay.relay.push
-        relay.relay.push = lambda key, grads: push(key, {n: g.fill_(float("inf")) if current["step"] == cfg["inf_at_step"]
+        push = relay.layer_stage.push
+        relay.layer_stage.push = lambda key, grads: push(key, {n: g.fill_(float("inf")) if current["step"] == cfg["inf_at_step"]
                                                            else g for n, g in grads.items()})
     pushed = {}
     if cfg.get("record"):
@@ -137,8 +137,8 @@ def main(cfg: dict) -> None:
             if step == cfg.get("die_at_step") and rank == world - 1:
                 os.kill(os.getpid(), signal.SIGKILL)  # a crash: no clean-up, no goodbye
             losses.append(relay.train_step(*shard((x, y))))
-            if cfg.get("record") and step == start:  # the stage's own groups layer{k} are layer{first + k}
-                safetensors.torch.save_file({f"layer{int(k[5:]) + relay.first}/{n}": g.contiguous()
+            if cfg.get("record") and step == start:  # a stage's groups: the whole model's layer{i}
+                safetensors.torch.save_file({f"{k}/{n}": g.contiguous()
                                              for k, group in pushed.items() for n, g in group.items()},
                                             f"{cfg['record']}.{rank}")
     except PipelineError as exc:
@@ -171,7 +171,7 @@ def main(cfg: dict) -> None:
         elif entries:
             raise AssertionError(f"rank {rank} kept {len(entries)} entries of a checkpoint rank 0 writes")
     model = relay.materialize()
-    mine = torch.tensor([relay.relay.eps.step, relay.relay.loss_scale], dtype=torch.float64)
+    mine = torch.tensor([relay.layer_stage.eps.step, relay.layer_stage.loss_scale], dtype=torch.float64)
     every = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(every, mine)
     if rank == 0:

@@ -5,7 +5,7 @@ from torch import nn
 
 import l2l_hw
 from l2l_hw.models.gpt import GPTConfig, build_gpt, lm_loss
-from l2l_hw.relay.executor import RelayError
+from l2l_hw.relay.stage import RelayError
 
 
 def relay_for(layers, loss_fn=nn.functional.mse_loss, u=2):

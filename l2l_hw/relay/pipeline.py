@@ -1,8 +1,10 @@
 """The relay as a pipeline: contiguous stages of layers on the ranks of a process group.
 
     stage s      layers [b_s, b_{s+1}) on rank s of the group, relayed from its own EPS (any
-                 backend, eager updates): a single-device Relay over those layers does the
-                 registration, fetching, pushing, checkpoints and export
+                 backend, eager updates): a LayerStage over those layers (stage.py, the
+                 Relay's too) does the registration, fetching, clipping, data-parallel
+                 reduction over the stage's replicas, pushing, checkpoints and export;
+                 this module is the 1F1B / 2BW schedule over it and the links between ranks
     L2L          a stage's layers come up one at a time: each forward fetches a layer, runs
                  it, stashes its input (the relay's recompute policy) and releases it; each
                  backward fetches it again and recomputes; so a stage's device memory does
@@ -63,30 +65,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from l2l_hw.distributed import short_cause
 from l2l_hw.eps.base import StateEntry, tensor_of
-from l2l_hw.relay.executor import Relay, RelayError, layer_output
 from l2l_hw.relay.options import PipelineConfig, RelayOptions
 from l2l_hw.relay.recompute import grad_leaf, rng_state, set_rng_state
+from l2l_hw.relay.stage import LayerStage, flatten, to_float, unflatten
 
 CHECKPOINT_TAG = 1 << 24  # the tags of a checkpoint's entries, above every step's transfers
 STORE_POLL_S = 0.05  # how often a waiting stage looks for another stage's error in the store
 ERROR_LINGER_S = 3.0  # how long rank 0 (the store's host) waits for every rank to read an error
 CLOSE_JOIN_S = 10.0  # how long close() waits for the waiter thread, its waits done or cancelled
 CANCEL_TAG = (1 << 30) + 1  # Links._cancel's receive: no transfer of the pipeline uses it (losses: 1 << 30)
-
-
-def flatten(x) -> list[torch.Tensor]:
-    """An activation (a tensor or a tuple of tensors) as a list of tensors."""
-    return [x] if isinstance(x, torch.Tensor) else list(x)
-
-
-def unflatten(like, items: list):
-    """`items` in the structure of `like`: one tensor, or a tuple."""
-    return items[0] if isinstance(like, torch.Tensor) else tuple(items)
-
-
-def to_float(x):
-    """Low-precision outputs go to the loss in fp32 (as the relay does)."""
-    return unflatten(x, [t.float() if t.is_floating_point() else t for t in flatten(x)])
 
 
 class PipelineError(RuntimeError):
@@ -221,10 +208,6 @@ def replay(ops: list[RandomOp], device: torch.device) -> None:
     """Draw what `ops` draw, on fresh tensors of the same shapes: the generator advances as the layer's would."""
     for op in ops:
         op.func(*_real(op.args, device), **{k: _real(v, device) for k, v in op.kwargs.items()})
-
-
-def _shapes(x) -> str:
-    return ", ".join(f"{t.dtype} {tuple(t.shape)}" for t in flatten(x))
 
 
 def _same_rng(a, b) -> bool:
@@ -516,12 +499,10 @@ class PipelineRelay:
             solo = [dist.new_group([r]) for r in range(dist.get_world_size())]
             self._groups = [g for g in solo if g is not dist.GroupMember.NON_GROUP_MEMBER]
             replicas = solo[dist.get_rank()]
-        own = self.layers[self.first:self.end]
-        shift = self.first
-        self.relay = Relay(own, loss_fn, eps, options, process_group=replicas,
-                           init=(lambda i, m: init(i + shift, m)) if init is not None else None,
-                           no_decay=(lambda i, n: no_decay(i + shift, n)) if no_decay is not None else None)
-        self.device = self.relay.device
+        # This rank's layers, under the whole model's names; its replicas average its gradients.
+        self.layer_stage = LayerStage(self.layers[self.first:self.end], loss_fn, eps, options, first=self.first,
+                                      process_group=replicas, init=init, no_decay=no_decay)
+        self.device = self.layer_stage.device
         self.micro_batches = options.micro_batches
         for i, layer in enumerate(self.layers):  # other stages' weights: not held here
             if not self.first <= i < self.end:
@@ -547,7 +528,7 @@ class PipelineRelay:
             if dist.is_initialized():
                 for group in groups:
                     dist.destroy_process_group(group)
-            self.relay.close()
+            self.layer_stage.close()
 
     def __enter__(self) -> "PipelineRelay":
         return self
@@ -557,14 +538,14 @@ class PipelineRelay:
 
     # What the training loop reads of a relay, this stage's: its recompute policy (keep.describe()),
     # its transport (asynchronous or not), its host threads, its loss scale and its device memory.
-    keep = property(lambda self: self.relay.keep)
-    transport = property(lambda self: self.relay.transport)
-    threads = property(lambda self: self.relay.threads)
-    loss_scale = property(lambda self: self.relay.loss_scale)
+    keep = property(lambda self: self.layer_stage.keep)
+    transport = property(lambda self: self.layer_stage.transport)
+    threads = property(lambda self: self.layer_stage.threads)
+    loss_scale = property(lambda self: self.layer_stage.loss_scale)
 
     def memory_report(self) -> dict:
         """This stage's peak device memory since it was built (Relay.memory_report)."""
-        return self.relay.memory_report()
+        return self.layer_stage.memory_report()
 
     def _check_no_shared_parameters(self) -> None:
         where: dict[int, int] = {}
@@ -580,17 +561,17 @@ class PipelineRelay:
 
     @property
     def step(self) -> int:
-        return self.relay.step
+        return self.layer_stage.step
 
     @property
     def eps(self):
-        return self.relay.eps
+        return self.layer_stage.eps
 
     # -- one step -----------------------------------------------------------------------
     def _trace(self, xs: list) -> Trace:
         key = tuple((t.shape, t.dtype) for x in xs for t in flatten(x))
         if key not in self._traces:
-            self._traces[key] = trace_model(self._meta, xs, self.relay.compute_dtype)
+            self._traces[key] = trace_model(self._meta, xs, self.layer_stage.compute_dtype)
         return self._traces[key]
 
     def _rng_plan(self, trace: Trace) -> tuple[dict, object] | None:
@@ -635,21 +616,20 @@ class PipelineRelay:
     def _run(self, batches: list, losses: list[float]) -> float:
         """The steps of `batches` as one 1F1B schedule over all their micro-batches; their losses
         appended to `losses`; returns the seconds this stage computed (not waiting for a neighbour)."""
-        relay, links, u = self.relay, self.links, self.micro_batches
+        own, links, u = self.layer_stage, self.links, self.micro_batches
         first_stage, last_stage = self.stage == 0, self.stage == self.stages - 1
         try:
             steps = []
             for inputs, targets in batches:
-                xs, ts, weights, n = relay.split_micro_batches(inputs, targets)
+                xs, ts, weights, n = own.split_micro_batches(inputs, targets)
                 trace = self._trace(xs)
                 steps.append(_Step(xs, ts, weights, n, trace, self._rng_plan(trace),
                                    torch.zeros((), dtype=torch.float32, device=self.device)))
         except PipelineError as exc:
             raise PipelineError(links.report(f"pipeline stage {self.stage}: {exc}")) from exc
-        own = range(self.first, self.end)
         users: dict[str, list[int]] = {}
-        for i in own:
-            for key in relay.plans[i - self.first].groups:
+        for i in range(self.first, self.end):
+            for key in own.plans[i - self.first].groups:
                 users.setdefault(key, []).append(i)
         recv_acts, recv_grads = {}, {}
         tag_of = (lambda kind, g: (2 * g + kind) * 64)  # up to 64 tensors per activation
@@ -670,11 +650,11 @@ class PipelineRelay:
         def sample(*held) -> None:
             """The stage's device memory now: `held`, the receives posted, the sends under way, the
             groups and graphs kept for backwards to come (and what the relay's accounting adds)."""
-            relay.sample_memory(*held, [bufs for bufs, _ in (*recv_acts.values(), *recv_grads.values())],
+            own.sample_memory(*held, [bufs for bufs, _ in (*recv_acts.values(), *recv_grads.values())],
                                 [t for t, _, _ in links.sends], [(s.held, s.graphs) for s in steps])
 
         actions = self.schedule.actions(self.stage, self.stages, u * len(steps))
-        base, busy = relay.eps.step, 0.0
+        base, busy = own.eps.step, 0.0
         try:
             post(0)
             for n, action in enumerate(actions):
@@ -683,7 +663,7 @@ class PipelineRelay:
                 step = steps[t]
                 if action.kind == "F":
                     if j == 0:
-                        relay.eps.expect_step(list(users), sorted(users, key=lambda key: -users[key][0]))
+                        own.eps.expect_step(list(users), sorted(users, key=lambda key: -users[key][0]))
                         post(t + 1)
                     if first_stage:
                         x = step.xs[j]
@@ -701,7 +681,7 @@ class PipelineRelay:
                     if last_stage:
                         c0 = time.perf_counter()
                         loss = step.losses.pop(j)
-                        (loss * (step.weights[j] * relay.loss_scale)).backward()
+                        (loss * (step.weights[j] * own.loss_scale)).backward()
                         step.total += loss.detach().float() * step.weights[j]
                         grads = None
                     else:
@@ -712,31 +692,31 @@ class PipelineRelay:
                         grads = [next(it) if s.dtype.is_floating_point else None
                                  for s in step.trace.outputs[self.end - 1][j]]
                     if j == u - 1:  # the replicas' weights of the pushes to come
-                        relay.start_step_over_ranks(step.n)
+                        own.start_step_over_ranks(step.n)
                     with self._weights_of(base + t):
                         grads = self._backward(j, grads, step, users, sample, last=j == u - 1)
                     if not first_stage:
                         links.send(grads, self.stage - 1, tag_of(1, g))
                     if j == u - 1:  # the step's every group is pushed: commit it (2bw: without waiting)
-                        relay.push_reduced()
-                        relay.commit_pushed(across=self.links.all_reduce)
-                        relay.weights.clear()  # what is on its way was read before the commit
+                        own.push_reduced()
+                        own.commit_pushed(across=self.links.all_reduce)
+                        own.weights.clear()  # what is on its way was read before the commit
                     busy += time.perf_counter() - c0
                 if n + 1 < len(actions):
                     self._prefetch_action(actions[n + 1], base, steps)
             links.finish_sends()
-        except PipelineError:
-            self._abandon()
+        except PipelineError as exc:
+            own.abandon(exc)
             raise
         except Exception as exc:
-            self._abandon()
+            own.abandon(exc)
             raise PipelineError(links.report(f"pipeline stage {self.stage} (rank {dist.get_rank()}) failed: "
                                              f"{exc}")) from exc
         plans = [step.plan for step in steps if step.plan is not None]
         if plans:
             set_rng_state(self.device, plans[-1][1])
         shared = self._share_loss(torch.stack([step.total for step in steps]))
-        losses += [relay.mean_over_ranks(loss, step.n, "averaging the step's loss over the replicas")
+        losses += [own.mean_over_ranks(loss, step.n, "averaging the step's loss over the replicas")
                    for loss, step in zip(shared, steps)]
         return busy
 
@@ -745,11 +725,11 @@ class PipelineRelay:
         """Where the fetches of the step that commits as `step + 1` read (a context around them): under
         2bw the version one commit back, which is the newest while the step before (`step`) has not
         committed on this stage."""
-        relay = self.relay
-        if relay.eps.step < step - 1:
+        own = self.layer_stage
+        if own.eps.step < step - 1:
             raise PipelineError(f"pipeline stage {self.stage}: step {step + 1} would start two commits ahead; "
                                 f"2bw keeps two weight versions (micro_batches >= stages)")
-        return relay.weights.newest() if relay.eps.step < step else contextlib.nullcontext()
+        return own.weights.newest() if own.eps.step < step else contextlib.nullcontext()
 
     def _with_loss(self, i: int) -> bool:
         """Layer i is the model's last: its forward keeps its graph with the loss's (on the last
@@ -759,20 +739,20 @@ class PipelineRelay:
     def _keeps_graph(self, i: int, j: int) -> bool:
         """Whether layer i's forward on micro-batch j keeps its graph, and so its weights, until the
         backward: the model's last layer, and every layer under recompute="none"."""
-        return self._with_loss(i) or not self.relay.keep.recomputes((i, j))
+        return self._with_loss(i) or not self.layer_stage.keep.recomputes((i, j))
 
     def _prefetch(self, i: int, j: int, live: dict) -> None:
         """Start moving layer i's weights (and, for its backward, micro-batch j's stashed input) up."""
-        relay = self.relay
-        relay.weights.prefetch([key for key in relay.plans[i - self.first].groups if key not in live])
-        relay.keep.prefetch((i, j))  # a no-op until the layer's forward has stashed something
+        own = self.layer_stage
+        own.prefetch_weights(i - self.first, live)
+        own.keep.prefetch((i, j))  # a no-op until the layer's forward has stashed something
 
     def _prefetch_action(self, action: Action, base: int, steps: list) -> None:
         """The first layer of the next action on its way while this stage waits for its input,
         where that action reads the version the weight stream reads by default (and its groups
         are not held for it by a kept graph)."""
         t, j = divmod(action.mb, self.micro_batches)
-        if self.relay.eps.step < base + t:  # it reads the newest version: its fetches start afresh
+        if self.layer_stage.eps.step < base + t:  # it reads the newest version: its fetches start afresh
             return
         if action.kind == "F":
             self._prefetch(self.first, j, {})
@@ -782,31 +762,31 @@ class PipelineRelay:
     def _forward(self, j: int, x, step: _Step, users: dict, sample) -> object:
         """Micro-batch j's forward through the stage with one layer's weights on the device at a
         time: each layer fetched (the next one on its way meanwhile), run, its input stashed for the
-        recompute (relay.keep: the recompute policy) or its graph kept, then its weights released.
+        recompute (own.keep: the recompute policy) or its graph kept, then its weights released.
         On the last stage the last layer's graph is kept with the loss: its backward comes next."""
-        relay, keep, meter = self.relay, self.relay.keep, self.relay.memory
+        own, keep, meter = self.layer_stage, self.layer_stage.keep, self.layer_stage.memory
         live, held = {}, step.held.setdefault(j, {})
         for i in range(self.first, self.end):
             k = i - self.first
-            run = partial(self._call, i, j, params=relay.layer_params(k, live), plan=step.plan)
+            run = partial(self._call, i, j, params=own.layer_params(k, live), plan=step.plan)
             if i + 1 < self.end:
                 self._prefetch(i + 1, j, live)
             with meter.saving((i, j)):
                 if self._with_loss(i):
                     x = grad_leaf(x)
-                    out = run(x, relay.plans[k].buffers)
+                    out = run(x, own.plans[k].buffers)
                     step.graphs[j] = (x, out)
-                    step.losses[j] = relay.compute_loss(to_float(out), step.ts[j])
+                    step.losses[j] = own.compute_loss(to_float(out), step.ts[j])
                 else:
                     keep.begin_forward((i, j), [x])
-                    out = keep.forward((i, j), 0, x, run, relay.plans[k].buffers)
+                    out = keep.forward((i, j), 0, x, run, own.plans[k].buffers)
                     keep.end_forward((i, j))
             sample(live, x, out)
             frozen = f"frozen:{k}"
             if self._keeps_graph(i, j) and frozen in live:
                 held[frozen] = live.pop(frozen)
             live.pop(frozen, None)
-            for key in relay.plans[k].groups:
+            for key in own.plans[k].groups:
                 if users[key][-1] == i:  # its last use in this forward: the backward fetches it again
                     tensors = live.pop(key)
                     if any(self._keeps_graph(user, j) for user in users[key]):
@@ -820,12 +800,12 @@ class PipelineRelay:
         taken), backpropagated, released; a group's gradient joins the step's sum after its last
         use (on the last micro-batch: pushed). `grads`: of the stage's output (None on the last
         stage: the loss's backward ran). Returns the gradients of the stage's floating inputs."""
-        relay, keep, meter = self.relay, self.relay.keep, self.relay.memory
+        own, keep, meter = self.layer_stage, self.layer_stage.keep, self.layer_stage.memory
         live = step.held.pop(j, {})
         inputs = None
         for i in range(self.end - 1, self.first - 1, -1):
             k = i - self.first
-            run = partial(self._call, i, j, params=relay.layer_params(k, live), plan=step.plan)
+            run = partial(self._call, i, j, params=own.layer_params(k, live), plan=step.plan)
             if i > self.first:
                 self._prefetch(i - 1, j, live)
             if self._with_loss(i):
@@ -837,12 +817,12 @@ class PipelineRelay:
                 pairs = [(o, d) for o, d in zip(flatten(out), grads) if d is not None and o.requires_grad]
                 if pairs:
                     torch.autograd.backward([o for o, _ in pairs], [d for _, d in pairs])
-            grads_in = relay.input_grads(x) if i > self.first or self.stage > 0 else None
+            grads_in = own.input_grads(x) if i > self.first or self.stage > 0 else None
             sample(live, x, out, grads, grads_in)  # the layer's weights, their gradients, its graph: its peak
             meter.drop_saved((i, j))
             grads, inputs = grads_in, x
             live.pop(f"frozen:{k}", None)
-            for key in relay.plans[k].groups:
+            for key in own.plans[k].groups:
                 if users[key][0] == i:  # its last use in this backward
                     self._sum_grads(step, key, live.pop(key), last)
         if self.stage == 0:
@@ -855,9 +835,9 @@ class PipelineRelay:
         each of the stage's layers would grow with its depth. The micro-batches add in order, as
         autograd accumulates them in the single process; on the last one the sum comes up, takes
         its gradient and is pushed to the EPS."""
-        relay = self.relay
-        transport, pool = relay.transport, relay.transport.grad_pool
-        grads = relay.grad_sums.take(tensors)
+        own = self.layer_stage
+        transport, pool = own.transport, own.transport.grad_pool
+        grads = own.grad_sums.take(tensors)
         total = {}
         if key in step.sums:  # the micro-batches before: landed long since (a backward ago)
             total, names, moving = step.sums.pop(key)
@@ -872,7 +852,7 @@ class PipelineRelay:
             up = dict(zip(total, transport.up(list(total.values())).wait()))
             grads = {name: up[name].add_(grads[name]) if name in grads else up[name] for name in up} | \
                 {name: g for name, g in grads.items() if name not in up}
-        relay.push(key, grads)
+        own.push(key, grads)
 
     def _call(self, i: int, j: int, x, buffers, params, plan):
         """Layer i on micro-batch j, with the generator where the single process has it."""
@@ -882,50 +862,26 @@ class PipelineRelay:
             set_rng_state(self.device, before)
         else:
             expected = rng_state(self.device)  # no layer draws: the generator must not move
-        out = self._run_layer(k, x, params, buffers)
+        out = self.layer_stage.call(k, x, buffers, params)
         if not _same_rng(rng_state(self.device), expected):
             raise PipelineError(f"layer {i} drew random numbers that its meta-device trace did not predict; the "
                                 f"pipeline cannot replay its draws as the single process makes them")
         return out
 
-    def _run_layer(self, k: int, x, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]):
-        """The stage's layer k on one micro-batch, its device parameters and `buffers` bound by
-        functional_call (the module itself keeps meta parameters, as in the relay)."""
-        plan = self.relay.plans[k]
-        try:
-            out = functional_call(plan.module, {**params, **buffers}, (x,))
-        except Exception as exc:
-            raise RelayError(f"layer {self.first + k} ({type(plan.module).__name__}) failed on an input of "
-                             f"{_shapes(x)}: {exc}") from exc
-        return layer_output(self.first + k, plan.module, out)
-
-    def _abandon(self) -> None:
-        relay = self.relay
-        relay.discard_reductions()
-        relay.weights.clear()
-        relay.keep.clear()
-        relay.stash.clear()
-        relay.memory.drop_saved()
-        try:  # let scheduled updates finish, then forget the step
-            relay.eps.wait()
-            relay.eps.discard_step()
-        except Exception:
-            pass
-
     @torch.no_grad()
     def evaluate(self, inputs, targets) -> float:
         """Mean loss on a minibatch through the pipeline, in eval mode, on the newest committed
         weights (under 2BW too, as Relay.evaluate); no update. Every rank, the same minibatch."""
-        relay, links = self.relay, self.links
+        own, links = self.layer_stage, self.links
         first_stage, last_stage = self.stage == 0, self.stage == self.stages - 1
-        modes = [m.training for m in relay.layers]
-        for m in relay.layers:
+        modes = [m.training for m in own.layers]
+        for m in own.layers:
             m.train(False)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         try:
-            xs, ts, weights, n = relay.split_micro_batches(inputs, targets)
+            xs, ts, weights, n = own.split_micro_batches(inputs, targets)
             trace = self._trace(xs)
-            with relay.weights.newest():
+            with own.weights.newest():
                 for j in range(self.micro_batches):
                     if first_stage:
                         x = xs[j]
@@ -937,12 +893,12 @@ class PipelineRelay:
                     for i in range(self.first, self.end):  # one layer's weights on the device at a time
                         k = i - self.first
                         live: dict[str, dict[str, torch.Tensor]] = {}
-                        params = relay.layer_params(k, live)
+                        params = own.layer_params(k, live)
                         if i + 1 < self.end:
                             self._prefetch(i + 1, j, live)
-                        x = self._run_layer(k, x, params, relay.plans[k].buffers)
+                        x = own.call(k, x, own.plans[k].buffers, params)
                     if last_stage:
-                        total += relay.compute_loss(to_float(x), ts[j]).float() * weights[j]
+                        total += own.compute_loss(to_float(x), ts[j]).float() * weights[j]
                     else:
                         links.send(flatten(x), self.stage + 1, (2 * j) * 64)
             links.finish_sends()
@@ -952,9 +908,9 @@ class PipelineRelay:
             raise PipelineError(links.report(f"pipeline stage {self.stage} (rank {dist.get_rank()}) failed in "
                                              f"evaluation: {exc}")) from exc
         finally:
-            for m, mode in zip(relay.layers, modes):
+            for m, mode in zip(own.layers, modes):
                 m.train(mode)
-        return relay.mean_over_ranks(self._share_loss(total)[0], n,
+        return own.mean_over_ranks(self._share_loss(total)[0], n,
                                      "averaging the evaluation loss over the replicas")
 
     def _share_loss(self, totals: torch.Tensor) -> list[float]:
@@ -972,37 +928,23 @@ class PipelineRelay:
         return bufs[0].tolist()
 
     # -- state, evaluation and export -------------------------------------------------------
-    def _to_global(self, name: str) -> str:
+    def _holds(self, name: str) -> bool:
+        """Whether a whole-model state entry is this stage's: a layer's (eps/layer{i}/..,
+        buffers/{i}/..) where layer i is here, and every entry not a layer's (the EPS's step)."""
         for prefix in ("eps/layer", "buffers/"):
             if name.startswith(prefix):
-                rest = name[len(prefix):]
-                i, sep, tail = rest.partition("/")
-                return f"{prefix}{int(i) + self.first}{sep}{tail}"
-        return name
-
-    def _to_local(self, name: str) -> str | None:
-        for prefix in ("eps/layer", "buffers/"):
-            if name.startswith(prefix):
-                i, sep, tail = name[len(prefix):].partition("/")
-                if not self.first <= int(i) < self.end:
-                    return None
-                return f"{prefix}{int(i) - self.first}{sep}{tail}"
-        return name
+                return self.first <= int(name[len(prefix):].partition("/")[0]) < self.end
+        return True
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's state under the whole model's layer indices: the union over the stages
         is a single-process relay's state_dict (and loads into one)."""
-        return {self._to_global(k): v for k, v in self.relay.state_dict().items()}
+        return self.layer_stage.state_dict()
 
     def load_state_dict(self, state) -> None:
         """Load this stage's part of a whole-model state (a single-process relay's, or the union
         of the stages' state_dicts); entries of other stages are skipped."""
-        mine = {}
-        for k, v in state.items():
-            local = self._to_local(k)
-            if local is not None:
-                mine[local] = v
-        self.relay.load_state_dict(mine)
+        self.layer_stage.load_state_dict({k: v for k, v in state.items() if self._holds(k)})
 
     def state_entries(self) -> dict[str, StateEntry]:
         """What a checkpoint writes (l2l_hw.train; collective over the stages): the whole model's
@@ -1011,7 +953,7 @@ class PipelineRelay:
         of replica 0) another stage's entry is received when it is read, and every other stage
         of that replica sends its entries one at a time, in that order, before this returns.
         Other replicas (their state is replica 0's) keep theirs: they return their own entries."""
-        mine = {self._to_global(k): v for k, v in self.relay.state_entries().items()}
+        mine = self.layer_stage.state_entries()
         parts = [None] * self.stages
         self.links.gather(parts, {k: (tuple(e.shape), e.dtype) for k, e in mine.items()},
                           "announcing the stages' state for a checkpoint")
@@ -1043,12 +985,9 @@ class PipelineRelay:
 
     def gather(self) -> "GatheredModel":
         """The whole trained model, gathered from every stage (collective: every rank calls it):
-        what `export()` gives, with the model's layers; `hf.save_pretrained(relay.gather(), path)`
+        what `export()` gives, with the model's layers; `hf.save_pretrained(own.gather(), path)`
         on one rank writes a transformers folder."""
-        from l2l_hw.relay.executor import Exported
-
-        mine = [Exported(e.layer + self.first, e.name, e.tensor, (e.first[0] + self.first, e.first[1]))
-                for e in self.relay.export()]
+        mine = list(self.layer_stage.export())
         parts = [None] * self.stages
         self.links.gather(parts, mine, "gathering the stages' weights")
         return GatheredModel(self.layers, [e for part in parts for e in part], self._meta)

@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from l2l_hw.relay.pipeline import flatten, to_float, unflatten
+from l2l_hw.relay.stage import flatten, to_float, unflatten
 
 
 @dataclass(frozen=True)
