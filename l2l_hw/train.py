@@ -55,6 +55,7 @@ from l2l_hw.models import Corpus, GPTConfig, build_gpt, generate, lm_loss
 from l2l_hw.models.gpt import ModelOptions
 from l2l_hw.options import OptionError, check_options, fail, option, pick, with_default
 from l2l_hw.relay import Relay, RelayOptions, init_from_state
+from l2l_hw.relay.schedule import Schedule
 from l2l_hw.relay.options import PipelineConfig, PipelineOptions
 from l2l_hw.version import __version__
 
@@ -310,7 +311,7 @@ def pipeline_groups(cfg: TrainConfig) -> tuple:
 
 def build_relay(cfg: TrainConfig, layers=None, loss_fn: Callable | None = None, *, device: str | None = None,
                 shard_state: bool | None = None, eps=None, init: Callable | None = None,
-                groups: tuple | None = None) -> Relay:
+                groups: tuple | None = None) -> Schedule:
     """The relay of `cfg`: its EPS (`eps`, else built here) around `layers` and `loss_fn`, the
     reference GPT and its loss when not given. Seeds torch with cfg.seed first. `init` fills
     layers on the meta device (Relay's init=); `groups`: a pipeline's (pipeline_groups, else made here)."""
@@ -371,7 +372,7 @@ def corpus_val_batches(corpus: Corpus, cfg: TrainConfig) -> list:
 
 @dataclass
 class TrainResult:
-    relay: Relay
+    relay: Schedule  # a Relay, or this rank's PipelineRelay
     history: list[dict] = field(default_factory=list)  # the metrics rows, resumed ones included
     val_loss: float | None = None  # the last validation
     elapsed: float = 0.0  # seconds in train steps, over every resumed segment
@@ -702,7 +703,7 @@ def _banner(cfg: TrainConfig, relay, ranks: Ranks, corpus: Corpus | None, stages
     threads = (f"threads: {relay.threads} (torch intra-op {torch.get_num_threads()}; EPS updates {updates}), "
                f"recompute {relay.keep.describe()}, "
                f"OpenMP waits {os.environ.get('OMP_WAIT_POLICY', 'default').lower()}")
-    plan = getattr(relay, "plan", None)  # a pipeline's, with --pipeline-boundaries auto
+    plan = relay.plan  # a pipeline's, with --pipeline-boundaries auto
     return "\n".join((run, optimizer, f"{eps}, {data}out {cfg.out}", threads, *([plan.describe()] if plan else [])))
 
 
@@ -893,7 +894,7 @@ class _Loop:
         """How many minibatches the next call trains on: one, or where the relay runs several
         steps as one schedule (a 2BW pipeline: relay.streams), those up to the next validation."""
         step = self.relay.step
-        if not getattr(self.relay, "streams", False):
+        if not self.relay.streams:
             return 1
         return min(stop, (step // self.cfg.eval_interval + 1) * self.cfg.eval_interval) - step
 
@@ -903,7 +904,7 @@ class _Loop:
         relay, first = self.relay, self.relay.step
         shards = [rank_shard(batch, *self.shard) for batch in chunk]
         t0 = time.perf_counter()
-        losses = relay.train_steps(shards) if len(shards) > 1 else [relay.train_step(*shards[0])]
+        losses = relay.train_steps(shards)
         dt = (time.perf_counter() - t0) / len(chunk)
         rows = []
         for k, (batch, loss) in enumerate(zip(chunk, losses)):

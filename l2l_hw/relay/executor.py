@@ -59,6 +59,13 @@ class Relay(LayerStage):
                          no_decay=no_decay, **option_values)
         self.layer_drop = self.options.layer_drop
 
+    streams = False  # train_steps runs each minibatch as a step of its own
+    plan = None  # boundaries are a pipeline's (relay.schedule.Schedule)
+
+    def train_steps(self, batches) -> list[float]:
+        """An optimizer step on each `(inputs, targets)` of `batches` in turn; their mean losses."""
+        return [self.train_step(inputs, targets) for inputs, targets in batches]
+
     def active_layers(self, layers) -> list[int]:
         """The layers this step runs, in order: given, or drawn from the layer-drop schedule."""
         L = len(self.layers)
