@@ -12,7 +12,7 @@ record (each rank writes the gradients its EPS received in the first step to "{r
 the whole model's group names), precision / recompute / activations / device (RelayOptions), memory (a list
 of layer counts per stage: each rank trains a pipeline of that many identical blocks a stage for each and
 writes its stage's peak device memory to "{out}.{rank}"), inf_at_step (rank 0's gradients overflow in
-that step), replicas (data parallel replicas of each stage:
+that step), layer_drop / layer_drop_seed / droppable (the Relay's layer drop), replicas (data parallel replicas of each stage:
 the world is stages x replicas, rank = replica * stages + stage, each replica trains its shard of the minibatch).
 A PipelineError is printed as one line on stderr, exit code 2 (the pipeline closed, the interpreter's own exit).
 """
@@ -31,7 +31,8 @@ from l2l_hw.distributed import rank_shard, stage_groups
 from l2l_hw.eps.base import tensor_of
 from l2l_hw.relay.options import PipelineConfig
 
-RELAY_OPTIONS = ("precision", "recompute", "activations", "device", "clip_grad_norm", "clip_mode", "skip_nonfinite")
+RELAY_OPTIONS = ("precision", "recompute", "activations", "device", "clip_grad_norm", "clip_mode", "skip_nonfinite",
+                 "layer_drop")
 from l2l_hw.relay.pipeline import PipelineError, PipelineRelay
 from tests.helpers import record_pushes
 from tests.test_pipeline import EPS_BACKEND, MODELS, OPTIMIZERS, RNG_SEED
@@ -113,8 +114,8 @@ def main(cfg: dict) -> None:
     pipeline = PipelineConfig(stages=stages, schedule=cfg.get("schedule", "flush"), boundaries=cfg.get("boundaries"),
                               timeout_s=cfg.get("timeout", 60))
     relay = PipelineRelay(layers, loss_fn, eps, pipeline=pipeline, group=group, replicas=replica_group,
-                          micro_batches=cfg.get("micro_batches", 4),
-                          **{k: cfg[k] for k in RELAY_OPTIONS if k in cfg})
+                          micro_batches=cfg.get("micro_batches", 4), layer_drop_seed=cfg.get("layer_drop_seed", 0),
+                          droppable=cfg.get("droppable"), **{k: cfg[k] for k in RELAY_OPTIONS if k in cfg})
     if cfg.get("inf_at_step") is not None and rank == 0:  # stage 0's own gradient overflows at that step
         push = relay.layer_stage.push
         relay.layer_stage.push = lambda key, grads: push(key, {n: g.fill_(float("inf")) if current["step"] == cfg["inf_at_step"]

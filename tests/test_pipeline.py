@@ -123,6 +123,32 @@ def test_two_replicas_of_a_2_stage_pipeline_equal_the_single_process_relay_on_th
     assert_same(got, want, losses, f"2 stages x 2 replicas, {schedule}, {options}")
 
 
+@pytest.mark.parametrize("schedule,stream", [("2bw", 5), pytest.param("flush", 0, marks=SLOW)])
+def test_layer_drop_skips_the_same_layers_on_every_stage_as_in_one_process(tmp_path, schedule, stream):
+    # GPT with dropout, 5 layers on 3 stages [0, 2) [2, 3) [3, 5): each step skips each block with
+    # probability 0.5, every stage drawing the whole model's layers from the step; stage 1 (one
+    # block) passes its input on when its block is dropped; dropped layers draw no dropout mask
+    drop = {"layer_drop": 0.5, "layer_drop_seed": 3}
+    got = run_ok(3, model="gpt-dropout", optimizer="adamw", steps=STEPS, batch=13, micro_batches=4, schedule=schedule,
+                 stream=stream, out=str(tmp_path / "out.safetensors"), **drop)
+    want, losses = single_process("gpt-dropout", "adamw", STEPS, 13, 4, pipedream_2bw=schedule == "2bw", **drop)
+    from l2l_hw.relay.layer_drop import LayerDrop
+    drawn = [LayerDrop(0.5, 5, seed=3).layers(step) for step in range(1, STEPS + 1)]
+    assert any(2 not in layers for layers in drawn) and any(len(layers) < 4 for layers in drawn)  # stage 1 skipped
+    assert_same(got, want, losses, f"3 stages, {schedule}, layer drop")
+
+
+def test_a_droppable_layer_that_changes_its_input_is_one_clear_error_on_every_rank():
+    # the mlp's layer 0 maps 11 features to 19: its input cannot stand in for its output
+    results = launch(2, model="mlp", optimizer="adamw", steps=2, batch=12, micro_batches=2, layer_drop=0.5,
+                     droppable=[0, 1])
+    for r, res in enumerate(results):
+        assert res.returncode == 2, f"rank {r} exited {res.returncode}:\n{res.stderr[-2000:]}"
+        lines = [line for line in res.stderr.splitlines() if "PipelineError" in line]
+        assert len(lines) == 1 and "layer 0 may be dropped" in lines[0] and "must return what it takes" in lines[0], \
+            res.stderr[-2000:]
+
+
 CLIPPED = {"clip_grad_norm": 0.05, "clip_mode": "global"}  # below the mlp's gradient norm: every step is clipped
 
 

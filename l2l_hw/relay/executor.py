@@ -24,14 +24,14 @@ once, after its last use in the backward sweep.
 """
 from __future__ import annotations
 
-import numbers
 from functools import partial
 from typing import Callable, Sequence
 
 import torch
 from torch import nn
 
-from l2l_hw.eps.base import EPS, check_number
+from l2l_hw.eps.base import EPS
+from l2l_hw.relay.layer_drop import LayerDrop
 from l2l_hw.relay.options import RelayOptions
 from l2l_hw.relay.recompute import grad_leaf
 from l2l_hw.relay.stage import LayerStage, flatten, to_float
@@ -49,15 +49,10 @@ class Relay(LayerStage):
         """The stage's options (LayerStage), and layer drop: options.layer_drop (a probability,
         or a function of the step) over the `droppable` layers (default: all but the first and
         the last), drawn from a generator keyed by `layer_drop_seed` and the step."""
-        n = len(layers)
-        droppable = set(range(1, n - 1) if droppable is None else droppable)
-        if not all(isinstance(i, numbers.Integral) and 0 <= i < n for i in droppable):
-            raise ValueError(f"droppable must be layer indices in [0, {n}), got {sorted(droppable)}")
-        self.layer_drop_seed = check_number("layer_drop_seed", layer_drop_seed, integer=True)
-        self.droppable = droppable
+        self.drop = LayerDrop(0.0, len(layers), droppable=droppable, seed=layer_drop_seed)  # checked first
         super().__init__(layers, loss_fn, eps, options, process_group=process_group, init=init,
                          no_decay=no_decay, **option_values)
-        self.layer_drop = self.options.layer_drop
+        self.drop.p = self.options.layer_drop
 
     streams = False  # train_steps runs each minibatch as a step of its own
     plan = None  # boundaries are a pipeline's (relay.schedule.Schedule)
@@ -70,13 +65,7 @@ class Relay(LayerStage):
         """The layers this step runs, in order: given, or drawn from the layer-drop schedule."""
         L = len(self.layers)
         if layers is None:
-            p = self.layer_drop(self.step + 1) if callable(self.layer_drop) else self.layer_drop
-            if not p:
-                return list(range(L))
-            # Own generator keyed by the step: resumable, and dropout's RNG stream is untouched.
-            g = torch.Generator().manual_seed(self.layer_drop_seed * 1_000_003 + self.step + 1)
-            drawn = torch.rand(L, generator=g)
-            return [i for i in range(L) if i not in self.droppable or float(drawn[i]) >= p]
+            return self.drop.layers(self.step + 1)
         chosen = sorted(set(layers))
         if not chosen or chosen[-1] != L - 1 or any(not 0 <= i < L for i in chosen):
             raise ValueError(f"layers={list(layers)} must be indices in [0, {L}) and include the last layer {L - 1}")

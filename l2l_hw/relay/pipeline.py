@@ -65,6 +65,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from l2l_hw.distributed import short_cause
 from l2l_hw.eps.base import StateEntry, tensor_of
+from l2l_hw.relay.layer_drop import LayerDrop
 from l2l_hw.relay.options import PipelineConfig, RelayOptions
 from l2l_hw.relay.recompute import grad_leaf, rng_state, set_rng_state
 from l2l_hw.relay.stage import LayerStage, flatten, to_float, unflatten
@@ -422,6 +423,8 @@ class _Step:
     trace: Trace
     plan: tuple | None  # the generator's states (PipelineRelay._rng_plan)
     total: torch.Tensor  # the last stage's weighted sum of the micro-batches' losses
+    layers: list[int]  # this stage's layers the step runs (all but those layer drop skips), ascending
+    users: dict[str, list[int]]  # EPS group -> those of `layers` that use it
     posted: bool = False  # its receives are posted
     held: dict = dataclasses.field(default_factory=dict)  # micro-batch -> groups its kept graphs hold until its backward
     graphs: dict = dataclasses.field(default_factory=dict)  # micro-batch -> the last layer's (input leaf, output)
@@ -445,8 +448,8 @@ class PipelineRelay:
 
     def __init__(self, layers: nn.Sequential | Sequence[nn.Module], loss_fn: Callable, eps,
                  options: RelayOptions | None = None, *, pipeline: PipelineConfig, group=None, replicas=None,
-                 boundaries: Sequence[int] | None = None, plan=None,
-                 init: Callable[[int, nn.Module], dict[str, torch.Tensor]] | None = None,
+                 boundaries: Sequence[int] | None = None, plan=None, droppable: Sequence[int] | None = None,
+                 layer_drop_seed: int = 0, init: Callable[[int, nn.Module], dict[str, torch.Tensor]] | None = None,
                  no_decay: Callable[[int, str], bool] | None = None, **option_values):
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError("a pipeline runs on the ranks of a torch.distributed process group; none is "
@@ -463,8 +466,7 @@ class PipelineRelay:
         if options.pipedream_2bw and not self.schedule.pipedream_2bw:
             raise ValueError("pipedream_2bw=True asks for weights one step back: use schedule '2bw', not 'flush'")
         options = dataclasses.replace(options, pipedream_2bw=self.schedule.pipedream_2bw)
-        unsupported = [(options.layer_drop != 0.0, "layer_drop (every stage would have to draw the same layers)"),
-                       (options.activation_budget is not None,
+        unsupported = [(options.activation_budget is not None,
                         "activation_budget (its plan measures a layer over a whole step's micro-batches at once)"),
                        (options.grad_compression != "none",
                         f"grad_compression={options.grad_compression!r} (it compresses data parallelism's gradient "
@@ -476,6 +478,8 @@ class PipelineRelay:
         L = len(self.layers)
         if L < self.stages:
             raise ValueError(f"{self.stages} stages need at least {self.stages} layers; the model has {L}")
+        # Every stage draws the whole model's layers for a step, from the step alone: the same ones.
+        self.drop = LayerDrop(options.layer_drop, L, droppable=droppable, seed=layer_drop_seed)
         self.plan = plan  # the planner's (l2l_hw/relay/planner.py), where the caller planned
         bounds = list(boundaries) if boundaries is not None else plan.bounds if plan is not None else pipeline.split()
         if bounds is None and pipeline.boundaries == "auto":
@@ -571,16 +575,32 @@ class PipelineRelay:
     def _trace(self, xs: list) -> Trace:
         key = tuple((t.shape, t.dtype) for x in xs for t in flatten(x))
         if key not in self._traces:
-            self._traces[key] = trace_model(self._meta, xs, self.layer_stage.compute_dtype)
+            trace = trace_model(self._meta, xs, self.layer_stage.compute_dtype)
+            if self.drop.p:
+                self._check_droppable(trace, xs)
+            self._traces[key] = trace
         return self._traces[key]
 
-    def _rng_plan(self, trace: Trace) -> tuple[dict, object] | None:
+    def _check_droppable(self, trace: Trace, xs: list) -> None:
+        """A skipped layer's input goes on in place of its output, and the stages size their
+        transfers from the trace: a droppable layer must return what it takes."""
+        for i in sorted(self.drop.droppable):
+            for j, x in enumerate(xs):
+                takes = ([_Spec(t.shape, t.dtype) for t in flatten(x)], isinstance(x, torch.Tensor)) if i == 0 else \
+                    (trace.outputs[i - 1][j], trace.single[i - 1][j])
+                if (trace.outputs[i][j], trace.single[i][j]) != takes:
+                    raise PipelineError(f"layer {i} may be dropped (layer_drop) but returns {trace.outputs[i][j]} "
+                                        f"from {takes[0]}; a droppable layer must return what it takes (give "
+                                        f"droppable= the layers that do)")
+
+    def _rng_plan(self, trace: Trace, active: list[int]) -> tuple[dict, object] | None:
         """The generator's state before each of this stage's (layer, micro-batch) calls, and at
-        the step's end, as the single process (layer-major draws) would have them."""
+        the step's end, as the single process (layer-major draws, the step's `active` layers)
+        would have them."""
         if not trace.random:
             return None
         states = {}  # (layer, micro-batch) -> (before the call, after it)
-        for i in range(len(self.layers)):
+        for i in active:
             for j in range(self.micro_batches):
                 before = rng_state(self.device) if self.first <= i < self.end else None
                 replay(trace.ops[i][j], self.device)
@@ -620,17 +640,19 @@ class PipelineRelay:
         first_stage, last_stage = self.stage == 0, self.stage == self.stages - 1
         try:
             steps = []
-            for inputs, targets in batches:
+            for t, (inputs, targets) in enumerate(batches):
                 xs, ts, weights, n = own.split_micro_batches(inputs, targets)
                 trace = self._trace(xs)
-                steps.append(_Step(xs, ts, weights, n, trace, self._rng_plan(trace),
-                                   torch.zeros((), dtype=torch.float32, device=self.device)))
+                active = self.drop.layers(own.step + t + 1)  # the step commits as own.step + t + 1
+                here = [i for i in active if self.first <= i < self.end]
+                users: dict[str, list[int]] = {}
+                for i in here:
+                    for key in own.plans[i - self.first].groups:
+                        users.setdefault(key, []).append(i)
+                steps.append(_Step(xs, ts, weights, n, trace, self._rng_plan(trace, active),
+                                   torch.zeros((), dtype=torch.float32, device=self.device), here, users))
         except PipelineError as exc:
             raise PipelineError(links.report(f"pipeline stage {self.stage}: {exc}")) from exc
-        users: dict[str, list[int]] = {}
-        for i in range(self.first, self.end):
-            for key in own.plans[i - self.first].groups:
-                users.setdefault(key, []).append(i)
         recv_acts, recv_grads = {}, {}
         tag_of = (lambda kind, g: (2 * g + kind) * 64)  # up to 64 tensors per activation
 
@@ -663,7 +685,7 @@ class PipelineRelay:
                 step = steps[t]
                 if action.kind == "F":
                     if j == 0:
-                        own.eps.expect_step(list(users), sorted(users, key=lambda key: -users[key][0]))
+                        own.eps.expect_step(list(step.users), sorted(step.users, key=lambda key: -step.users[key][0]))
                         post(t + 1)
                     if first_stage:
                         x = step.xs[j]
@@ -673,7 +695,7 @@ class PipelineRelay:
                         x = unflatten(step.trace.like(self.first - 1, j), bufs)
                     c0 = time.perf_counter()
                     with self._weights_of(base + t):
-                        x = self._forward(j, x, step, users, sample)
+                        x = self._forward(j, x, step, sample)
                     if not last_stage:
                         links.send(flatten(x), self.stage + 1, tag_of(0, g))
                     busy += time.perf_counter() - c0
@@ -694,7 +716,7 @@ class PipelineRelay:
                     if j == u - 1:  # the replicas' weights of the pushes to come
                         own.start_step_over_ranks(step.n)
                     with self._weights_of(base + t):
-                        grads = self._backward(j, grads, step, users, sample, last=j == u - 1)
+                        grads = self._backward(j, grads, step, sample, last=j == u - 1)
                     if not first_stage:
                         links.send(grads, self.stage - 1, tag_of(1, g))
                     if j == u - 1:  # the step's every group is pushed: commit it (2bw: without waiting)
@@ -754,23 +776,27 @@ class PipelineRelay:
         t, j = divmod(action.mb, self.micro_batches)
         if self.layer_stage.eps.step < base + t:  # it reads the newest version: its fetches start afresh
             return
+        layers = steps[t].layers
+        if not layers:  # every layer here dropped this step
+            return
         if action.kind == "F":
-            self._prefetch(self.first, j, {})
-        elif not self._with_loss(self.end - 1):  # the last layer's weights are held by its graph
-            self._prefetch(self.end - 1, j, steps[t].held.get(j, {}))
+            self._prefetch(layers[0], j, {})
+        elif not self._with_loss(layers[-1]):  # the last layer's weights are held by its graph
+            self._prefetch(layers[-1], j, steps[t].held.get(j, {}))
 
-    def _forward(self, j: int, x, step: _Step, users: dict, sample) -> object:
-        """Micro-batch j's forward through the stage with one layer's weights on the device at a
-        time: each layer fetched (the next one on its way meanwhile), run, its input stashed for the
-        recompute (own.keep: the recompute policy) or its graph kept, then its weights released.
-        On the last stage the last layer's graph is kept with the loss: its backward comes next."""
-        own, keep, meter = self.layer_stage, self.layer_stage.keep, self.layer_stage.memory
+    def _forward(self, j: int, x, step: _Step, sample) -> object:
+        """Micro-batch j's forward through the stage's layers of the step with one layer's weights
+        on the device at a time: each layer fetched (the next one on its way meanwhile), run, its
+        input stashed for the recompute (own.keep: the recompute policy) or its graph kept, then its
+        weights released. On the last stage the last layer's graph is kept with the loss: its
+        backward comes next. A stage whose layers are all dropped passes `x` on."""
+        own, keep, meter, users = self.layer_stage, self.layer_stage.keep, self.layer_stage.memory, step.users
         live, held = {}, step.held.setdefault(j, {})
-        for i in range(self.first, self.end):
+        for n, i in enumerate(step.layers):
             k = i - self.first
             run = partial(self._call, i, j, params=own.layer_params(k, live), plan=step.plan)
-            if i + 1 < self.end:
-                self._prefetch(i + 1, j, live)
+            if n + 1 < len(step.layers):
+                self._prefetch(step.layers[n + 1], j, live)
             with meter.saving((i, j)):
                 if self._with_loss(i):
                     x = grad_leaf(x)
@@ -794,20 +820,24 @@ class PipelineRelay:
             x = out
         return x
 
-    def _backward(self, j: int, grads, step: _Step, users: dict, sample, last: bool) -> list:
-        """Micro-batch j's backward through the stage, last layer to first, one layer's weights on
-        the device at a time: each fetched again and its forward recomputed (or its kept graph
-        taken), backpropagated, released; a group's gradient joins the step's sum after its last
-        use (on the last micro-batch: pushed). `grads`: of the stage's output (None on the last
-        stage: the loss's backward ran). Returns the gradients of the stage's floating inputs."""
-        own, keep, meter = self.layer_stage, self.layer_stage.keep, self.layer_stage.memory
+    def _backward(self, j: int, grads, step: _Step, sample, last: bool) -> list:
+        """Micro-batch j's backward through the stage's layers of the step, last to first, one
+        layer's weights on the device at a time: each fetched again and its forward recomputed (or
+        its kept graph taken), backpropagated, released; a group's gradient joins the step's sum
+        after its last use (on the last micro-batch: pushed). `grads`: of the stage's output (None
+        on the last stage: the loss's backward ran; None where an output is not floating). Returns
+        the gradients of the stage's floating inputs."""
+        own, keep, meter, users = self.layer_stage, self.layer_stage.keep, self.layer_stage.memory, step.users
         live = step.held.pop(j, {})
+        if not step.layers:  # every layer here dropped: the input went on as the output
+            return [d for d in grads if d is not None]
         inputs = None
-        for i in range(self.end - 1, self.first - 1, -1):
+        for n in range(len(step.layers) - 1, -1, -1):
+            i = step.layers[n]
             k = i - self.first
             run = partial(self._call, i, j, params=own.layer_params(k, live), plan=step.plan)
-            if i > self.first:
-                self._prefetch(i - 1, j, live)
+            if n > 0:
+                self._prefetch(step.layers[n - 1], j, live)
             if self._with_loss(i):
                 x, out = step.graphs.pop(j)  # its backward ran with the loss's
             else:
