@@ -958,6 +958,9 @@ def figures(cfg, baseline: int) -> Estimate:
         sub = stage_trace(model, first, end)
         if len(bounds) > 2:
             step = pipeline_step(sub, s, len(bounds) - 1, on_host, widening, cfg.recompute, cfg.activations)
+            if cfg.activation_budget is not None:  # the plan keeps within its budget, and never less than full
+                more = max(0, cfg.activation_budget - step.kept_peak)
+                step = StepMemory(step.peak + more, step.kept_peak + more, step.own_peak + more)
         else:
             steps = [replay_step(sub, policies, cfg.activations, on_host, widening)
                      for policies in layer_policies(cfg, sub)]

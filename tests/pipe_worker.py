@@ -12,7 +12,8 @@ record (each rank writes the gradients its EPS received in the first step to "{r
 the whole model's group names), precision / recompute / activations / device (RelayOptions), memory (a list
 of layer counts per stage: each rank trains a pipeline of that many identical blocks a stage for each and
 writes its stage's peak device memory to "{out}.{rank}"), inf_at_step (rank 0's gradients overflow in
-that step), layer_drop / layer_drop_seed / droppable (the Relay's layer drop), replicas (data parallel replicas of each stage:
+that step), layer_drop / layer_drop_seed / droppable (the Relay's layer drop), activation_budget (out's
+"kept": per rank the kept activations' peak bytes and the layers planned to keep more than their input), replicas (data parallel replicas of each stage:
 the world is stages x replicas, rank = replica * stages + stage, each replica trains its shard of the minibatch).
 A PipelineError is printed as one line on stderr, exit code 2 (the pipeline closed, the interpreter's own exit).
 """
@@ -32,7 +33,7 @@ from l2l_hw.eps.base import tensor_of
 from l2l_hw.relay.options import PipelineConfig
 
 RELAY_OPTIONS = ("precision", "recompute", "activations", "device", "clip_grad_norm", "clip_mode", "skip_nonfinite",
-                 "layer_drop")
+                 "layer_drop", "activation_budget")
 from l2l_hw.relay.pipeline import PipelineError, PipelineRelay
 from tests.helpers import record_pushes
 from tests.test_pipeline import EPS_BACKEND, MODELS, OPTIMIZERS, RNG_SEED
@@ -175,6 +176,11 @@ def main(cfg: dict) -> None:
     mine = torch.tensor([relay.layer_stage.eps.step, relay.layer_stage.loss_scale], dtype=torch.float64)
     every = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(every, mine)
+    plan = getattr(relay.keep, "plan", None) or {}  # planned recompute's: layer -> policy
+    kept = torch.tensor([relay.memory_report()["kept_activation_peak_bytes"],
+                         sum(policy != "full" for policy in plan.values())], dtype=torch.float64)
+    kept_by_rank = [torch.zeros_like(kept) for _ in range(world)]
+    dist.all_gather(kept_by_rank, kept)
     if rank == 0:
         if cfg.get("save"):
             safetensors.torch.save_file(state, cfg["save"])
@@ -184,6 +190,7 @@ def main(cfg: dict) -> None:
             out["losses"] = torch.tensor(losses, dtype=torch.float64)
             out["eval"] = torch.tensor([evaluated], dtype=torch.float64)
             out["steps_and_scales"] = torch.stack(every)  # per rank: its EPS's step and its loss scale
+            out["kept"] = torch.stack(kept_by_rank)  # per rank: kept activations' peak, layers planned past full
             safetensors.torch.save_file(out, cfg["out"])
     dist.barrier()  # rank 0 writes while the others would tear the group down: gloo can abort on that
     relay.close()

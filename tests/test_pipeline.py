@@ -149,6 +149,23 @@ def test_a_droppable_layer_that_changes_its_input_is_one_clear_error_on_every_ra
             res.stderr[-2000:]
 
 
+@pytest.mark.parametrize("schedule,stream", [("flush", 0), pytest.param("2bw", 5, marks=SLOW)])
+def test_planned_recompute_keeps_each_stage_within_its_budget_and_trains_as_one_process(tmp_path, schedule, stream):
+    # the GPT's 5 layers on 2 stages, 4 micro-batches: stage 0 keeps up to 2 in flight, stage 1 one.
+    # The first step runs full and measures; the plan keeps more where the budget has room
+    kw = dict(model="gpt-dropout", optimizer="adamw", steps=STEPS, batch=13, micro_batches=4, schedule=schedule,
+              stream=stream)
+    full = run_ok(2, out=str(tmp_path / "full.safetensors"), recompute="full", **kw)["kept"][:, 0]
+    none = run_ok(2, out=str(tmp_path / "none.safetensors"), recompute="none", **kw)["kept"][:, 0]
+    assert (full < none).all(), (full, none)
+    budget = int(full.max() + 0.7 * (none.min() - full.max()))
+    got = run_ok(2, out=str(tmp_path / "out.safetensors"), activation_budget=budget, **kw)
+    assert (got["kept"][:, 0] <= budget).all(), (got["kept"], budget)
+    assert got["kept"][:, 1].sum() > 0, got["kept"]  # some layer keeps more than its input
+    want, losses = single_process("gpt-dropout", "adamw", STEPS, 13, 4, pipedream_2bw=schedule == "2bw")
+    assert_same(got, want, losses, f"2 stages, {schedule}, activation_budget={budget}")
+
+
 CLIPPED = {"clip_grad_norm": 0.05, "clip_mode": "global"}  # below the mlp's gradient norm: every step is clipped
 
 

@@ -466,9 +466,7 @@ class PipelineRelay:
         if options.pipedream_2bw and not self.schedule.pipedream_2bw:
             raise ValueError("pipedream_2bw=True asks for weights one step back: use schedule '2bw', not 'flush'")
         options = dataclasses.replace(options, pipedream_2bw=self.schedule.pipedream_2bw)
-        unsupported = [(options.activation_budget is not None,
-                        "activation_budget (its plan measures a layer over a whole step's micro-batches at once)"),
-                       (options.grad_compression != "none",
+        unsupported = [(options.grad_compression != "none",
                         f"grad_compression={options.grad_compression!r} (it compresses data parallelism's gradient "
                         "all-reduce; the stages have none)")]
         for bad, what in unsupported:
@@ -504,8 +502,10 @@ class PipelineRelay:
             self._groups = [g for g in solo if g is not dist.GroupMember.NON_GROUP_MEMBER]
             replicas = solo[dist.get_rank()]
         # This rank's layers, under the whole model's names; its replicas average its gradients.
+        # 1F1B keeps at most S - s micro-batches in flight on stage s: what planned recompute budgets for.
         self.layer_stage = LayerStage(self.layers[self.first:self.end], loss_fn, eps, options, first=self.first,
-                                      process_group=replicas, init=init, no_decay=no_decay)
+                                      process_group=replicas, init=init, no_decay=no_decay,
+                                      in_flight=min(self.stages - self.stage, options.micro_batches))
         self.device = self.layer_stage.device
         self.micro_batches = options.micro_batches
         for i, layer in enumerate(self.layers):  # other stages' weights: not held here
@@ -628,7 +628,10 @@ class PipelineRelay:
         batches, t0, busy, losses = list(batches), time.perf_counter(), 0.0, []
         if not batches:
             return losses
-        for run in ([batches] if self.streams else [[batch] for batch in batches]):
+        runs = [batches] if self.streams else [[batch] for batch in batches]
+        if self.streams and self.layer_stage.keep.measuring and len(batches) > 1:
+            runs = [batches[:1], batches[1:]]  # planned recompute plans from a step with no other in flight
+        for run in runs:
             busy += self._run(run, losses)
         self.last_step_s, self.busy_s = (time.perf_counter() - t0) / len(batches), busy / len(batches)
         return losses
@@ -721,6 +724,7 @@ class PipelineRelay:
                         links.send(grads, self.stage - 1, tag_of(1, g))
                     if j == u - 1:  # the step's every group is pushed: commit it (2bw: without waiting)
                         own.push_reduced()
+                        own.keep.end_step()  # planned recompute: the first step's measure makes the plan
                         own.commit_pushed(across=self.links.all_reduce)
                         own.weights.clear()  # what is on its way was read before the commit
                     busy += time.perf_counter() - c0

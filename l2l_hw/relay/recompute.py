@@ -228,6 +228,8 @@ Run = Callable[[object, dict], object]  # run(x, buffers) -> out: the layer on o
 class KeepGraphs:
     """recompute="none": each layer-micro-batch's forward graph is kept until its backward."""
 
+    measuring = False  # the first step of a planned policy, which measures what each layer keeps
+
     def __init__(self):
         self._graphs: dict[tuple[int, int], tuple] = {}
 
@@ -401,14 +403,22 @@ class PlannedRecompute(KeepGraphs):
     (the survey's planned recompute). The first step runs "full" and measures each layer: the
     bytes its graph saves (its weights once, its intermediates per micro-batch), its input, its
     matmul and attention outputs, the time of its recompute and of the ops selective keeps.
-    Every later step runs the plan (plan_recompute)."""
+    Every later step runs the plan (plan_recompute).
 
-    def __init__(self, stash: ActivationStash, device: torch.device, budget: int):
+    A key is a layer (the Relay: each call covers the micro-batches) or a (layer, micro-batch)
+    (a pipeline stage, which keeps at most `in_flight` micro-batches at once under 1F1B: a
+    layer's bytes are measured over that many)."""
+
+    def __init__(self, stash: ActivationStash, device: torch.device, budget: int, in_flight: int | None = None):
         super().__init__()
         self.budget = budget
         self.policies = {"none": KeepGraphs(), "selective": SelectiveRecompute(stash, device),
-                         "full": _MeasuringRecompute(stash, device)}
+                         "full": _MeasuringRecompute(stash, device, in_flight)}
         self.plan: dict[int, str] | None = None  # layer -> the policy it runs
+
+    @property
+    def measuring(self) -> bool:
+        return self.plan is None
 
     def describe(self) -> str:
         within = f"planned within {self.budget / 2**20:,.1f} MiB of kept activations"
@@ -419,8 +429,8 @@ class PlannedRecompute(KeepGraphs):
             by_policy.setdefault(name, []).append(i)
         return within + ": " + "; ".join(f"{name} at layers {_ranges(layers)}" for name, layers in by_policy.items())
 
-    def _of(self, i: int) -> KeepGraphs:
-        return self.policies["full" if self.plan is None else self.plan.get(i, "full")]
+    def _of(self, key) -> KeepGraphs:
+        return self.policies["full" if self.plan is None else self.plan.get(_layer(key), "full")]
 
     def recomputes(self, i):
         return self._of(i).recomputes(i)
@@ -469,24 +479,38 @@ def _ranges(layers: list[int]) -> str:
     return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in runs)
 
 
+def _layer(key) -> int:
+    """The layer of a policy's key: a layer, or a (layer, micro-batch)."""
+    return key if isinstance(key, int) else key[0]
+
+
 def _bytes(tensors) -> int:
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
 class _MeasuringRecompute(Recompute):
-    """Full recompute that measures, per layer, what each policy would keep and recompute."""
+    """Full recompute that measures, per layer, what each policy would keep and recompute (over
+    the first `in_flight` micro-batches of a (layer, micro-batch) key; a layer key's all)."""
 
-    def __init__(self, stash, device):
+    def __init__(self, stash, device, in_flight: int | None = None):
         super().__init__(stash, device)
         self.costs: dict[int, dict] = {}
+        self.in_flight = in_flight
+
+    def _counted(self, key) -> bool:
+        return isinstance(key, int) or self.in_flight is None or key[1] < self.in_flight
 
     def begin_forward(self, i, acts):
         super().begin_forward(i, acts)
-        flat = [t for a in acts for t in ([a] if isinstance(a, torch.Tensor) else a)]
-        self.costs[i] = dict(input=_bytes(flat), graph=[], kept=[], full_s=0.0, kept_s=0.0)
+        if self._counted(i):
+            flat = [t for a in acts for t in ([a] if isinstance(a, torch.Tensor) else a)]
+            cost = self.costs.setdefault(_layer(i), dict(input=0, graph=[], kept=[], full_s=0.0, kept_s=0.0))
+            cost["input"] += _bytes(flat)
 
     def _run_recompute(self, i, j, x, run, buffers):
-        cost, saved = self.costs[i], []
+        if not self._counted(i):
+            return super()._run_recompute(i, j, x, run, buffers)
+        cost, saved = self.costs[_layer(i)], []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t), \
                 _TimedKeep(save_matmuls_and_attention, self.device) as keep:
             start = time.perf_counter()
@@ -551,10 +575,11 @@ def plan_recompute(costs: dict[int, dict], budget: int, steps: int = 1024) -> di
 
 
 def recompute_policy(recompute: str | Callable, stash: ActivationStash, device: torch.device,
-                     activation_budget: int | None = None) -> KeepGraphs:
-    """The strategy object for RelayOptions.recompute (and activation_budget)."""
+                     activation_budget: int | None = None, in_flight: int | None = None) -> KeepGraphs:
+    """The strategy object for RelayOptions.recompute (and activation_budget; `in_flight`: the
+    micro-batches a pipeline stage keeps at once, PlannedRecompute)."""
     if activation_budget is not None:
-        return PlannedRecompute(stash, device, activation_budget)
+        return PlannedRecompute(stash, device, activation_budget, in_flight)
     if callable(recompute):
         return SelectiveRecompute(stash, device, recompute)
     return {"none": lambda: KeepGraphs(), "full": lambda: Recompute(stash, device),

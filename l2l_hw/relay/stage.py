@@ -169,12 +169,15 @@ class LayerStage:
 
     def __init__(self, layers: nn.Sequential | Sequence[nn.Module], loss_fn: Callable, eps: EPS,
                  options: RelayOptions | None = None, *, first: int = 0, process_group=None,
+                 in_flight: int | None = None,
                  init: Callable[[int, nn.Module], dict[str, torch.Tensor]] | None = None,
                  no_decay: Callable[[int, str], bool] | None = None, **option_values):
         """`options` (RelayOptions), or its fields as keyword arguments (over `options` where
         both are given): device, micro_batches, recompute, activations, precision, grad_sums,
         pipedream_2bw, clip_grad_norm, clip_mode, skip_nonfinite (layer_drop is the Relay's).
         `init(i, module)` and `no_decay(i, name)` take the whole model's layer index i.
+        `in_flight`: the micro-batches whose activations a layer keeps at once (a pipeline stage's
+        under 1F1B; None: all of them, layer-major), what planned recompute budgets for.
         `no_decay(i, name)`: whether layer i's parameter `name` is updated without weight decay
         (transformers' Trainer exempts biases and norms; hf.from_pretrained passes its rule)."""
         unknown = sorted(set(option_values) - {f.name for f in dataclasses.fields(RelayOptions)})
@@ -203,7 +206,8 @@ class LayerStage:
         self.micro_batches = options.micro_batches
         self.recompute = options.recompute
         self.stash = ActivationStash(options.activations, self.transport)
-        self.keep = recompute_policy(options.recompute, self.stash, self.device, options.activation_budget)
+        self.keep = recompute_policy(options.recompute, self.stash, self.device, options.activation_budget,
+                                     in_flight)
         self.memory = DeviceMemory(self.device)
         self.clip_norm = options.clip_grad_norm
         self.clip_mode = options.clip_mode if options.clip_grad_norm is not None else None
