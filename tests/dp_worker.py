@@ -2,7 +2,7 @@
 
     python -m tests.dp_worker '<json>'    with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set
 
-The json: model (gpt | mlp | coherent), optimizer, steps, batch, micro_batches, shard_state,
+The json: model (gpt | mlp | mlp4 | coherent), optimizer, steps, batch, micro_batches, shard_state,
 clip_grad_norm, clip_mode, precision, pipedream_2bw, grad_compression and powersgd_rank
 (Relay's), inf_at_step (rank 0's gradient of layer1 overflows in that step; the worker
 records whether the step left the state unchanged and halved the loss scale), start (first
@@ -24,10 +24,11 @@ import torch.distributed as dist
 
 import l2l_hw
 from l2l_hw.distributed import rank_shard
-from tests.helpers import coherent_batches, coherent_layers, record_pushes
+from tests.helpers import coherent_batches, coherent_layers, mlp_layers, record_pushes
 from tests.test_relay_equivalence import MODELS, OPTIMIZERS
 
-MODELS = {**MODELS, "coherent": (coherent_layers, coherent_batches, torch.nn.functional.mse_loss)}
+MODELS = {**MODELS, "coherent": (coherent_layers, coherent_batches, torch.nn.functional.mse_loss),
+          "mlp4": (lambda: mlp_layers(depth=4), MODELS["mlp"][1], torch.nn.functional.mse_loss)}  # the pipeline tests'
 
 
 def main(cfg: dict) -> None:

@@ -166,6 +166,19 @@ def test_planned_recompute_keeps_each_stage_within_its_budget_and_trains_as_one_
     assert_same(got, want, losses, f"2 stages, {schedule}, activation_budget={budget}")
 
 
+def test_fp16_replicas_of_a_pipeline_equal_the_data_parallel_relay_on_as_many_ranks(tmp_path):
+    # 2 stages x 2 replicas in fp16 against the Relay on 2 data-parallel ranks: each replica's fp32
+    # sums are averaged over the replicas before their one rounding, as the data-parallel ranks'
+    # are. (One process sums all the micro-batches before it, a re-association a flipped fp16
+    # rounding shows: ~1e-2 after AdamW; so the reference sums as the replicas do.)
+    kw = dict(optimizer="adamw", steps=STEPS, batch=13, micro_batches=2, precision="fp16")
+    got = run_ok(4, model="mlp", replicas=2, schedule="flush", out=str(tmp_path / "out.safetensors"), **kw)
+    ranks_ok("tests.dp_worker", 2, dict(model="mlp4", out=str(tmp_path / "dp.safetensors"), **kw), LAUNCH_TIMEOUT)
+    dp = safetensors.torch.load_file(str(tmp_path / "dp.safetensors"))
+    want = {name: t for name, t in dp.items() if "." in name}  # the trained parameters
+    assert_same(got, want, dp["losses"].tolist(), "2 stages x 2 replicas, fp16")
+
+
 CLIPPED = {"clip_grad_norm": 0.05, "clip_mode": "global"}  # below the mlp's gradient norm: every step is clipped
 
 
