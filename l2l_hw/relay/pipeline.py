@@ -676,7 +676,7 @@ class PipelineRelay:
             """The stage's device memory now: `held`, the receives posted, the sends under way, the
             groups and graphs kept for backwards to come (and what the relay's accounting adds)."""
             own.sample_memory(*held, [bufs for bufs, _ in (*recv_acts.values(), *recv_grads.values())],
-                                [t for t, _, _ in links.sends], [(s.held, s.graphs) for s in steps])
+                              [t for t, _, _ in links.sends], [(s.held, s.graphs) for s in steps])
 
         actions = self.schedule.actions(self.stage, self.stages, u * len(steps))
         base, busy = own.eps.step, 0.0
@@ -851,7 +851,7 @@ class PipelineRelay:
                 pairs = [(o, d) for o, d in zip(flatten(out), grads) if d is not None and o.requires_grad]
                 if pairs:
                     torch.autograd.backward([o for o, _ in pairs], [d for _, d in pairs])
-            grads_in = own.input_grads(x) if i > self.first or self.stage > 0 else None
+            grads_in = own.input_grads(x) if n > 0 or self.stage > 0 else None  # stage 0's input: data
             sample(live, x, out, grads, grads_in)  # the layer's weights, their gradients, its graph: its peak
             meter.drop_saved((i, j))
             grads, inputs = grads_in, x
@@ -944,8 +944,7 @@ class PipelineRelay:
         finally:
             for m, mode in zip(own.layers, modes):
                 m.train(mode)
-        return own.mean_over_ranks(self._share_loss(total)[0], n,
-                                     "averaging the evaluation loss over the replicas")
+        return own.mean_over_ranks(self._share_loss(total)[0], n, "averaging the evaluation loss over the replicas")
 
     def _share_loss(self, totals: torch.Tensor) -> list[float]:
         """The last stage's losses (one per step), sent to every other stage."""

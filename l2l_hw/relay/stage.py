@@ -385,7 +385,6 @@ class LayerStage:
             live[frozen] = dict(zip(plan.frozen, self.transport.up(list(plan.frozen.values())).wait()))
         return {**{name: live[key][gname] for name, (key, gname) in plan.bindings.items()}, **live.get(frozen, {})}
 
-
     # -- the batch --------------------------------------------------------------
     def split_micro_batches(self, inputs, targets):
         """Split into micro-batches along dim 0; weights n_j / B make the loss the minibatch mean."""
@@ -592,8 +591,9 @@ class LayerStage:
             elif e.name in self.plans[k].buffers:  # the relay's buffers, not the module's stale ones
                 owner, _, leaf = e.name.rpartition(".")
                 model[k].get_submodule(owner)._buffers[leaf] = e.tensor
+        # by the meta tensor: a tensor under two names gets one Parameter
         made = {id(p): trained[(i, name)] for i, layer in enumerate(model, self.first)
-                for name, p in layer.named_parameters() if (i, name) in trained}  # by the meta tensor: a tensor under two names gets one Parameter
+                for name, p in layer.named_parameters() if (i, name) in trained}
         for layer in model:
             _replace_tensors(layer, lambda name, meta: made[id(meta)], lambda t: t.is_meta)
         return model
