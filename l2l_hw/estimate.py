@@ -48,8 +48,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from l2l_hw.relay.stage import layer_output
-from l2l_hw.relay.stage import flatten, to_float
+from l2l_hw.relay.stage import flatten, layer_output, to_float
 from l2l_hw.relay.recompute import KeepGraphs, SelectiveRecompute, grad_leaf, save_matmuls_and_attention
 from l2l_hw.relay.stash import ActivationStash
 from l2l_hw.relay.transport import Transport

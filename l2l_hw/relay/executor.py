@@ -49,10 +49,10 @@ class Relay(LayerStage):
         """The stage's options (LayerStage), and layer drop: options.layer_drop (a probability,
         or a function of the step) over the `droppable` layers (default: all but the first and
         the last), drawn from a generator keyed by `layer_drop_seed` and the step."""
-        self.drop = LayerDrop(0.0, len(layers), droppable=droppable, seed=layer_drop_seed)  # checked first
+        p = option_values.get("layer_drop", (options or RelayOptions()).layer_drop)
+        self.drop = LayerDrop(p, len(layers), droppable=droppable, seed=layer_drop_seed)  # checked before the EPS
         super().__init__(layers, loss_fn, eps, options, process_group=process_group, init=init,
                          no_decay=no_decay, **option_values)
-        self.drop.p = self.options.layer_drop
 
     streams = False  # train_steps runs each minibatch as a step of its own
     plan = None  # boundaries are a pipeline's (relay.schedule.Schedule)
@@ -110,7 +110,7 @@ class Relay(LayerStage):
         for n, i in enumerate(order[:-1]):
             run = partial(self.call, i)
             visit = self.visit(i, self.layer_params(i, live))
-            self._prefetch(order[n + 1], live)
+            self.prefetch(order[n + 1], live)
             keep.begin_forward(i, acts)
             outs = []
             with visit, meter.saving(i):
@@ -131,7 +131,7 @@ class Relay(LayerStage):
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         visit = self.visit(last, self.layer_params(last, live))
         if len(order) > 1:
-            self._prefetch(order[-2], live)
+            self.prefetch(order[-2], live)
         grads_in = []
         with visit:
             for j in range(self.micro_batches):
@@ -155,7 +155,7 @@ class Relay(LayerStage):
             run = partial(self.call, i)
             visit = self.visit(i, self.layer_params(i, live))
             if n > 0:
-                self._prefetch(order[n - 1], live)
+                self.prefetch(order[n - 1], live)
             keep.begin_backward(i)
             grads_out, grads_in = grads_in, []
             with visit:
@@ -182,11 +182,6 @@ class Relay(LayerStage):
         self.memory.drop_saved()
         self.commit_pushed()
         return self.mean_over_ranks(self.transport.read(total), local_n, "averaging the step's loss")
-
-    def _prefetch(self, i: int, live: dict) -> None:
-        """Start moving layer i's weights (and, in the backward, its stashed inputs) to the device."""
-        self.prefetch_weights(i, live)
-        self.keep.prefetch(i)  # a no-op until layer i's forward has stashed something
 
     def _release(self, i: int, live: dict, users: dict[str, list[int]], backward: bool) -> None:
         """Drop device weights layer i no longer needs; after its last backward use, push the gradients."""
@@ -216,7 +211,7 @@ class Relay(LayerStage):
                 for i in range(len(self.layers)):
                     visit = self.visit(i, self.layer_params(i, live))
                     if i + 1 < len(self.layers):
-                        self._prefetch(i + 1, live)
+                        self.prefetch(i + 1, live)
                     with visit:
                         acts = [self.call(i, a, self.plans[i].buffers) for a in acts]
                     self.sample_memory(live, acts)

@@ -769,9 +769,7 @@ class PipelineRelay:
 
     def _prefetch(self, i: int, j: int, live: dict) -> None:
         """Start moving layer i's weights (and, for its backward, micro-batch j's stashed input) up."""
-        own = self.layer_stage
-        own.prefetch_weights(i - self.first, live)
-        own.keep.prefetch((i, j))  # a no-op until the layer's forward has stashed something
+        self.layer_stage.prefetch(i - self.first, live, (i, j))
 
     def _prefetch_action(self, action: Action, base: int, steps: list) -> None:
         """The first layer of the next action on its way while this stage waits for its input,

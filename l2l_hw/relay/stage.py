@@ -14,7 +14,7 @@ A stage holds what running its layers needs, whatever the order a schedule runs 
 
 A schedule orders the calls: the Relay (executor.py) runs one stage over the whole model
 layer-major; the pipeline (pipeline.py) runs 1F1B / 2BW over one stage per rank. The
-calls a schedule makes: split_micro_batches, layer_params / prefetch_weights, visit /
+calls a schedule makes: split_micro_batches, layer_params / prefetch, visit /
 call (layer k on one micro-batch), compute_loss, input_grads, push, commit_pushed,
 abandon; state_entries / export / materialize for checkpoints and the trained model.
 Layer indices k passed to a stage are its own (0 .. len(layers) - 1).
@@ -452,9 +452,12 @@ class LayerStage:
     def loss_scale(self) -> float:
         return self.scaler.scale if self.scaler is not None else 1.0
 
-    def prefetch_weights(self, i: int, live: dict) -> None:
-        """Start moving layer i's weights (the groups not on the device yet) up."""
-        self.weights.prefetch([key for key in self.plans[i].groups if key not in live])
+    def prefetch(self, i: int, live: dict, key=None) -> None:
+        """Start moving layer i's weights (the groups not on the device yet) up, and, for a
+        backward, what the recompute policy stashed under `key` (default i; a no-op until the
+        layer's forward has stashed something)."""
+        self.weights.prefetch([group for group in self.plans[i].groups if group not in live])
+        self.keep.prefetch(i if key is None else key)
 
     def sample_memory(self, *held) -> None:
         """Account what is on the device now: `held` plus what is kept for the backward and weights in flight."""
