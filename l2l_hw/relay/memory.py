@@ -14,22 +14,36 @@ import contextlib
 import torch
 
 
-def _storages(obj, out: dict[int, int]) -> dict[int, int]:
-    """Collect {storage pointer: bytes} of every tensor in nested lists/tuples/dicts."""
-    if isinstance(obj, torch.Tensor):
-        if obj.device.type != "meta" and obj.numel():
-            storage = obj.untyped_storage()
-            out[storage.data_ptr()] = storage.nbytes()
-        grad = obj.grad if obj.is_leaf and obj.requires_grad else None
-        if grad is not None:
-            _storages(grad, out)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _storages(v, out)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _storages(v, out)
+def _storages(obj, out: dict[int, int], known: dict[int, int] | None = None) -> dict[int, int]:
+    """Collect {storage pointer: bytes} of every tensor in nested lists/tuples/dicts (and of the
+    gradient of a leaf that has one) into `out`, leaving out the storages `known` holds."""
+    known = known or {}
+    pending = [obj]
+    while pending:
+        obj = pending.pop()
+        if isinstance(obj, torch.Tensor):
+            if not obj.is_meta and obj.numel():
+                storage = obj.untyped_storage()
+                ptr = storage.data_ptr()
+                if ptr not in known:
+                    out[ptr] = storage.nbytes()
+            if obj.is_leaf and obj.requires_grad and obj.grad is not None:
+                pending.append(obj.grad)
+        elif isinstance(obj, dict):
+            pending.extend(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            pending.extend(obj)
     return out
+
+
+def _tally(table: dict, key, value, uses: int) -> bool:
+    """Set `key`'s (value, uses) in `table`, dropping it at no use; True where it came or went."""
+    came = key not in table
+    if uses:
+        table[key] = (value, uses)
+    else:
+        del table[key]
+    return came or not uses
 
 
 class DeviceMemory:
@@ -37,23 +51,36 @@ class DeviceMemory:
         self.device = device
         self.peak_bytes = 0
         self.kept_peak_bytes = 0  # activations kept for the backward: the stash, graphs, cached op outputs
-        self._saved: dict[object, list[torch.Tensor]] = {}  # tensors autograd saved, by layer
+        self._reset_saved()
+
+    def _reset_saved(self) -> None:
+        # What autograd saved, counted as it is saved rather than walked at each sample (a step
+        # samples once per layer and micro-batch, and the graphs in flight save many tensors):
+        # by layer, the saved tensors; over all layers, each storage's (bytes, saved tensors on
+        # it) and each saved leaf's (tensor, uses): a leaf's gradient comes and goes, so it is
+        # counted at the sample.
+        self._saved: dict[object, list[torch.Tensor]] = {}
+        self._saved_storages: dict[int, tuple[int, int]] = {}
+        self._saved_bytes = 0
+        self._saved_leaves: dict[int, tuple[torch.Tensor, int]] = {}
 
     def reset(self) -> None:
         self.peak_bytes = self.kept_peak_bytes = 0
-        self._saved = {}
+        self._reset_saved()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def sample(self, *held, kept=()) -> None:
         """Record the bytes of `held`, `kept` and autograd's saved tensors as a candidate peak, and
         of `kept` (what the relay keeps of the forward for the backward) and the saved tensors as
-        a candidate peak of the activations kept."""
+        a candidate peak of the activations kept. Each storage counts once."""
         if self.device.type == "cuda":
             return  # the allocator keeps its own peak
-        activations = _storages([list(kept), [t for saved in self._saved.values() for t in saved]], {})
-        self.kept_peak_bytes = max(self.kept_peak_bytes, sum(activations.values()))
-        self.peak_bytes = max(self.peak_bytes, sum(_storages(list(held), activations).values()))
+        leaf_grads = [leaf.grad for leaf, _ in self._saved_leaves.values() if leaf.grad is not None]
+        beyond = _storages([list(kept), leaf_grads], {}, self._saved_storages)
+        self.kept_peak_bytes = max(self.kept_peak_bytes, self._saved_bytes + sum(beyond.values()))
+        beyond = _storages(list(held), beyond, self._saved_storages)
+        self.peak_bytes = max(self.peak_bytes, self._saved_bytes + sum(beyond.values()))
 
     @contextlib.contextmanager
     def saving(self, layer=None):
@@ -62,21 +89,32 @@ class DeviceMemory:
         if self.device.type == "cuda":  # the allocator keeps the peak: no hook per saved tensor
             yield
             return
-        saved = self._saved.setdefault(layer, [])
-
         def pack(t):
-            saved.append(t)
+            self._saved.setdefault(layer, []).append(t)
+            self._count(t, 1)
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield
 
+    def _count(self, t: torch.Tensor, sign: int) -> None:
+        """Add (sign 1) or take away (-1) one saved tensor: its storage's use and, for a leaf, its own."""
+        if not t.is_meta and t.numel():
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            nbytes, uses = self._saved_storages.get(ptr, (storage.nbytes(), 0))
+            if _tally(self._saved_storages, ptr, nbytes, uses + sign):
+                self._saved_bytes += sign * nbytes  # the storage's first saved tensor came, or its last went
+        if t.is_leaf and t.requires_grad:
+            _tally(self._saved_leaves, id(t), t, self._saved_leaves.get(id(t), (t, 0))[1] + sign)
+
     def drop_saved(self, layer=None) -> None:
         """Forget what `layer`'s graph saved (its backward ran); every layer's without one."""
         if layer is None:
-            self._saved = {}
-        else:
-            self._saved.pop(layer, None)
+            self._reset_saved()
+            return
+        for t in self._saved.pop(layer, ()):
+            self._count(t, -1)
 
     def report(self) -> dict:
         if self.device.type == "cuda":
