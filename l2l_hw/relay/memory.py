@@ -36,16 +36,6 @@ def _storages(obj, out: dict[int, int], known: dict[int, int] | None = None) -> 
     return out
 
 
-def _tally(table: dict, key, value, uses: int) -> bool:
-    """Set `key`'s (value, uses) in `table`, dropping it at no use; True where it came or went."""
-    came = key not in table
-    if uses:
-        table[key] = (value, uses)
-    else:
-        del table[key]
-    return came or not uses
-
-
 class DeviceMemory:
     def __init__(self, device: torch.device):
         self.device = device
@@ -102,11 +92,15 @@ class DeviceMemory:
         if not t.is_meta and t.numel():
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
-            nbytes, uses = self._saved_storages.get(ptr, (storage.nbytes(), 0))
-            if _tally(self._saved_storages, ptr, nbytes, uses + sign):
-                self._saved_bytes += sign * nbytes  # the storage's first saved tensor came, or its last went
+            nbytes, uses = self._saved_storages.pop(ptr, (storage.nbytes(), 0))
+            if uses + sign:
+                self._saved_storages[ptr] = (nbytes, uses + sign)
+            if uses == 0 or uses + sign == 0:  # the storage's first saved tensor came, or its last went
+                self._saved_bytes += sign * nbytes
         if t.is_leaf and t.requires_grad:
-            _tally(self._saved_leaves, id(t), t, self._saved_leaves.get(id(t), (t, 0))[1] + sign)
+            _, uses = self._saved_leaves.pop(id(t), (t, 0))
+            if uses + sign:
+                self._saved_leaves[id(t)] = (t, uses + sign)
 
     def drop_saved(self, layer=None) -> None:
         """Forget what `layer`'s graph saved (its backward ran); every layer's without one."""
