@@ -28,6 +28,15 @@ CKPT = "checkpoint.safetensors"
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+def rows(out: Path) -> int:
+    """The rows of a run's metrics.jsonl so far (a run in another process: l2l train's output
+    check makes the file to try it and removes it again)."""
+    try:
+        return (out / "metrics.jsonl").read_text().count("\n")
+    except FileNotFoundError:
+        return 0
+
+
 def snapshot(*folders: Path) -> dict[str, str]:
     """sha256 of every regular file under the folders, by path: what a refused run must not change."""
     hashes = {}
@@ -200,7 +209,7 @@ def test_a_signal_stops_at_a_step_boundary_in_one_line_and_the_resume_is_bit_exa
     proc = subprocess.Popen([sys.executable, "-m", "l2l_hw.cli", *argv, "--out", str(out)], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
-    while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count("\n") >= 2):
+    while rows(out) < 2:
         assert proc.poll() is None and time.monotonic() < deadline
         time.sleep(0.01)
     proc.send_signal(signum)

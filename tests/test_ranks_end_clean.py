@@ -18,7 +18,7 @@ import torch
 
 from l2l_hw.checkpoint import load_checkpoint
 from l2l_hw.distributed import free_port, run_local_ranks
-from tests.test_nothing_lost import CKPT, same_run, snapshot
+from tests.test_nothing_lost import CKPT, rows, same_run, snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 180  # seconds for one multi-rank command; a hang fails the test, not the suite
@@ -61,11 +61,6 @@ def finish(procs: list[subprocess.Popen]) -> list[tuple[int, str]]:
                 q.kill()
             pytest.fail(f"a rank did not end within {TIMEOUT} s (hang)")
     return results
-
-
-def rows(out: Path) -> int:
-    metrics = out / "metrics.jsonl"
-    return metrics.read_text().count("\n") if metrics.exists() else 0
 
 
 def wait_for_rows(out: Path, n: int, procs: list[subprocess.Popen]) -> None:
