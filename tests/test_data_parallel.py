@@ -164,3 +164,37 @@ def test_l2l_train_under_torchrun_resumes_across_world_sizes(tmp_path, first, se
     for name, w in want.items():
         if name.startswith("relay.eps/") and w.is_floating_point():
             assert rel_diff(got[name], w) <= TOL, f"{name} differs by {rel_diff(got[name], w):.2e}"
+
+
+ONE_RANK = """
+import torch, torch.distributed as dist
+import l2l_hw
+from tests.helpers import coherent_batches, coherent_layers
+from torch import nn
+
+def relay():
+    torch.manual_seed(0)
+    return l2l_hw.Relay(coherent_layers(), nn.functional.mse_loss, l2l_hw.make_eps("cpu", optimizer="adamw", lr=1e-2),
+                        micro_batches=2)
+
+alone = relay()  # torch.distributed not initialized: no data parallelism
+dist.init_process_group("gloo")
+grouped = relay()  # the world group, of one rank
+for x, y in coherent_batches(3, 8):
+    assert alone.train_step(x, y) == grouped.train_step(x, y)
+same = all(torch.equal(a, b) for a, b in zip(alone.state_dict().values(), grouped.state_dict().values()))
+print(grouped.dp is None, same)
+dist.destroy_process_group()
+"""
+
+
+def test_a_group_of_one_rank_averages_nothing_and_equals_the_relay_alone():
+    """A pipeline stage without replicas, or torchrun with one process: no gradient reducer (no
+    all-reduce of every gradient over one rank), and the steps bit for bit those of a relay
+    without torch.distributed."""
+    from l2l_hw.distributed import run_local_ranks
+
+    (res,) = run_local_ranks(["-c", ONE_RANK], 1, timeout_s=LAUNCH_TIMEOUT, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split() == ["True", "True"], res.stdout

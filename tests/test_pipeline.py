@@ -502,9 +502,10 @@ def test_shard_state_with_a_pipeline_needs_replicas_to_shard_over_in_one_line_on
 def test_bench_pipeline_runs_every_variant_and_torch_1f1b_on_a_tiny_gpt():
     from l2l_hw.bench import pipeline as bench
 
-    r = bench.run(stages=2, steps=2, layers=2, width=32, heads=2, context=16, batch=4, micro_batches=2)
-    assert all(r[k] > 0 for k in ("step_s_relay_1_thread", "step_s_pipeline_2bw", "step_s_pipeline_flush",
-                                  "step_s_torch_1f1b"))
+    r = bench.run(stages=2, steps=2, rounds=2, layers=2, width=32, heads=2, context=16, batch=4, micro_batches=2)
+    for key in ("step_s_relay_1_thread", "step_s_relay_2_threads", "step_s_pipeline_2bw", "step_s_pipeline_flush",
+                "step_s_torch_1f1b", "speedup_2bw_vs_torch_1f1b", "speedup_flush_vs_torch_1f1b"):
+        assert 0 < r[key]["min"] <= r[key]["median"] <= r[key]["max"], (key, r[key])
     assert r["bubble_theoretical"] == pytest.approx(1 / 3, abs=1e-3)  # (S - 1) / (M + S - 1)
     assert r["bubble_theoretical_2bw"] == pytest.approx(1 / 5, abs=1e-3)  # 2 steps in one schedule
     assert all(0 <= b < 1 for b in r["bubble_measured_flush"] + r["bubble_measured_2bw"])

@@ -1,23 +1,28 @@
 """`l2l bench pipeline`: the relay as a pipeline on CPU ranks against one process and torch's 1F1B.
 
-One GPT, one minibatch, one micro-batch count, in one run, each variant in fresh processes:
-  relay, 1 thread       the single-process relay (the reference the pipeline is equal to)
-  relay, S threads      the same with every core's threads (the user's alternative here)
+One GPT, one minibatch, one micro-batch count, every variant built in the same S processes
+(rank s holds stage s of each pipeline) and timed in turns, round after round, so a drift of
+the machine's speed falls on every variant alike; each figure is the median over the rounds
+with its [min - max], and each ratio is taken within a round:
+  relay, 1 thread       the single-process relay (the reference the pipeline is equal to), on
+                        rank 0 while the other ranks wait
+  relay, S threads      the same with every core's threads
   pipeline 2bw          S ranks, one thread each, PipeDream-2BW (l2l_hw/relay/pipeline.py),
-                        the timed steps as one schedule (train_steps: the pipe fills once)
+                        a round's steps as one schedule (train_steps: the pipe fills once)
   pipeline flush        the same with a flush every minibatch
   torch 1F1B            torch.distributed.pipelining's Schedule1F1B, the same split and
                         micro-batches, torch.optim.AdamW per stage
 The split is the planner's (l2l_hw/relay/planner.py; this process profiles each layer with
 one thread first, and every variant runs that split), printed with its predicted stage
 times and those the flush pipeline measured (each stage's compute per step). The
-bubble: per stage 1 - (time computing) / (step time), against the schedule's
+bubble: per stage 1 - (time computing) / (step time) over the rounds, against the schedule's
 (S - 1) / (M + S - 1) for flush and (S - 1) / (K M + S - 1) for 2bw's K steps in one schedule.
 """
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -57,80 +62,59 @@ def _plan(bench: dict, stages: int):
     return plan_pipeline(costs, stages, bench["batch"], bench["micro_batches"])
 
 
-def _timed(run, steps: int, sync=None) -> float:
-    """Mean seconds a step of run(n) (n steps) after WARMUP steps, the ranks lined up first."""
-    run(WARMUP)
-    if sync is not None:
-        sync()
-    t0 = time.perf_counter()
-    run(steps)
-    if sync is not None:
-        sync()
-    return (time.perf_counter() - t0) / steps
+def _relay(bench: dict, alone):
+    """The single-process relay on rank 0 (a group of its own, `alone`: no data parallelism): run(n)
+    trains n steps."""
+    import l2l_hw
+    from l2l_hw.models.gpt import lm_loss
+
+    relay = l2l_hw.Relay(_model(bench), lm_loss, eps=l2l_hw.make_eps("cpu", optimizer="adamw", lr=1e-4),
+                         micro_batches=bench["micro_batches"], recompute=bench["recompute"], pipedream_2bw=True,
+                         process_group=alone)
+    batches = _batches(bench)
+    return lambda n: [relay.train_step(*next(batches)) for _ in range(n)]
 
 
-def _each(step):
-    """run(n) of a step function: n calls."""
-    return lambda n: [step() for _ in range(n)]
-
-
-def _worker(bench: dict) -> dict:
+def _pipeline(bench: dict, schedule: str, busy: list):
+    """This rank's stage of a pipeline on a group of its own: run(n) trains n steps as one schedule
+    (2bw: the pipe fills once; flush: a flush every step) and appends (busy, step) seconds to `busy`."""
     import torch.distributed as dist
 
     import l2l_hw
     from l2l_hw.models.gpt import lm_loss
+    from l2l_hw.relay.options import PipelineConfig
+    from l2l_hw.relay.pipeline import PipelineRelay
 
-    torch.set_num_threads(bench["threads"])
+    relay = PipelineRelay(_model(bench), lm_loss, l2l_hw.make_eps("cpu", optimizer="adamw", lr=1e-4),
+                          pipeline=PipelineConfig(stages=dist.get_world_size(), schedule=schedule),
+                          group=dist.new_group(), boundaries=bench["bounds"], micro_batches=bench["micro_batches"],
+                          recompute=bench["recompute"])
     batches = _batches(bench)
-    eps_options = dict(optimizer="adamw", lr=1e-4)
-    if bench["kind"] == "relay":
-        relay = l2l_hw.Relay(_model(bench), lm_loss, eps=l2l_hw.make_eps("cpu", **eps_options),
-                             micro_batches=bench["micro_batches"], recompute=bench["recompute"], pipedream_2bw=True)
-        return {"step_s": _timed(_each(lambda: relay.train_step(*next(batches))), bench["steps"])}
-    dist.init_process_group("gloo")
-    stages, stage = dist.get_world_size(), dist.get_rank()
-    bounds = bench["bounds"]
-    barrier = lambda: dist.barrier()  # noqa: E731
-    if bench["kind"] == "torch":
-        out = {"step_s": _torch_1f1b(bench, bounds, batches, barrier)}
-    else:
-        from l2l_hw.relay.options import PipelineConfig
-        from l2l_hw.relay.pipeline import PipelineRelay
 
-        relay = PipelineRelay(_model(bench), lm_loss, l2l_hw.make_eps("cpu", **eps_options),
-                              pipeline=PipelineConfig(stages=stages, schedule=bench["kind"]), boundaries=bounds,
-                              micro_batches=bench["micro_batches"], recompute=bench["recompute"])
-        busy = []
+    def run(n: int) -> None:
+        relay.train_steps([next(batches) for _ in range(n)])
+        busy.append((relay.busy_s, relay.last_step_s))
 
-        def run(n: int):  # 2bw: the n steps as one schedule (relay.train_steps); flush: a schedule a step
-            relay.train_steps([next(batches) for _ in range(n)])
-            busy.append((relay.busy_s, relay.last_step_s))
-
-        step_s = _timed(run, bench["steps"], barrier)
-        mine = busy[-1]  # the timed run's, per step
-        every = [None] * stages
-        dist.all_gather_object(every, mine)
-        out = {"step_s": step_s, "busy_s": [b for b, _ in every], "stage_step_s": [s for _, s in every]}
-    dist.destroy_process_group()
-    return out if stage == 0 else {}
+    return run
 
 
-def _torch_1f1b(bench: dict, bounds: list[int], batches, barrier) -> float:
-    """torch.distributed.pipelining's Schedule1F1B on the plan's split, AdamW per stage."""
+def _torch_1f1b(bench: dict):
+    """torch.distributed.pipelining's Schedule1F1B on the plan's split, AdamW per stage, on a group
+    of its own: run(n) trains n steps."""
     import torch.distributed as dist
     from torch import nn
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     from l2l_hw.models.gpt import lm_loss
 
-    stages, stage = dist.get_world_size(), dist.get_rank()
-    layers = list(_model(bench))
-    module = nn.Sequential(*layers[bounds[stage]:bounds[stage + 1]])
-    pipe_stage = PipelineStage(module, stage, stages, torch.device("cpu"))
+    stages, stage, bounds = dist.get_world_size(), dist.get_rank(), bench["bounds"]
+    module = nn.Sequential(*list(_model(bench))[bounds[stage]:bounds[stage + 1]])
+    pipe_stage = PipelineStage(module, stage, stages, torch.device("cpu"), group=dist.new_group())
     schedule = Schedule1F1B(pipe_stage, n_microbatches=bench["micro_batches"], loss_fn=lm_loss)
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
+    batches = _batches(bench)
 
-    def step():
+    def step() -> None:
         x, y = next(batches)
         optimizer.zero_grad()
         if stage == 0:
@@ -141,67 +125,110 @@ def _torch_1f1b(bench: dict, bounds: list[int], batches, barrier) -> float:
             schedule.step()
         optimizer.step()
 
-    return _timed(_each(step), bench["steps"], barrier)
+    return lambda n: [step() for _ in range(n)]
 
 
-def _launch(bench: dict, kind: str, world: int, threads: int) -> dict:
-    cfg = dict(bench, kind=kind, threads=threads)
-    procs = run_local_ranks(["-m", "l2l_hw.bench.pipeline", json.dumps(cfg)], world, threads=threads,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    if any(p.returncode for p in procs):
-        errors = "; ".join(p.stderr.strip().splitlines()[-1] for p in procs if p.returncode and p.stderr.strip())
-        raise RuntimeError(f"a rank of the {kind} run failed (exit codes {[p.returncode for p in procs]}): {errors}")
-    return json.loads(procs[0].stdout.strip().splitlines()[-1])
+def _worker(bench: dict) -> dict:
+    """One rank: every variant built, warmed up, then timed in turns for bench["rounds"] rounds;
+    rank 0 returns each variant's seconds a step per round and each stage's (busy, step) seconds."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    stages, rank = dist.get_world_size(), dist.get_rank()
+    busy = {"2bw": [], "flush": []}
+    alone = dist.new_group([0])  # every rank makes it
+    one = _relay(bench, alone) if rank == 0 else None
+    variants = {  # name: (run(n), torch threads while it runs); torch's 1F1B between the pipelines it is
+        "pipeline_2bw": (_pipeline(bench, "2bw", busy["2bw"]), 1),  # compared with, in the same round
+        "torch_1f1b": (_torch_1f1b(bench), 1),
+        "pipeline_flush": (_pipeline(bench, "flush", busy["flush"]), 1),
+        "relay_1_thread": (one, 1), f"relay_{stages}_threads": (one, stages)}
+    step_s = {name: [] for name in variants}
+    for r in range(bench["rounds"] + 1):  # round 0: the warm-up
+        for name, (run, threads) in variants.items():
+            torch.set_num_threads(threads)
+            dist.barrier()
+            t0 = time.perf_counter()
+            if run is not None:  # the single-process relay runs on rank 0 alone
+                run(WARMUP if r == 0 else bench["steps"])
+            dist.barrier()
+            if r > 0:
+                step_s[name].append((time.perf_counter() - t0) / bench["steps"])
+    torch.set_num_threads(1)
+    mine = {k: tuple(map(sum, zip(*v[1:]))) for k, v in busy.items()}  # (busy, step) over the timed rounds
+    every = [None] * stages
+    dist.all_gather_object(every, mine)
+    dist.destroy_process_group()
+    return {"step_s": step_s, "busy": {k: [e[k] for e in every] for k in busy}} if rank == 0 else {}
 
 
-def run(stages: int = 2, steps: int = 5, layers: int = 8, width: int = 256, heads: int = 4, context: int = 128,
-        batch: int = 32, micro_batches: int = 8, recompute: str = "none") -> dict:
-    bench = dict(steps=steps, layers=layers, width=width, heads=heads, context=context, batch=batch,
+def _spread(values: list[float], digits: int) -> dict:
+    return {"median": round(statistics.median(values), digits), "min": round(min(values), digits),
+            "max": round(max(values), digits)}
+
+
+def run(stages: int = 2, steps: int = 5, rounds: int = 4, layers: int = 8, width: int = 256, heads: int = 4,
+        context: int = 128, batch: int = 32, micro_batches: int = 8, recompute: str = "none") -> dict:
+    bench = dict(steps=steps, rounds=rounds, layers=layers, width=width, heads=heads, context=context, batch=batch,
                  micro_batches=micro_batches, recompute=recompute)
     torch.set_num_threads(1)
     plan = _plan(bench, stages)  # one split for every variant
     bench["bounds"] = plan.bounds
-    one = _launch(bench, "relay", 1, 1)
-    many = _launch(bench, "relay", 1, stages)
-    twobw = _launch(bench, "2bw", stages, 1)
-    flush = _launch(bench, "flush", stages, 1)
-    torch_1f1b = _launch(bench, "torch", stages, 1)
-    bubble = {name: [round(1 - b / s, 3) for b, s in zip(r["busy_s"], r["stage_step_s"])]
-              for name, r in (("flush", flush), ("2bw", twobw))}
-    plan.measured_s = flush["busy_s"]
+    procs = run_local_ranks(["-m", "l2l_hw.bench.pipeline", json.dumps(bench)], stages, threads=1,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    if any(p.returncode for p in procs):
+        errors = "; ".join(p.stderr.strip().splitlines()[-1] for p in procs if p.returncode and p.stderr.strip())
+        raise RuntimeError(f"a rank of the pipeline benchmark failed (exit codes {[p.returncode for p in procs]}): "
+                           f"{errors}")
+    out = json.loads(procs[0].stdout.strip().splitlines()[-1])
+    t, busy = out["step_s"], out["busy"]
+    many = f"relay_{stages}_threads"
+    bubble = {k: [round(1 - b / s, 3) for b, s in busy[k]] for k in busy}
+    plan.measured_s = [b / rounds for b, _ in busy["flush"]]  # a step's, over the rounds
+
+    def speedup(base: str, variant: str) -> dict:  # within each round
+        return _spread([a / b for a, b in zip(t[base], t[variant])], 3)
+
     return {
-        "model": {k: v for k, v in bench.items() if k not in ("steps", "bounds")}, "steps": steps, "stages": stages,
-        "cores": os.cpu_count(), "bounds": plan.bounds, "plan": plan.describe(),
-        "step_s_relay_1_thread": round(one["step_s"], 4),
-        f"step_s_relay_{stages}_threads": round(many["step_s"], 4),
-        "step_s_pipeline_2bw": round(twobw["step_s"], 4),
-        "step_s_pipeline_flush": round(flush["step_s"], 4),
-        "step_s_torch_1f1b": round(torch_1f1b["step_s"], 4),
-        "speedup_2bw_vs_relay_1_thread": round(one["step_s"] / twobw["step_s"], 3),
-        f"speedup_2bw_vs_relay_{stages}_threads": round(many["step_s"] / twobw["step_s"], 3),
-        "speedup_2bw_vs_torch_1f1b": round(torch_1f1b["step_s"] / twobw["step_s"], 3),
+        "model": {k: v for k, v in bench.items() if k not in ("steps", "rounds", "bounds")}, "steps": steps,
+        "rounds": rounds, "stages": stages, "cores": os.cpu_count(), "bounds": plan.bounds, "plan": plan.describe(),
+        **{f"step_s_{name}": _spread(times, 4) for name, times in t.items()},
+        "speedup_2bw_vs_relay_1_thread": speedup("relay_1_thread", "pipeline_2bw"),
+        f"speedup_2bw_vs_{many}": speedup(many, "pipeline_2bw"),
+        "speedup_2bw_vs_torch_1f1b": speedup("torch_1f1b", "pipeline_2bw"),
+        "speedup_flush_vs_torch_1f1b": speedup("torch_1f1b", "pipeline_flush"),
         "bubble_measured_flush": bubble["flush"],
         "bubble_theoretical": round(OneFOneB.bubble(stages, micro_batches), 3),
-        "bubble_measured_2bw": bubble["2bw"],  # the timed steps as one schedule: the pipe fills once
+        "bubble_measured_2bw": bubble["2bw"],  # a round's steps as one schedule: the pipe fills once a round
         "bubble_theoretical_2bw": round(OneFOneB.bubble(stages, steps * micro_batches), 3),
     }
 
 
 def format_report(r: dict) -> str:
     S, m = r["stages"], r["model"]
+
+    def line(name: str, variant: str, against: str = "") -> str:
+        t = r[f"step_s_{variant}"]
+        return f"  {name:<22} {t['median']:.3f} s/step [{t['min']:.3f} - {t['max']:.3f}]{against}\n"
+
+    def x(key: str, what: str) -> str:
+        v = r[key]
+        return f"{v['median']:.2f}x [{v['min']:.2f} - {v['max']:.2f}] {what}"
+
     return (f"pipeline, GPT {m['layers']} x {m['width']}, context {m['context']}, batch {m['batch']} in "
             f"{m['micro_batches']} micro-batches, recompute {m['recompute']}, {S} stages, {r['cores']} cores, "
-            f"split {r['bounds']}:\n"
+            f"split {r['bounds']}; {r['rounds']} rounds of {r['steps']} steps a variant, median [min - max]:\n"
             f"{r['plan']}\n"
-            f"  relay, 1 thread        {r['step_s_relay_1_thread']:.3f} s/step\n"
-            f"  relay, {S} threads       {r[f'step_s_relay_{S}_threads']:.3f} s/step\n"
-            f"  pipeline 2bw           {r['step_s_pipeline_2bw']:.3f} s/step  "
-            f"({r['speedup_2bw_vs_relay_1_thread']:.2f}x relay 1 thread, "
-            f"{r[f'speedup_2bw_vs_relay_{S}_threads']:.2f}x relay {S} threads, "
-            f"{r['speedup_2bw_vs_torch_1f1b']:.2f}x torch 1F1B)\n"
-            f"  pipeline flush         {r['step_s_pipeline_flush']:.3f} s/step\n"
-            f"  torch 1F1B             {r['step_s_torch_1f1b']:.3f} s/step\n"
-            f"  bubble (flush) measured {r['bubble_measured_flush']} vs theoretical {r['bubble_theoretical']}\n"
+            + line("relay, 1 thread", "relay_1_thread")
+            + line(f"relay, {S} threads", f"relay_{S}_threads")
+            + line("pipeline 2bw", "pipeline_2bw",
+                   f"  ({x('speedup_2bw_vs_relay_1_thread', 'relay 1 thread')}, "
+                   f"{x(f'speedup_2bw_vs_relay_{S}_threads', f'relay {S} threads')}, "
+                   f"{x('speedup_2bw_vs_torch_1f1b', 'torch 1F1B')})")
+            + line("pipeline flush", "pipeline_flush", f"  ({x('speedup_flush_vs_torch_1f1b', 'torch 1F1B')})")
+            + line("torch 1F1B", "torch_1f1b")
+            + f"  bubble (flush) measured {r['bubble_measured_flush']} vs theoretical {r['bubble_theoretical']}\n"
             f"  bubble (2bw, {r['steps']} steps in one schedule) measured {r['bubble_measured_2bw']} vs theoretical "
             f"{r['bubble_theoretical_2bw']}")
 
@@ -209,7 +236,9 @@ def format_report(r: dict) -> str:
 def add_arguments(p) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--stages", type=int, default=2, help="pipeline stages = ranks (default 2)")
-    p.add_argument("--steps", type=int, default=5, help=f"timed steps per variant, after {WARMUP} of warm-up")
+    p.add_argument("--steps", type=int, default=5, help="timed steps of each variant a round (default 5)")
+    p.add_argument("--rounds", type=int, default=4,
+                   help=f"rounds, each variant timed once a round in turn, after {WARMUP} steps of warm-up (default 4)")
     p.add_argument("--layers", type=int, default=8, help="GPT blocks (default 8)")
     p.add_argument("--width", type=int, default=256, help="GPT width (default 256)")
     p.add_argument("--context", type=int, default=128, help="tokens per sample (default 128)")
@@ -222,13 +251,13 @@ def add_arguments(p) -> None:
 
 
 def run_from_args(args) -> int:
-    for name in ("stages", "steps", "layers", "width", "context", "batch", "micro_batches"):
+    for name in ("stages", "steps", "rounds", "layers", "width", "context", "batch", "micro_batches"):
         if getattr(args, name) < 1:
             raise SystemExit(f"l2l bench pipeline: --{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     if args.batch % args.micro_batches:
         raise SystemExit(f"l2l bench pipeline: --batch {args.batch} must be a multiple of --micro-batches "
                          f"{args.micro_batches} (torch's 1F1B splits evenly)")
-    return print_report(run(stages=args.stages, steps=args.steps, layers=args.layers, width=args.width,
+    return print_report(run(stages=args.stages, steps=args.steps, rounds=args.rounds, layers=args.layers, width=args.width,
                             context=args.context, batch=args.batch, micro_batches=args.micro_batches,
                             recompute=args.recompute),
                         args.json, format_report)

@@ -263,6 +263,8 @@ class LayerStage:
                 check_compression(self.options, self.precision, data_parallel=False)
                 return None
         check_compression(self.options, self.precision, data_parallel=True)
+        if not self.eps.sharded and self.options.grad_compression == "none" and dist.get_world_size(group) == 1:
+            return None  # a group of one rank (a pipeline stage without replicas): nothing to average
         dp = GradReducer(group, self.eps, self.device, options=self.options)
         if dp.world > 1:
             dp.broadcast_([t for m in self.layers for t in (*m.parameters(), *m.buffers()) if not t.is_meta],
