@@ -156,7 +156,8 @@ def _worker(bench: dict) -> dict:
             if r > 0:
                 step_s[name].append((time.perf_counter() - t0) / bench["steps"])
     torch.set_num_threads(1)
-    mine = {k: tuple(map(sum, zip(*v[1:]))) for k, v in busy.items()}  # (busy, step) over the timed rounds
+    timed = {k: v[1:] for k, v in busy.items()}  # the warm-up's left out
+    mine = {k: (sum(b for b, _ in v), sum(s for _, s in v)) for k, v in timed.items()}  # (busy, step) seconds
     every = [None] * stages
     dist.all_gather_object(every, mine)
     dist.destroy_process_group()
@@ -257,9 +258,9 @@ def run_from_args(args) -> int:
     if args.batch % args.micro_batches:
         raise SystemExit(f"l2l bench pipeline: --batch {args.batch} must be a multiple of --micro-batches "
                          f"{args.micro_batches} (torch's 1F1B splits evenly)")
-    return print_report(run(stages=args.stages, steps=args.steps, rounds=args.rounds, layers=args.layers, width=args.width,
-                            context=args.context, batch=args.batch, micro_batches=args.micro_batches,
-                            recompute=args.recompute),
+    return print_report(run(stages=args.stages, steps=args.steps, rounds=args.rounds, layers=args.layers,
+                            width=args.width, context=args.context, batch=args.batch,
+                            micro_batches=args.micro_batches, recompute=args.recompute),
                         args.json, format_report)
 
 
