@@ -11,7 +11,7 @@ with its [min - max], and each ratio is taken within a round:
                         a round's steps as one schedule (train_steps: the pipe fills once)
   pipeline flush        the same with a flush every minibatch
   torch 1F1B            torch.distributed.pipelining's Schedule1F1B, the same split and
-                        micro-batches, torch.optim.AdamW per stage
+                        micro-batches, torch.optim.AdamW(fused=True) per stage
 The split is the planner's (l2l_hw/relay/planner.py; this process profiles each layer with
 one thread first, and every variant runs that split), printed with its predicted stage
 times and those the flush pipeline measured (each stage's compute per step). The
@@ -111,7 +111,8 @@ def _torch_1f1b(bench: dict):
     module = nn.Sequential(*list(_model(bench))[bounds[stage]:bounds[stage + 1]])
     pipe_stage = PipelineStage(module, stage, stages, torch.device("cpu"), group=dist.new_group())
     schedule = Schedule1F1B(pipe_stage, n_microbatches=bench["micro_batches"], loss_fn=lm_loss)
-    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
+    # fused: PyTorch's fastest AdamW (its docs), on the CPU too; without it the CPU runs the for-loop one
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4, fused=True)
     batches = _batches(bench)
 
     def step() -> None:
