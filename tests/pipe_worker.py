@@ -13,7 +13,8 @@ the whole model's group names), precision / recompute / activations / device (Re
 of layer counts per stage: each rank trains a pipeline of that many identical blocks a stage for each and
 writes its stage's peak device memory to "{out}.{rank}"), inf_at_step (rank 0's gradients overflow in
 that step), layer_drop / layer_drop_seed / droppable (the Relay's layer drop), activation_budget (out's
-"kept": per rank the kept activations' peak bytes and the layers planned to keep more than their input), replicas (data parallel replicas of each stage:
+"kept": per rank the kept activations' peak bytes, -1 without account_memory, and the layers planned to keep more
+than their input), replicas (data parallel replicas of each stage:
 the world is stages x replicas, rank = replica * stages + stage, each replica trains its shard of the minibatch).
 A PipelineError is printed as one line on stderr, exit code 2 (the pipeline closed, the interpreter's own exit).
 """
@@ -33,7 +34,7 @@ from l2l_hw.eps.base import tensor_of
 from l2l_hw.relay.options import PipelineConfig
 
 RELAY_OPTIONS = ("precision", "recompute", "activations", "device", "clip_grad_norm", "clip_mode", "skip_nonfinite",
-                 "layer_drop", "activation_budget")
+                 "layer_drop", "activation_budget", "account_memory")
 from l2l_hw.relay.pipeline import PipelineError, PipelineRelay
 from tests.helpers import record_pushes
 from tests.test_pipeline import EPS_BACKEND, MODELS, OPTIMIZERS, RNG_SEED
@@ -81,7 +82,8 @@ def peak_memory(cfg: dict) -> None:
         relay = PipelineRelay(blocks(per_stage * dist.get_world_size()), torch.nn.functional.mse_loss,
                               l2l_hw.make_eps(EPS_BACKEND, **OPTIMIZERS["adamw"][0]),
                               pipeline=PipelineConfig(stages=dist.get_world_size(), schedule=cfg["schedule"]),
-                              micro_batches=cfg["micro_batches"], activations=cfg.get("activations", "device"))
+                              micro_batches=cfg["micro_batches"], activations=cfg.get("activations", "device"),
+                              account_memory=True)
         with relay:
             for x, y in block_batches(cfg["steps"], cfg["batch"]):
                 relay.train_step(x, y)
@@ -177,7 +179,7 @@ def main(cfg: dict) -> None:
     every = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(every, mine)
     plan = getattr(relay.keep, "plan", None) or {}  # planned recompute's: layer -> policy
-    kept = torch.tensor([relay.memory_report()["kept_activation_peak_bytes"],
+    kept = torch.tensor([relay.memory_report()["kept_activation_peak_bytes"] if cfg.get("account_memory") else -1,
                          sum(policy != "full" for policy in plan.values())], dtype=torch.float64)
     kept_by_rank = [torch.zeros_like(kept) for _ in range(world)]
     dist.all_gather(kept_by_rank, kept)

@@ -4,6 +4,7 @@ import json
 import pytest
 import torch
 
+import l2l_hw.bench.memory as bench_memory
 import l2l_hw.bench.relay as bench_relay
 from l2l_hw.checkpoint import load_checkpoint
 from l2l_hw.cli import BENCHES, main
@@ -108,6 +109,15 @@ def test_bench_approx_is_reachable_and_reports_the_memory_of_each_variant(capsys
     assert main(["bench", "approx", "--memory-only", "--json"]) == 0
     memory = json.loads(capsys.readouterr().out)["memory"]
     assert memory["fewbit"] < memory["exact"] and memory["projection_0.5"] < memory["exact"]
+
+
+def test_bench_memory_counts_a_relay_flat_in_depth_below_pytorch(monkeypatch, capsys):
+    monkeypatch.setattr(bench_memory, "DEPTHS", (2, 4))
+    assert main(["bench", "memory", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["host_growth"] == 1.0  # activations="host": no growth with depth
+    for row in report["peak_bytes"].values():
+        assert 0 < row["relay_host"] <= row["relay_device"] < row["pytorch_checkpoint"] < row["pytorch"], row
 
 
 def test_bench_relay_json_pairs_each_policy_with_its_pytorch_partner_and_contention(monkeypatch, capsys):

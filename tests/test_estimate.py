@@ -104,7 +104,7 @@ def in_fresh_process(code: str, argv: list[str]) -> dict:
 def measure_and_estimate(family: str, size: str, where: Path) -> tuple[dict, dict]:
     argv = run_argv(family, size, where)
     estimated = in_fresh_process(ESTIMATE, argv)  # before the run: the run writes the token cache it reads
-    return in_fresh_process(MEASURE, argv), estimated
+    return in_fresh_process(MEASURE, [*argv, "--account-memory"]), estimated
 
 
 CASES = [pytest.param(family, size, marks=() if size in IN_CI else pytest.mark.slow)
@@ -129,7 +129,7 @@ RELAY_CASES += [dict(activation_budget=b) for b in (1_500_000, 4_000_000)]  # pl
 @pytest.mark.parametrize("options", RELAY_CASES, ids=lambda o: "-".join(str(v) for v in o.values()))
 def test_the_device_figure_is_the_peak_the_relay_s_accounting_reports(options, one_thread):
     cfg = TrainConfig(layers=3, width=64, heads=2, context=32, batch_size=7, steps=2, out=None, verbose=False,
-                      **options)
+                      account_memory=True, **options)
     relay = l2l_hw.train(cfg).relay  # two steps and a validation
     # A budget's plan weighs recompute times the relay measures; the estimate weighs bytes instead
     exact = 1e-3 if cfg.activation_budget is None else TOLERANCE

@@ -154,7 +154,7 @@ def test_planned_recompute_keeps_each_stage_within_its_budget_and_trains_as_one_
     # the GPT's 5 layers on 2 stages, 4 micro-batches: stage 0 keeps up to 2 in flight, stage 1 one.
     # The first step runs full and measures; the plan keeps more where the budget has room
     kw = dict(model="gpt-dropout", optimizer="adamw", steps=STEPS, batch=13, micro_batches=4, schedule=schedule,
-              stream=stream)
+              stream=stream, account_memory=True)
     full = run_ok(2, out=str(tmp_path / "full.safetensors"), recompute="full", **kw)["kept"][:, 0]
     none = run_ok(2, out=str(tmp_path / "none.safetensors"), recompute="none", **kw)["kept"][:, 0]
     assert (full < none).all(), (full, none)

@@ -130,7 +130,7 @@ def test_planned_recompute_keeps_within_each_budget_and_trains_as_pytorch():
 
     def relay_for(**options):
         return l2l_hw.Relay(gpt(), lm_loss, eps=l2l_hw.make_eps("cpu", **OPTIMIZERS["adamw"][0]), micro_batches=3,
-                            **options)
+                            account_memory=True, **options)
 
     kept = {}
     for policy in ("full", "none"):  # keeping least and most

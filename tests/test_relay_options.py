@@ -43,11 +43,18 @@ def test_memory_report_follows_the_arithmetic_of_a_linear_stack(u):
         for L in (4, 5, 8):
             torch.manual_seed(0)
             relay = l2l_hw.Relay([nn.Linear(W, W, bias=False) for _ in range(L)], nn.functional.mse_loss,
-                                 eps=l2l_hw.make_eps("cpu"), micro_batches=u, activations=policy)
+                                 eps=l2l_hw.make_eps("cpu"), micro_batches=u, activations=policy, account_memory=True)
             relay.train_step(torch.randn(B, W), torch.randn(B, W))
             stash = (L - 1) * act if policy == "device" else act
             expected = (3 if u > 1 else 2) * weight + 3 * act + stash
             assert relay.memory_report()["peak_bytes"] == expected, (policy, L)
+
+
+def test_on_the_cpu_memory_report_names_the_option_that_counts_it():
+    relay = l2l_hw.Relay([nn.Linear(8, 8)], nn.functional.mse_loss, eps=l2l_hw.make_eps("cpu"))
+    relay.train_step(torch.randn(4, 8), torch.randn(4, 8))
+    with pytest.raises(RuntimeError, match=r"account_memory=True \(l2l train --account-memory\)"):
+        relay.memory_report()
 
 
 def test_evaluation_holds_two_layers_of_weights_whatever_the_depth():
@@ -58,7 +65,7 @@ def test_evaluation_holds_two_layers_of_weights_whatever_the_depth():
     for L in (4, 8):
         torch.manual_seed(0)
         relay = l2l_hw.Relay([nn.Linear(W, W, bias=False) for _ in range(L)], nn.functional.mse_loss,
-                             eps=l2l_hw.make_eps("cpu"))
+                             eps=l2l_hw.make_eps("cpu"), account_memory=True)
         relay.reset_memory()
         relay.evaluate(torch.randn(B, W), torch.randn(B, W))
         assert relay.memory_report()["peak_bytes"] == 2 * weight + act, L

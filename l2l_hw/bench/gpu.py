@@ -223,11 +223,12 @@ class Campaign:
         return torch.randint(0, 256, shape, generator=g), torch.randint(0, 256, shape, generator=g)
 
     def relay(self, cfg: GPTConfig, micro_batches: int, recompute: str = "none", activations: str = "device",
-              threads: int | None = None) -> l2l_hw.Relay:
+              threads: int | None = None, account_memory: bool = False) -> l2l_hw.Relay:
         torch.manual_seed(0)
         eps = l2l_hw.make_eps("cpu", optimizer="adamw", lr=1e-4)
         return l2l_hw.Relay(build_gpt(cfg), lm_loss, eps=eps, device=self.relay_device, micro_batches=micro_batches,
-                            recompute=recompute, activations=activations, precision="bf16", threads=threads)
+                            recompute=recompute, activations=activations, precision="bf16", threads=threads,
+                            account_memory=account_memory)
 
     def timed(self, train_step, x, y):
         """A step function returning its own seconds (the step has ended when train_step returns)."""

@@ -64,7 +64,8 @@ def memory_by_depth(c) -> dict:
     x, y = c.batch(c.sizes.micro_batch * c.sizes.capacity_micro_batches)
     for layers in DEPTHS[c.dry_run]:
         c.free()
-        relay = c.relay(c.gpt(layers), c.sizes.capacity_micro_batches, recompute="full", activations="host")
+        relay = c.relay(c.gpt(layers), c.sizes.capacity_micro_batches, recompute="full", activations="host",
+                        account_memory=True)
         relay.train_step(x, y)
         out[str(layers)] = {"peak_device_bytes": peak_bytes(c, relay),
                             "parameters": sum(math.prod(s) for g in relay.eps.shapes.values() for s in g.values())}

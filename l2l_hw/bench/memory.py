@@ -39,7 +39,7 @@ def torch_peak(depth: int, device: torch.device, use_checkpoint: bool) -> int:
     model = _model(depth, device)
     x, y = _batch(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    meter = DeviceMemory(device)
+    meter = DeviceMemory(device, account=True)
     params = list(model.parameters())
     blocks = list(model)[1:-1]
 
@@ -74,7 +74,7 @@ def torch_peak(depth: int, device: torch.device, use_checkpoint: bool) -> int:
 
 def relay_peak(depth: int, device: torch.device, activations: str) -> int:
     relay = l2l_hw.Relay(_model(depth, "cpu"), lm_loss, eps=l2l_hw.make_eps("cpu"), device=str(device),
-                         micro_batches=MICRO_BATCHES, activations=activations)
+                         micro_batches=MICRO_BATCHES, activations=activations, account_memory=True)
     batch = _batch(device)
     train_steps(relay, [batch], 1)
     relay.reset_memory()  # the second step runs with the EPS state allocated
@@ -82,8 +82,8 @@ def relay_peak(depth: int, device: torch.device, activations: str) -> int:
     return relay.memory_report()["peak_bytes"]
 
 
-def run(device: str = "cpu", depths=DEPTHS) -> dict:
-    dev = torch.device(device)
+def run(device: str = "cpu", depths=None) -> dict:
+    dev, depths = torch.device(device), depths or DEPTHS
     rows = {}
     for depth in depths:
         rows[depth] = {

@@ -117,14 +117,16 @@ def _relay_trainer(x, y, device: torch.device, recompute: str, micro_batches: in
 
 def planned(x, y, device: torch.device, steps: int, precision: str = "fp32") -> dict:
     """Step time and kept activations under three activation budgets, with full and none."""
-    relays = {policy: _relay(device, recompute=policy, precision=precision) for policy in ("full", "none")}
+    relays = {policy: _relay(device, recompute=policy, precision=precision, account_memory=True)
+              for policy in ("full", "none")}
     kept = {}
     for policy, relay in relays.items():
         train_steps(relay, [(x, y)], 1)
         kept[policy] = relay.memory_report()["kept_activation_peak_bytes"]
     for share in (0.3, 0.6, 0.9):
         budget = int(kept["full"] + share * (kept["none"] - kept["full"]))
-        relays[f"budget_{budget}"] = relay = _relay(device, activation_budget=budget, precision=precision)
+        relays[f"budget_{budget}"] = relay = _relay(device, activation_budget=budget, precision=precision,
+                                                      account_memory=True)
         train_steps(relay, [(x, y)], 1)  # the plan is made in the first step
     for relay in relays.values():
         relay.reset_memory()

@@ -1,11 +1,12 @@
 """Device memory accounting: what the relay holds on the accelerator, and its peak.
 
-On CUDA the figures are the caching allocator's. On the CPU there is no separate
-device, so the executor counts the bytes it holds as device tensors: resident
-weights and their gradients, stashed layer inputs (with the "device" policy),
-activations and gradients in flight between layers, and the tensors autograd saves
-for the backward of the layer-micro-batch being computed (via saved-tensor hooks).
-Each storage is counted once.
+On CUDA the figures are the caching allocator's. On the CPU there is no separate device,
+so the executor counts, when asked (RelayOptions.account_memory; it costs 1-2% of a step, so
+it is off unless asked, as DeepSpeed's memory_breakdown), the bytes it holds as device
+tensors: resident weights and their gradients, stashed layer inputs (with the "device"
+policy), activations and gradients in flight between layers, and the tensors autograd saves
+for the backward of the layer-micro-batch being computed (via saved-tensor hooks). Each
+storage is counted once.
 """
 from __future__ import annotations
 
@@ -37,8 +38,9 @@ def _storages(obj, out: dict[int, int], known: dict[int, int] | None = None) -> 
 
 
 class DeviceMemory:
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, account: bool = False):
         self.device = device
+        self.counting = device.type != "cuda" and account  # CUDA: the allocator counts
         self.peak_bytes = 0
         self.kept_peak_bytes = 0  # activations kept for the backward: the stash, graphs, cached op outputs
         self._reset_saved()
@@ -64,8 +66,8 @@ class DeviceMemory:
         """Record the bytes of `held`, `kept` and autograd's saved tensors as a candidate peak, and
         of `kept` (what the relay keeps of the forward for the backward) and the saved tensors as
         a candidate peak of the activations kept. Each storage counts once."""
-        if self.device.type == "cuda":
-            return  # the allocator keeps its own peak
+        if not self.counting:
+            return
         leaf_grads = [leaf.grad for leaf, _ in self._saved_leaves.values() if leaf.grad is not None]
         beyond = _storages([list(kept), leaf_grads], {}, self._saved_storages)
         self.kept_peak_bytes = max(self.kept_peak_bytes, self._saved_bytes + sum(beyond.values()))
@@ -76,7 +78,7 @@ class DeviceMemory:
     def saving(self, layer=None):
         """Count what autograd saves for backward inside this block, as `layer`'s (until
         `drop_saved(layer)`)."""
-        if self.device.type == "cuda":  # the allocator keeps the peak: no hook per saved tensor
+        if not self.counting:  # no hook per saved tensor
             yield
             return
         def pack(t):
@@ -114,5 +116,8 @@ class DeviceMemory:
         if self.device.type == "cuda":
             return {"device": str(self.device), "source": "cuda allocator",
                     "peak_bytes": torch.cuda.max_memory_allocated(self.device)}
+        if not self.counting:
+            raise RuntimeError("memory_report(): on the CPU the relay counts its device memory only when asked: build "
+                               "it with account_memory=True (l2l train --account-memory)")
         return {"device": str(self.device), "source": "relay accounting", "peak_bytes": self.peak_bytes,
                 "kept_activation_peak_bytes": self.kept_peak_bytes}

@@ -675,8 +675,9 @@ class PipelineRelay:
         def sample(*held) -> None:
             """The stage's device memory now: `held`, the receives posted, the sends under way, the
             groups and graphs kept for backwards to come (and what the relay's accounting adds)."""
-            own.sample_memory(*held, [bufs for bufs, _ in (*recv_acts.values(), *recv_grads.values())],
-                              [t for t, _, _ in links.sends], [(s.held, s.graphs) for s in steps])
+            if own.memory.counting:
+                own.sample_memory(*held, [bufs for bufs, _ in (*recv_acts.values(), *recv_grads.values())],
+                                  [t for t, _, _ in links.sends], [(s.held, s.graphs) for s in steps])
 
         actions = self.schedule.actions(self.stage, self.stages, u * len(steps))
         base, busy = own.eps.step, 0.0

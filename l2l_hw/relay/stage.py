@@ -208,7 +208,7 @@ class LayerStage:
         self.stash = ActivationStash(options.activations, self.transport)
         self.keep = recompute_policy(options.recompute, self.stash, self.device, options.activation_budget,
                                      in_flight)
-        self.memory = DeviceMemory(self.device)
+        self.memory = DeviceMemory(self.device, options.account_memory)
         self.clip_norm = options.clip_grad_norm
         self.clip_mode = options.clip_mode if options.clip_grad_norm is not None else None
         self.precision = precision = options.precision
@@ -463,8 +463,9 @@ class LayerStage:
 
     def sample_memory(self, *held) -> None:
         """Account what is on the device now: `held` plus what is kept for the backward and weights in flight."""
-        self.memory.sample(*held, self.weights.on_device(), self.grad_sums.held(),
-                           kept=[self.stash.on_device(), self.keep.held()])
+        if self.memory.counting:
+            self.memory.sample(*held, self.weights.on_device(), self.grad_sums.held(),
+                               kept=[self.stash.on_device(), self.keep.held()])
 
     @staticmethod
     def input_grads(x: Activation) -> list[torch.Tensor | None]:
