@@ -260,7 +260,7 @@ def add_option_flags(p: argparse.ArgumentParser, command: str) -> None:
         for f in fields:
             meta, name = spec(f), f.name
             default = meta["command_defaults"].get(command, FIELDS[name].default)
-            text = help_for(meta, command)
+            text = help_for(meta, command).replace("%", "%%")  # argparse formats help with %
             kwargs = dict(dest=name, default=default if name in CONTROL_FIELDS else None,
                           help=text + ("" if default is None or isinstance(default, bool) else f" (default {default})"))
             if meta["kind"] == "bool":

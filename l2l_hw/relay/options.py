@@ -76,8 +76,8 @@ class RelayOptions(DataParallelOptions):
     skip_nonfinite: bool = option(False, "discard a step whose gradients are not finite and go on (default: a "
                                   "non-finite loss stops the run, keeping the last checkpoint)", kind="bool")
     account_memory: bool = option(False, "on the CPU, count the bytes the relay holds as device tensors (weights, "
-                                  "stash, graphs, what autograd saves) for memory_report(), at a cost of 1 to 2 in 100 "
-                                  "of a step (on CUDA the allocator counts them, always)", kind="bool")
+                                  "stash, graphs, what autograd saves) for memory_report(), at a cost of 1-2% of a "
+                                  "CPU step (on CUDA the allocator counts them, always)", kind="bool")
 
     def __post_init__(self):
         check_options(self)
