@@ -16,6 +16,7 @@ from l2l_hw.bench.gpu_extras import compute_idle_fraction, trim
 from l2l_hw.bench.gpu_figures import dense_bf16_peak, flops_per_token, rate_spread
 from l2l_hw.bench.gpu_llama import LLAMA_3_8B, parameters
 from l2l_hw.bench.gpu_partners import GPTPartner
+from l2l_hw.bench.gpu_peers import host_bytes
 from l2l_hw.models import GPTConfig, build_gpt, count_parameters, lm_loss
 
 
@@ -97,6 +98,16 @@ def test_llama_3_8b_shape_has_its_8_03_b_parameters_as_transformers_builds_it():
     with torch.device("meta"):
         model = LlamaForCausalLM(LlamaConfig(**LLAMA_3_8B))
     assert parameters(LLAMA_3_8B, 32)["total"] == sum(p.numel() for p in model.parameters()) == 8_030_261_248
+
+
+def test_zero2_offload_is_sized_by_its_pinned_buffers_beyond_deepspeeds_estimate():
+    """ZeRO-2 offload was killed by the host's OOM killer at 17 Llama-3-8B layers (4.76 B) on the H200
+    machine (125 GiB available), inside DeepSpeed's own estimate (16 B x 1.5): the peers' sizing
+    counts its whole-model pinned buffers, which the pinned allocator rounds up to powers of two."""
+    p17, p14 = (parameters(LLAMA_3_8B, n)["total"] for n in (17, 14))
+    assert 16 * 1.5 * p17 < 125 * 2**30 < host_bytes("zero2_offload", p17)
+    assert host_bytes("zero2_offload", p14) < host_bytes("zero3_offload", p14) == 18 * 1.5 * p14
+    assert host_bytes("zero2_offload", 2**30) == 24 * 2**30  # powers of two: nothing rounded
 
 
 @pytest.mark.parametrize("name, tflops", [("NVIDIA H100 80GB HBM3", 989.4), ("NVIDIA H100 PCIe", 756.0),

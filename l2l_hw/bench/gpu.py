@@ -29,9 +29,9 @@ summary.json names every failure ("failed") and the command exits 1 when there i
                    RSS, the GPU's idle share over 5 timed steps after 2 of warm-up
     peers          DeepSpeed ZeRO-3 offload, ZeRO-2 offload (ZeRO-Offload), FSDP2 CPU offload and
                    resident PyTorch (where it fits) on the deepest model of Llama-3-8B's shape
-                   whose host memory DeepSpeed's own estimator fits in this machine (8 B needs
-                   18 B x 1.5 per parameter under ZeRO-3 offload: 217 GB; ~16 layers, 4.5 B, fit), against
-                   `l2l finetune` on the same folder (gpu_peers)
+                   every peer's host footprint fits in this machine (gpu_peers.host_bytes: 8 B
+                   needs 217 GB under ZeRO-3 offload; 14 layers, 4.1 B, fit 125 GiB), against
+                   `l2l finetune` on the same folder (gpu_peers); --peers picks which run
     llama_largest  the deepest model of Llama-3-8B's shape the relay trains here with 8-bit
                    optimizer state, sized from the host's memory and the EPS's bytes per
                    parameter: the same figures
@@ -144,11 +144,14 @@ class PartFailed(Exception):
         self.result = result
 
 
+PEER_RUNS = ("relay",) + gpu_peers.PEERS  # what the peers part runs (--peers picks)
+
+
 class Campaign:
     """One campaign's device, sizes and folders; each part a method."""
 
-    def __init__(self, out: Path, work: Path, dry_run: bool):
-        self.out, self.work, self.dry_run = out, work, dry_run
+    def __init__(self, out: Path, work: Path, dry_run: bool, peers: tuple[str, ...] = PEER_RUNS):
+        self.out, self.work, self.dry_run, self.peer_runs = out, work, dry_run, peers
         self.sizes = DRY if dry_run else REAL
         self.device = torch.device("cpu" if dry_run else "cuda")
         self.relay_device = "cpu-async" if dry_run else "cuda"
@@ -446,22 +449,27 @@ class Campaign:
 
     def peers(self) -> dict:
         s = self.sizes
-        need = max(gpu_peers.HOST_BYTES_PER_PARAMETER.values()) * gpu_peers.DEEPSPEED_BUFFER_FACTOR
         host = _mem_available()
-        full = s.llama["num_hidden_layers"]
+        runs = [p for p in gpu_peers.PEERS if p in self.peer_runs]
+
+        def fits(layers: int) -> bool:
+            parameters = gpu_llama.parameters(s.llama, layers)["total"]
+            return all(gpu_peers.host_bytes(p, parameters) <= host for p in runs)
+
         layers = (DRY_LLAMA_LAYERS[0] if self.dry_run
-                  else min(full, gpu_llama.deepest(s.llama, host, need)))
+                  else max((n for n in range(s.llama["num_hidden_layers"] + 1) if fits(n)), default=0))
         result = {"layers": layers, "host_available_bytes": host, "sized_by": (
-            f"DeepSpeed's estimate_zero3_model_states_mem_needs: {need:g} B per parameter with ZeRO-3 offload "
-            f"(18 x its buffer factor 1.5) within the {_gib(host)} available")}
+            f"the deepest every peer's host memory fits in the {_gib(host)} available (gpu_peers.host_bytes: "
+            f"DeepSpeed's estimators; ZeRO-2 offload's pinned buffers as it allocates them)")}
         self.say(f"peers: the model of Llama-3-8B's shape with {layers} layers ({result['sized_by']})")
-        relay = self.llama_runs.get(layers) or self.finetune(layers, "fp32")
-        result["relay"] = relay
+        relay = None
+        if "relay" in self.peer_runs:
+            relay = result["relay"] = self.llama_runs.get(layers) or self.finetune(layers, "fp32")
         folder = self.folders().folder(layers)
         text = self.folders().text(gpu_llama.words_for(s.llama_warmup + s.llama_timed + 2, s.llama_batch,
                                                        s.llama_context))
         failed = []
-        for peer in gpu_peers.PEERS:
+        for peer in runs:
             try:
                 result[peer] = self.peer(peer, folder, text, layers)
             except Exception as e:
@@ -469,10 +477,12 @@ class Campaign:
                 failed.append(peer)
             figures = result[peer]
             if "tokens_per_s" in figures:
-                figures["relay_over_peer"] = relay["tokens_per_s"]["median"] / figures["tokens_per_s"]["median"]
+                ratio = ""
+                if relay is not None:
+                    figures["relay_over_peer"] = relay["tokens_per_s"]["median"] / figures["tokens_per_s"]["median"]
+                    ratio = f"; relay / {peer} = {figures['relay_over_peer']:.2f}"
                 self.say(f"peers: {peer} {fmt_spread(figures['tokens_per_s'])} tokens/s, "
-                         f"{fmt_spread(figures['tflops'], ' TFLOPS', 1)}; relay / {peer} = "
-                         f"{figures['relay_over_peer']:.2f}")
+                         f"{fmt_spread(figures['tflops'], ' TFLOPS', 1)}{ratio}")
             else:
                 self.say(f"peers: {peer}: {figures.get('failed') or figures.get('not_run')}")
         if failed:
@@ -556,14 +566,15 @@ PARTS = ("tests", "matmul_peak", "resident", "capacity", "loss", "llama_8b", "pe
 EXTRA_PARTS = ("memory_by_depth", "trace", "syncs", "eps")
 
 
-def run(out: str, dry_run: bool = False, parts: tuple[str, ...] = PARTS, work: str | None = None) -> dict:
+def run(out: str, dry_run: bool = False, parts: tuple[str, ...] = PARTS, work: str | None = None,
+        peers: tuple[str, ...] = PEER_RUNS) -> dict:
     if not dry_run and not torch.cuda.is_available():
         raise ValueError("l2l bench gpu needs a CUDA device (torch.cuda.is_available() is False); "
                          "--dry-run runs it at toy size on the CPU")
     if work is not None:
-        return Campaign(Path(out), Path(work), dry_run).run(parts)
+        return Campaign(Path(out), Path(work), dry_run, peers).run(parts)
     with tempfile.TemporaryDirectory(prefix="l2l-bench-gpu-", ignore_cleanup_errors=True) as tmp:
-        return Campaign(Path(out), Path(tmp), dry_run).run(parts)
+        return Campaign(Path(out), Path(tmp), dry_run, peers).run(parts)
 
 
 def format_report(summary: dict) -> str:
@@ -585,10 +596,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                           "asynchronous twin, the peers on the CPU): the same files")
     p.add_argument("--parts", nargs="+", choices=PARTS + EXTRA_PARTS, default=list(PARTS),
                    help=f"the parts to run (default: {' '.join(PARTS)})")
+    p.add_argument("--peers", nargs="+", choices=PEER_RUNS, default=list(PEER_RUNS),
+                   help=f"what the peers part runs (default: {' '.join(PEER_RUNS)}); without relay, no ratio")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
 def run_from_args(args) -> int:
-    summary = run(args.out, args.dry_run, tuple(args.parts), args.work)
+    summary = run(args.out, args.dry_run, tuple(args.parts), args.work, tuple(args.peers))
     print(json.dumps(summary, indent=2, default=str) if args.json else format_report(summary))
     return 1 if summary["failed"] else 0

@@ -37,6 +37,7 @@ the gloo backend), FSDP2 on one gloo rank without pinning, DeepSpeedCPUAdam as o
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -48,6 +49,27 @@ PEERS = ("zero3_offload", "zero2_offload", "fsdp2_offload", "torch_resident")
 HOST_BYTES_PER_PARAMETER = {"zero3_offload": 18, "zero2_offload": 16, "fsdp2_offload": 16, "torch_resident": 0}
 DEEPSPEED_BUFFER_FACTOR = 1.5  # the additional_buffer_factor of DeepSpeed's own estimators
 RESIDENT_DEVICE_BYTES_PER_PARAMETER = 16  # fp32 weights and gradients, AdamW's m and v
+
+
+def _pinned(nbytes: float) -> int:
+    """A block of PyTorch's pinned host allocator: the request rounded up to a power of two."""
+    return 1 << max(0, math.ceil(math.log2(nbytes)))
+
+
+def host_bytes(peer: str, parameters: int) -> float:
+    """The host memory a peer needs for a model of `parameters`, the larger of DeepSpeed's estimate
+    (bytes per parameter x its buffer factor 1.5; FSDP2 the same rule) and, for ZeRO-2 offload, its
+    buffers as stage_1_and_2.py allocates them, which the estimate leaves short: three flat buffers
+    over the whole model pinned whole (the fp32 master and its fp32 gradient, 4 B a parameter each,
+    the bf16 copy, 2 B), each a power of two in the pinned allocator; a pinned bf16 gradient
+    accumulator per parameter (2 B); AdamW's m and v (8 B); the unpinned fp32 clone the master is
+    pinned from (4 B). On the H200 machine (125 GiB) ZeRO-2 offload was killed by the OOM killer
+    before its first step at 4.76 B parameters, inside DeepSpeed's estimate (106 GiB)."""
+    estimate = HOST_BYTES_PER_PARAMETER[peer] * DEEPSPEED_BUFFER_FACTOR * parameters
+    if peer != "zero2_offload":
+        return estimate
+    buffers = 2 * _pinned(4 * parameters) + _pinned(2 * parameters) + (2 + 8 + 4) * parameters
+    return max(estimate, buffers)
 
 
 def deepspeed_config(peer: str, hidden: int, micro_batch: int, micro_batches: int, adamw: dict, pin: bool) -> dict:
