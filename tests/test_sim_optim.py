@@ -36,3 +36,28 @@ def test_fifo_against_deque(head_reg):
     total, failed = harness.run_bench("l2l_optim_fifo", harness.SIM / "l2l_optim_fifo", build, params)
     assert total > 0, "l2l_optim_fifo: cocotb found no tests"
     assert failed == 0, f"l2l_optim_fifo HEAD_REG {head_reg}: {failed} of {total} cocotb tests failed"
+
+
+@pytest.mark.parametrize("failures", [1, 2])
+def test_a_failed_cpp_build_is_tried_once_more_and_a_second_failure_names_the_free_disk(tmp_path, monkeypatch,
+                                                                                      failures):
+    """make resumes at the failed target; a design that does not build fails both tries, its error
+    naming the build and the free disk (a full disk also loses the compiler's captured message)."""
+    runner_module = pytest.importorskip("cocotb_tools.runner")
+    from l2l_hw.hw import harness
+
+    tries = []
+
+    class Runner:
+        def build(self, **kw):
+            tries.append(kw["build_dir"])
+            if len(tries) <= failures:
+                raise RuntimeError("Command failed with return code: 2")
+
+    monkeypatch.setattr(runner_module, "get_runner", lambda simulator: Runner())
+    if failures == 1:
+        assert isinstance(harness.build("l2l_optim", tmp_path), Runner)
+    else:
+        with pytest.raises(RuntimeError, match=r"l2l_optim: the C\+\+ build in .* GiB free in .*, twice"):
+            harness.build("l2l_optim", tmp_path)
+    assert tries == [tmp_path, tmp_path]

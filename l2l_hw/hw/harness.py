@@ -81,10 +81,11 @@ def build(toplevel: str, build_dir: Path, parameters: dict | None = None):
                              timescale=("1ns", "1ps"))
                 break
             except RuntimeError as e:
+                # the free disk goes into the error itself: a full disk also loses captured output
+                failed = f"{toplevel}: the C++ build in {build_dir} failed ({e}; {_room(build_dir)})"
                 if attempt == 2:
-                    raise
-                print(f"{toplevel}: the build in {build_dir} failed ({e}; {_room(build_dir)}); once more",
-                      file=sys.stderr)
+                    raise RuntimeError(failed + ", twice") from e
+                print(failed + "; once more", file=sys.stderr)
     finally:
         if saved is None:
             del os.environ["MAKEFLAGS"]
