@@ -14,7 +14,9 @@ in N + LATENCY clocks against the number the lane and the kernel are built from.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,9 +98,6 @@ def build(toplevel: str, build_dir: Path, parameters: dict | None = None):
 
 def _room(build_dir: Path) -> str:
     """Free disk where the build and the compiler's temporaries go: what a failed C++ build may lack."""
-    import shutil
-    import tempfile
-
     return ", ".join(f"{shutil.disk_usage(d).free / 2**30:.1f} GiB free in {d}"
                      for d in (build_dir, Path(tempfile.gettempdir())) if d.exists())
 
