@@ -226,6 +226,7 @@ BENCHES = {
              "l2l_hw.bench.disk"),
     "pipeline": ("the relay as a pipeline on CPU ranks vs one process and torch's 1F1B; the bubble",
                  "l2l_hw.bench.pipeline"),
+    "overlap": ("whether the EPS's update hides under the device's compute (sleeping layers)", "l2l_hw.bench.overlap"),
 }
 
 

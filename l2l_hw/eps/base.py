@@ -10,7 +10,7 @@ The relay only ever talks to the interface `EPS` (abstract methods only):
     expect_step(fetches, updates)  the order the step will use the groups in (a storage reads ahead along it)
     fetch(key) / fetch_async   host working copy the device computes with next
     push_grads(key, grads)     schedule the eager update of that group; returns at once
-    commit_step()              wait for every update of the step; the step is done
+    commit_step()              the step is done: its updates finished, or (wait=False) finishing in the background
     discard_step() / wait() / master(key)
     state_dict() / load_state_dict() / state_entries()   (the last: streamed checkpoints)
     close()                    join its threads, release its files (also `with eps:`)
@@ -393,7 +393,7 @@ class LocalEps(EPS):
         # commits by swapping, so a step can be discarded whole (overflow) and the
         # committed state is consistent at any time (checkpoints).
         self.double_buffer = bool(double_buffer)
-        self._unsettled: set[str] | None = None  # groups of a step committed with wait=False
+        self._unsettled: set[str] | None = None  # groups of a double-buffered step committed with wait=False
         self.pin_fetched = False  # the working copy crosses to a CUDA device: pin it (nothing else)
 
     def configure(self, working_dtype: str | None = None, double_buffer: bool | None = None,
@@ -442,20 +442,32 @@ class LocalEps(EPS):
         step that saw a non-finite gradient is discarded whole instead (that needs double
         buffering: the updates of the step wrote spare buffers).
 
-        wait=False (double buffering; PipeDream-2BW): the step counts as committed at once
-        and its updates go on in the background; they are swapped in when the next step
-        first needs them (its first push, a fetch of the newest version, a checkpoint), and
-        until then fetch(previous=True) gives the version they replace, so no layer waits.
+        wait=False: no barrier. The step counts as committed at once and its updates go on in
+        the background, the backlog served in the order the next forward fetches the groups.
+        In place (one buffer set), a group's next fetch (or read, or push) waits for its own
+        update only; checkpoints, master() and wait() wait for all. Double buffered
+        (PipeDream-2BW), they are swapped in when the next step first needs them (its first
+        push, a fetch of the newest version, a checkpoint), and until then
+        fetch(previous=True) gives the version they replace, so no layer waits. Nothing can
+        be skipped then, and a non-finite flag is reported only for the updates that had
+        finished (all of them where updates run inline).
 
-        Returns whether a non-finite gradient was seen in the step (False with wait=False)."""
+        Returns whether a non-finite gradient was seen in the step."""
         self._settle()
         self.pushes.run_deferred(grad_scale, self._push)
         if not wait:
-            if not self.double_buffer or skip_nonfinite:
-                raise ValueError("commit_step(wait=False) needs double buffering and skip_nonfinite=False")
-            self._unsettled, self.pushes.groups = set(self.pushes.groups), set()
+            if skip_nonfinite:
+                raise ValueError("commit_step(wait=False) cannot skip a non-finite step: deciding needs every "
+                                 "update of the step finished (wait=True)")
+            found = False
+            if self.double_buffer:
+                self._unsettled = set(self.pushes.groups)
+            else:
+                found = self._commit_in_background(self.pushes.groups)
+            self.pushes.groups = set()
+            self.found_nonfinite = False
             self.step += 1
-            return False
+            return found
         self._wait()
         found = self.found_nonfinite if agree is None else agree(self.found_nonfinite)
         if found and skip_nonfinite:
@@ -621,6 +633,13 @@ class LocalEps(EPS):
         """Overwrite one tensor's param and state slots (a missing slot: zeros; fp32 values, or
         the stored pieces of `stored_slots`) and, with double buffering, its version one
         commit back (working dtype; None: the loaded param)."""
+
+    def _commit_in_background(self, groups: set[str]) -> bool:
+        """commit_step(wait=False) in place: collect the updates of `groups` that have finished
+        (raising their errors) and let the others finish in the background; whether a collected
+        one saw a non-finite gradient. Here: wait for all."""
+        self._wait()
+        return self.found_nonfinite
 
     def _discard(self) -> None:
         """Forget what the updates of the step wrote (double buffering: spare buffers)."""

@@ -24,6 +24,7 @@ from l2l_hw.eps.registry import register_backend
 class HostKernel(Kernel):
     name = "host"
     computes_on_host = True
+    slices = True  # element-wise over any contiguous slice (engine.UPDATE_CHUNK)
 
     def __init__(self, threads: int | None = None, isa: str | None = None):
         host_kernel.library()  # no silent slow path: say now, and how to build it, if it is missing

@@ -31,11 +31,14 @@ as soon as every tensor of the group was written, on the update thread, and `fet
 waits for the group's pending update. With it, they are swapped in for every group at
 commit_step (`_swap`), so `fetch` never waits and a step can be discarded whole.
 
-Updates run on one worker thread in the order the relay pushes them, so the update of
-layer i overlaps the backward of layer i-1 on the caller's thread; or inline, between
-layers, where the layers and the update would compute on the same host cores (the relay on
-the CPU with a kernel computing on the host and a storage that never waits on I/O;
-`configure(inline=...)`, l2l_hw/eps/worker.py).
+Updates run on one worker thread (l2l_hw/eps/worker.py), so the update of layer i overlaps
+the backward of layer i-1 on the caller's thread and the step's last updates overlap the next
+step's forward (a commit need not wait: each group's next fetch waits for its own update);
+the backlog is served in the order the next forward fetches the groups, UPDATE_CHUNK elements
+at a time, so a group needed sooner overtakes one under way (docs/ARCHITECTURE.md, "The
+update's life"). Or inline, between layers, where the layers and the update would compute on
+the same host cores (the relay on the CPU with a kernel computing on the host and a storage
+that never waits on I/O; `configure(inline=...)`).
 
 Read-ahead follows the relay's order, told, not guessed: at the start of a step the relay
 says which groups it fetches in the forward sweep and in which order their gradients come
@@ -51,14 +54,20 @@ from dataclasses import dataclass, field
 import torch
 
 from l2l_hw.eps import golden
-from l2l_hw.eps.base import WORKING_DTYPES, LocalEps, OptimConfig, landed, release, updated_slots
+from l2l_hw.eps.base import (LAYERWISE, WORKING_DTYPES, LocalEps, OptimConfig, PendingFetch, landed, release,
+                             updated_slots)
 from l2l_hw.eps.golden import step_scalars
 from l2l_hw.eps.storage import Buffer, GroupLayout, Spec, Storage
-from l2l_hw.eps.worker import UpdateWorker
+from l2l_hw.eps.worker import Update, UpdateWorker
 
 # fp32 m and v encoded this many elements at a time (whole blocks: the same codes as at once); the
 # golden encoder's temporaries take ~70 B per element, 9 GB for a 131 M-element embedding at once
 ENCODE_CHUNK = golden.QUANT_BLOCK << 14
+# An update runs this many elements of a tensor at a time (whole 8-bit blocks), so that a group the
+# device needs sooner overtakes it within a few milliseconds: ~14 MB of fp32 AdamW traffic, 2-4 ms
+# at the host kernel's one-thread bandwidth here, against ~0.1 ms of Python per chunk.
+UPDATE_CHUNK = 1 << 19
+assert UPDATE_CHUNK % golden.QUANT_BLOCK == 0
 
 
 @dataclass(frozen=True)
@@ -79,6 +88,7 @@ class Kernel:
     memory = "host"  # the storage's memory it computes on (storage.Storage.memory)
     in_place = True  # False where a run can fail halfway through a tensor: updates then write spare buffers
     computes_on_host = False  # an update is computation on the host's cores (not another device's)
+    slices = False  # runs on any contiguous slice of a tensor's buffers (element-wise rules: chunked updates)
 
     def configure(self, threads: int | None) -> None:
         """The relay's thread policy: the host threads an update may compute with."""
@@ -129,10 +139,12 @@ class StepOrder:
         self.uses: list[tuple[str, str]] = []  # (group, "fetch" | "update")
         self.reached: list[bool] = []
         self.waiting: dict[tuple[str, str], collections.deque] = {}  # use -> its places not reached yet
+        self.step = 0  # the step told (an update of an earlier one, still running, reads nothing ahead)
         self._lock = threading.Lock()  # fetches reach uses on the caller's thread, updates on the update thread
 
-    def expect(self, fetches: list[str], updates: list[str]) -> None:
+    def expect(self, fetches: list[str], updates: list[str], step: int) -> None:
         with self._lock:
+            self.step = step
             self.uses = [(key, "fetch") for key in fetches] + [(key, "update") for key in updates]
             self.reached = [False] * len(self.uses)
             self.waiting = {}
@@ -177,6 +189,7 @@ class Engine(LocalEps):
         self._worker: UpdateWorker | None = UpdateWorker("l2l-eps-update")
         self._written: dict[str, set[str]] = {}  # double buffering: tensors updated in the step, per group
         self._in_use = False  # a fetch or a push happened: registration is over
+        self._background: set[str] = set()  # groups whose update of a step committed without waiting runs on
 
     def configure(self, working_dtype=None, double_buffer=None, defer_updates=None, device=None, threads=None,
                   inline=None) -> None:
@@ -328,13 +341,15 @@ class Engine(LocalEps):
 
     # -- the step ---------------------------------------------------------------------
     def expect_step(self, fetches, updates):
-        """The step's order (EPS.expect_step): the storage reads ahead along it."""
+        """The step's order (EPS.expect_step): the update thread serves its backlog in the order of
+        the forward's fetches (the next step's too), and the storage reads ahead along it."""
         unknown = sorted({*fetches, *updates} - set(self.shapes))
         if unknown:
             raise KeyError(f"expect_step names unknown EPS groups {unknown}; registered groups: "
                            f"{', '.join(self.shapes) or 'none'}")
+        self._open().order(list(fetches))
         if self.storage.waits_on_io:  # a storage in memory has nothing to read ahead
-            self.order.expect(list(fetches), list(updates))
+            self.order.expect(list(fetches), list(updates), self.step + 1)
 
     def _read_ahead(self, key: str, kind: str) -> None:
         """Group `key` is used for `kind` now: the storage starts reading what the step uses next."""
@@ -354,18 +369,23 @@ class Engine(LocalEps):
     def _push(self, key, grads, inv_scale):
         worker = self._open()
         self._begin_use()
+        if worker.pending(key):  # its update of an earlier step (a group pushed without a fetch between)
+            self._collect(key)
         s = step_scalars(self.config, self.step + 1, inv_scale)
         plain = golden.without_weight_decay(s)  # no_decay's tensors
         if self.storage.waits_on_io:
             self.storage.update_queued(key)
-        worker.submit(key, self._update, key, grads, {n: plain if n in self.no_decay[key] else s for n in grads})
+        worker.submit(key, self._update(key, grads, {n: plain if n in self.no_decay[key] else s for n in grads},
+                                        self.step + 1))
 
-    def _update(self, key: str, grads: dict[str, torch.Tensor], scalars: dict) -> bool:
+    def _update(self, key: str, grads: dict[str, torch.Tensor], scalars: dict, step: int) -> Update:
         """Update thread: the group's gradients to the host first (all that can fail), then
-        one run per tensor (with its step scalars), in place or into the spare buffers."""
+        one run per tensor (with its step scalars), in place or into the spare buffers, a
+        chunk at a time (`_chunks`): between chunks a group needed sooner may overtake it."""
         # fp32, bf16 or fp16 as they came (push_grads checked shapes and dtypes): the kernel widens
         # them. The relay's gradients come as a Landing, on their way down from the device.
-        self._read_ahead(key, "update")
+        if self.order.step == step:  # an update running into the next step reads nothing ahead
+            self._read_ahead(key, "update")
         rule = self._rule()
         try:
             with self.storage.hold(key, write_back=True) as view:
@@ -375,8 +395,10 @@ class Engine(LocalEps):
                     b = self.buffers[key][name]
                     written = [piece for slot in self._slots_written() for piece in self._pieces(slot, g.shape)]
                     dst = b.spare if self.out_of_place else {piece: b.current[piece] for piece in written}
-                    found |= self.kernel.run(_what(key, name), rule, scalars[name], g, _viewed(b.current, view),
-                                             _viewed(dst, view))
+                    for part, src, out in self._chunks(g, _viewed(b.current, view), _viewed(dst, view)):
+                        found |= self.kernel.run(_what(key, name), rule, scalars[name], part, src, out)
+                        if not self.storage.waits_on_io:  # a storage on disk holds one whole group at a time
+                            yield
         finally:
             release(grads)
         if self.double_buffer:
@@ -385,6 +407,26 @@ class Engine(LocalEps):
             for name in host:
                 self.buffers[key][name].flip()
         return found
+
+    def _chunks(self, grad: torch.Tensor, src: dict, dst: dict):
+        """(grad, src, dst) of one tensor's update in UPDATE_CHUNK-element slices where the rule is
+        element-wise and the kernel takes slices (every element's result is the same either way);
+        whole otherwise. 8-bit state: whole blocks, with their scales."""
+        n = grad.numel()
+        if not self.kernel.slices or self.config.optimizer in LAYERWISE or n <= UPDATE_CHUNK:
+            yield grad, src, dst
+            return
+        block = golden.QUANT_BLOCK
+        flat = grad.reshape(-1)
+        for start in range(0, n, UPDATE_CHUNK):
+            end = min(n, start + UPDATE_CHUNK)
+
+            def part(t, scales=False):
+                t = t.reshape(-1)
+                return t[start // block:-(-end // block)] if scales else t[start:end]
+
+            yield flat[start:end], *({slot: part(t, slot.endswith("_scale")) for slot, t in buffers.items()}
+                                     for buffers in (src, dst))
 
     def _swap(self):
         slot = self.working_slot
@@ -403,23 +445,59 @@ class Engine(LocalEps):
         self._written.clear()  # the step's updates wrote only spare buffers
 
     def _wait(self):
-        if self._worker is not None:  # closed: nothing is pending
-            self.found_nonfinite |= self._worker.wait()
+        if self._worker is None:  # closed: nothing is pending
+            return
+        try:
+            found = self._worker.wait()
+        finally:
+            background, self._background = self._background, set()
+        self.found_nonfinite |= bool(found - background)
+
+    def _commit_in_background(self, groups):
+        worker, first_error = self._open(), None
+        for key in sorted(groups):
+            if worker.done(key):
+                try:
+                    self._collect(key)
+                except Exception as exc:  # raised once every finished update is collected
+                    first_error = first_error or exc
+            else:
+                self._background.add(key)
+        if first_error is not None:
+            raise first_error
+        return self.found_nonfinite
+
+    def _collect(self, key: str) -> None:
+        """Wait for group `key`'s update; its non-finite flag counts for the step under way
+        unless that update belongs to a step committed without waiting."""
+        found = self._open().result(key)
+        if key in self._background:
+            self._background.discard(key)
+        else:
+            self.found_nonfinite |= found
 
     # -- reading --------------------------------------------------------------------------
+    def fetch_async(self, key, previous=False):
+        """A fetch that waits for the group's update only when it is waited for, so the relay's
+        prefetch of the next layer never stalls the layer running now."""
+        if self._unsettled is None and not self.double_buffer and not self._open().done(key):
+            return PendingUpdate(lambda: self.fetch(key, previous=previous), lambda: self._open().done(key))
+        return super().fetch_async(key, previous=previous)
+
     def _fetch(self, key, previous=False):
         worker = self._open()
         self._begin_use()
         self._read_ahead(key, "fetch")
-        if not self.double_buffer:  # double buffered: updates write the spare, fetch need not wait
-            self.found_nonfinite |= worker.result(key)
+        if not self.double_buffer and worker.pending(key):  # double buffered: updates write the spare
+            self._collect(key)
         dtype = WORKING_DTYPES[self.working_dtype]
         return {name: self.storage.read(b.previous if previous else b.current[self.working_slot],
                                         self.shapes[key][name], dtype) for name, b in self.buffers[key].items()}
 
     def read_state(self, key, name):
         """fp32 param and optimizer slots (compressed state decoded by the golden rule)."""
-        self._open()
+        if self._open().pending(key):
+            self._collect(key)
         b, shape = self.buffers[key][name], self.shapes[key][name]
         out = {}
         for slot in self.slots():
@@ -454,6 +532,20 @@ class Engine(LocalEps):
             self.kernel.close()
         finally:
             self.storage.close()
+
+
+class PendingUpdate(PendingFetch):
+    """A fetch of a group whose update is still running: read when waited for."""
+
+    def __init__(self, read, done):
+        self._read, self._done = read, done
+
+    @property
+    def ready(self) -> bool:
+        return self._done()
+
+    def wait(self) -> dict[str, torch.Tensor]:
+        return self._read()
 
 
 def check_formats(state: str, working_dtype: str) -> None:

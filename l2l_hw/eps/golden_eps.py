@@ -14,6 +14,7 @@ from l2l_hw.eps.registry import register_backend
 
 class GoldenKernel(Kernel):
     name = "golden"
+    slices = True  # element-wise over any contiguous slice (engine.UPDATE_CHUNK)
 
     def run(self, what, rule, s, grad, src, dst):
         g = grad_to_numpy(grad)

@@ -439,14 +439,15 @@ class LayerStage:
         whole where a gradient was not finite (skip_nonfinite; fp16's loss scale learns of it).
         `across(tensor, op, what)`: the tensor all-reduced over the ranks that hold the rest of
         the model (a pipeline's stages), so the norm is the whole model's and every stage skips
-        the same steps. PipeDream-2BW: the next step computes on the version this one replaces,
-        so it need not wait for this step's last updates (unless it must first learn of an overflow)."""
+        the same steps. No barrier: the step's updates finish in the background, each layer's next
+        fetch waiting for its own group only (PipeDream-2BW computes on the version they replace);
+        only a step that may be discarded (skip_nonfinite) waits to learn of an overflow."""
         agree = None
         if across is not None and self.skip_nonfinite:
             agree = lambda found: bool(across(torch.tensor([float(found)]), dist.ReduceOp.MAX,  # noqa: E731
                                               "agreeing on non-finite gradients at commit").item())
         found = self.eps.commit_step(grad_scale=self._global_clip_factor(across), skip_nonfinite=self.skip_nonfinite,
-                                     wait=not self.pipedream_2bw or self.skip_nonfinite, agree=agree)
+                                     wait=self.skip_nonfinite, agree=agree)
         if self.scaler is not None:
             self.scaler.update(found)
 
