@@ -186,3 +186,48 @@ def test_a_relay_step_returns_while_its_updates_run_and_the_next_step_waits_for_
         opt.step()
     for a, b in zip(trained.parameters(), reference.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_prefetched_groups_copy_up_starts_when_its_update_lands_not_when_the_layer_needs_it():
+    from l2l_hw.relay.prefetch import WeightStream
+    from l2l_hw.relay.transport import Transport
+
+    eps = l2l_hw.make_eps("cpu", optimizer="sgd", lr=0.5)
+    eps.register("layer0", {"w": torch.ones(4)})
+    gate = threading.Event()
+    eps.push_grads("layer0", Landing({"w": torch.ones(4)}, lambda: gate.wait(10), lambda: None))
+    eps.commit_step(wait=False)
+    stream = WeightStream(eps, Transport("cpu-async"))
+    stream.prefetch(["layer0"])  # the relay asks one layer ahead; the update has not landed
+    assert stream.on_device() == [[]]
+    gate.set()
+    for _ in range(10_000):  # the update thread starts the copy up as the update lands
+        if stream.on_device() != [[]]:
+            break
+        threading.Event().wait(0.001)
+    assert stream.on_device() != [[]]
+    assert torch.equal(stream.get("layer0")["w"], torch.full((4,), 0.5))
+    eps.close()
+
+
+EXIT_WITH_UPDATES_RUNNING = """
+import torch, l2l_hw
+eps = l2l_hw.make_eps("cpu")
+for i in range(8):
+    eps.register(f"layer{i}", {"w": torch.zeros(1 << 21)})
+for i in reversed(range(8)):
+    eps.push_grads(f"layer{i}", {"w": torch.ones(1 << 21)})
+eps.commit_step(wait=False)
+print("committed", flush=True)
+"""
+
+
+def test_a_process_ending_with_updates_still_running_and_its_eps_not_closed_exits_cleanly():
+    import subprocess
+    import sys
+
+    for _ in range(3):
+        done = subprocess.run([sys.executable, "-c", EXIT_WITH_UPDATES_RUNNING], capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0 and done.stdout == "committed\n", (done.returncode, done.stderr[-2000:])
+        assert "terminate called" not in done.stderr

@@ -165,7 +165,8 @@ def tensor_of(x: torch.Tensor | StateEntry) -> torch.Tensor:
 
 class PendingFetch:
     """A fetch under way: `wait()` gives the host tensors, `held()` what it holds meanwhile.
-    A local EPS's fetch is ready at once; a sharded one's all-gather runs in the background."""
+    A local EPS's fetch is ready at once, or once the group's update has landed; a sharded
+    one's all-gather runs in the background."""
 
     def __init__(self, tensors: dict[str, torch.Tensor]):
         self.tensors = tensors
@@ -177,6 +178,12 @@ class PendingFetch:
 
     def wait(self) -> dict[str, torch.Tensor]:
         return self.tensors
+
+    def when_ready(self, landed: Callable[[dict[str, torch.Tensor]], None]) -> bool:
+        """Whether `landed(tensors)` will be called, on another thread, as soon as the values are
+        there (before `wait()`, which still collects the fetch and raises its error): the relay
+        starts the copy up then. False: only `wait()` gives them."""
+        return False
 
 
 class Landing(dict):

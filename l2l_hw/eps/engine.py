@@ -479,10 +479,19 @@ class Engine(LocalEps):
     # -- reading --------------------------------------------------------------------------
     def fetch_async(self, key, previous=False):
         """A fetch that waits for the group's update only when it is waited for, so the relay's
-        prefetch of the next layer never stalls the layer running now."""
-        if self._unsettled is None and not self.double_buffer and not self._open().done(key):
-            return PendingUpdate(lambda: self.fetch(key, previous=previous), lambda: self._open().done(key))
-        return super().fetch_async(key, previous=previous)
+        prefetch of the next layer never stalls the layer running now; in memory, the working
+        copy is handed on by the update thread as soon as the update lands."""
+        worker = self._open()
+        if self._unsettled is not None or self.double_buffer or worker.done(key):
+            return super().fetch_async(key, previous=previous)
+
+        def when_ready(landed) -> bool:
+            if self.storage.waits_on_io:  # its reads belong to the caller's thread
+                return False
+            worker.when_done(key, lambda: landed(self._working(key, previous)))
+            return True
+
+        return PendingUpdate(lambda: self.fetch(key, previous=previous), lambda: worker.done(key), when_ready)
 
     def _fetch(self, key, previous=False):
         worker = self._open()
@@ -490,6 +499,9 @@ class Engine(LocalEps):
         self._read_ahead(key, "fetch")
         if not self.double_buffer and worker.pending(key):  # double buffered: updates write the spare
             self._collect(key)
+        return self._working(key, previous)
+
+    def _working(self, key: str, previous: bool) -> dict[str, torch.Tensor]:
         dtype = WORKING_DTYPES[self.working_dtype]
         return {name: self.storage.read(b.previous if previous else b.current[self.working_slot],
                                         self.shapes[key][name], dtype) for name, b in self.buffers[key].items()}
@@ -535,10 +547,11 @@ class Engine(LocalEps):
 
 
 class PendingUpdate(PendingFetch):
-    """A fetch of a group whose update is still running: read when waited for."""
+    """A fetch of a group whose update is still running: read when waited for, or handed on by
+    the update thread when the update lands (when_ready)."""
 
-    def __init__(self, read, done):
-        self._read, self._done = read, done
+    def __init__(self, read, done, when_ready):
+        self._read, self._done, self._when_ready = read, done, when_ready
 
     @property
     def ready(self) -> bool:
@@ -546,6 +559,9 @@ class PendingUpdate(PendingFetch):
 
     def wait(self) -> dict[str, torch.Tensor]:
         return self._read()
+
+    def when_ready(self, landed) -> bool:
+        return self._when_ready(landed)
 
 
 def check_formats(state: str, working_dtype: str) -> None:

@@ -23,10 +23,12 @@ deadlock.
 """
 from __future__ import annotations
 
+import atexit
 import itertools
 import threading
+import weakref
 from concurrent.futures import Future
-from typing import Generator
+from typing import Callable, Generator
 
 Update = Generator[None, None, bool]  # yields between chunks; returns whether a gradient was not finite
 
@@ -42,24 +44,86 @@ class _Task:
         self.key, self.update, self.seq = key, update, seq
         self.done: Future = Future()
         self.waited: int | None = None  # set when a reader waits: it goes first
+        self.then: list[Callable[[], None]] = []  # called on the update thread once it has succeeded
+
+
+_BACKLOGS: "weakref.WeakSet[_Backlog]" = weakref.WeakSet()
+
+
+@atexit.register
+def _drain_backlogs() -> None:
+    """At exit, an EPS nobody closed finishes its updates before the interpreter tears torch down
+    (an update cut there aborts the process), as concurrent.futures' pools do."""
+    for backlog in list(_BACKLOGS):
+        backlog.close(wait=True)
+
+
+class _Backlog:
+    """The queued updates and the thread that serves them. The thread holds this, not the
+    worker: a worker nobody closed is collected, and its thread ends once the backlog is served."""
+
+    def __init__(self, name: str):
+        self.cond = threading.Condition()
+        self.queue: list[_Task] = []  # not finished
+        self.rank: dict[str, int] = {}  # group -> its place in the next forward's fetches
+        self.closed = False
+        self.thread = threading.Thread(target=self.serve, name=name, daemon=True)
+        self.thread.start()
+        _BACKLOGS.add(self)
+
+    def close(self, wait: bool = False) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+        if wait and self.thread is not threading.current_thread():
+            self.thread.join()
+
+    def next(self) -> _Task | None:
+        """The task to advance by one chunk (the caller holds the lock): a waited-for one first,
+        then in the next forward's order, then first in, first out."""
+        while not self.queue:
+            if self.closed:
+                return None
+            self.cond.wait()
+        return min(self.queue, key=lambda t: (t.waited is None, t.waited or 0, self.rank.get(t.key, LAST), t.seq))
+
+    def serve(self) -> None:
+        while True:
+            with self.cond:
+                task = self.next()
+            if task is None:
+                return
+            if _advance(task):
+                with self.cond:
+                    self.queue.remove(task)
+                    then, task.then = task.then, []
+                if task.done.exception() is None:
+                    for call in then:
+                        _call(call)
 
 
 class UpdateWorker:
     def __init__(self, name: str = "l2l-eps-update"):
         self.name = name
         self.inline = False
-        self._cond = threading.Condition()
         self._tasks: dict[str, _Task] = {}  # queued or running, not yet collected by result()
-        self._queue: list[_Task] = []  # not finished
-        self._rank: dict[str, int] = {}  # group -> its place in the next forward's fetches
         self._seq = itertools.count()
-        self._thread: threading.Thread | None = None
-        self._closed = False
+        self._backlog: _Backlog | None = None  # started with the first update queued
+        self._rank: dict[str, int] = {}
 
     def order(self, keys: list[str]) -> None:
         """Serve the backlog in the order of `keys` (the next forward's fetches)."""
-        with self._cond:
-            self._rank = {key: i for i, key in enumerate(keys)}
+        self._rank = {key: i for i, key in enumerate(keys)}
+        if self._backlog is not None:
+            with self._backlog.cond:
+                self._backlog.rank = self._rank
+
+    def _started(self) -> _Backlog:
+        if self._backlog is None:
+            self._backlog = _Backlog(self.name)
+            self._backlog.rank = self._rank
+            weakref.finalize(self, self._backlog.close)
+        return self._backlog
 
     def submit(self, key: str, update: Update) -> None:
         """Queue group `key`'s update (a generator; see the module docstring). A previous update of
@@ -71,14 +135,12 @@ class UpdateWorker:
         if self.inline:
             _run_to_end(task)
             return
-        with self._cond:
-            if self._closed:
+        backlog = self._started()
+        with backlog.cond:
+            if backlog.closed:
                 raise RuntimeError("the EPS update worker is shut down")
-            self._queue.append(task)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
-                self._thread.start()
-            self._cond.notify_all()
+            backlog.queue.append(task)
+            backlog.cond.notify_all()
 
     def pending(self, key: str) -> bool:
         """Group `key` has an update not yet collected."""
@@ -89,17 +151,30 @@ class UpdateWorker:
         task = self._tasks.get(key)
         return task is None or task.done.done()
 
+    def when_done(self, key: str, then: Callable[[], None]) -> None:
+        """Call `then()` once group `key`'s update has succeeded: on the update thread as it ends,
+        or now if it has ended (never after a failed update: its reader raises the error). An
+        error of `then` is dropped: it only started early what the reader does anyway."""
+        task = self._tasks.get(key)
+        if task is not None and self._backlog is not None:
+            with self._backlog.cond:
+                if not task.done.done():
+                    task.then.append(then)
+                    return
+        if task is None or task.done.exception() is None:
+            _call(then)
+
     def result(self, key: str) -> bool:
         """Wait for group `key`'s update (it goes first from the next chunk on); its non-finite
         flag, or its error."""
         task = self._tasks.get(key)
         if task is None:
             return False
-        if not task.done.done():
-            with self._cond:
+        if not task.done.done() and self._backlog is not None:
+            with self._backlog.cond:
                 if task.waited is None:
                     task.waited = next(self._seq)
-                self._cond.notify_all()
+                self._backlog.cond.notify_all()
         try:
             return bool(task.done.result())
         except UpdateError:
@@ -125,32 +200,8 @@ class UpdateWorker:
 
     def shutdown(self, wait: bool = False) -> None:
         """Stop the thread once the queued updates have finished; with `wait`, return only then."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-        if wait and self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join()
-
-    # -- the worker thread ------------------------------------------------------
-    def _next(self) -> _Task | None:
-        """The task to advance by one chunk (the caller holds the lock): a waited-for one first,
-        then in the next forward's order, then first in, first out."""
-        while not self._queue:
-            if self._closed:
-                return None
-            self._cond.wait()
-        return min(self._queue, key=lambda t: (t.waited is None, t.waited or 0, self._rank.get(t.key, LAST), t.seq))
-
-    def _serve(self) -> None:
-        while True:
-            with self._cond:
-                task = self._next()
-            if task is None:
-                return
-            finished = _advance(task)
-            if finished:
-                with self._cond:
-                    self._queue.remove(task)
+        if self._backlog is not None:
+            self._backlog.close(wait)
 
 
 def _advance(task: _Task) -> bool:
@@ -163,6 +214,13 @@ def _advance(task: _Task) -> bool:
     except BaseException as exc:  # raised where the result is collected
         task.done.set_exception(exc)
     return True
+
+
+def _call(then: Callable[[], None]) -> None:
+    try:
+        then()
+    except Exception:  # see when_done
+        pass
 
 
 def _run_to_end(task: _Task) -> None:
