@@ -135,7 +135,8 @@ RUNS = {
 def test_the_relay_without_a_barrier_gives_the_numbers_of_updates_finished_at_each_push(run, tmp_path):
     """cpu-async: updates on the update thread, overlapping the next step; cpu: each update runs
     when it is pushed. Losses and final state bit for bit, with a tensor of several chunks."""
-    spec, width = RUNS[run], 768  # 768 x 768 weights: two chunks each
+    spec, width = RUNS[run], 1100  # 1100 x 1100 weights: two chunks each (UPDATE_CHUNK)
+    assert UPDATE_CHUNK < width * width <= 2 * UPDATE_CHUNK
     torch.manual_seed(0)
     model = nn.Sequential(*(Block(width) for _ in range(3)))
     xs, ys = torch.randn(4, 8, width), torch.randn(4, 8, width)

@@ -64,9 +64,10 @@ from l2l_hw.eps.worker import Update, UpdateWorker
 # golden encoder's temporaries take ~70 B per element, 9 GB for a 131 M-element embedding at once
 ENCODE_CHUNK = golden.QUANT_BLOCK << 14
 # An update runs this many elements of a tensor at a time (whole 8-bit blocks), so that a group the
-# device needs sooner overtakes it within a few milliseconds: ~14 MB of fp32 AdamW traffic, 2-4 ms
-# at the host kernel's one-thread bandwidth here, against ~0.1 ms of Python per chunk.
-UPDATE_CHUNK = 1 << 19
+# device needs sooner overtakes it within a few milliseconds: ~28 MB of fp32 AdamW traffic, ~2.5 ms
+# at the host kernel's one-thread rate here (16 x 1.5 M elements in 18.5 ms); each chunk costs
+# ~0.05 ms more (2^19: 20.0 ms for the same, 1.08x).
+UPDATE_CHUNK = 1 << 20
 assert UPDATE_CHUNK % golden.QUANT_BLOCK == 0
 
 
