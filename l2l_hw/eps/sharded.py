@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from l2l_hw.distributed import comm_device, guarded
-from l2l_hw.eps.base import EPS, LocalEps, StateEntry, StepPushes, check_state_mapping, new_group, tensor_of
+from l2l_hw.eps.base import (EPS, LocalEps, PendingFetch, StateEntry, StepPushes, check_state_mapping, new_group,
+                             tensor_of)
 
 
 def shard_sizes(shapes: dict[str, torch.Size], world: int) -> dict[str, int]:
@@ -221,9 +222,9 @@ class ShardedEps(EPS):
         self.inner.load_state_dict(sliced)
 
 
-class PendingGather:
+class PendingGather(PendingFetch):
     """An all-gather under way: `held()` is the buffer it fills, `wait()` the whole tensors
-    (the PendingFetch interface of l2l_hw/eps/base.py)."""
+    (the PendingFetch interface of l2l_hw/eps/base.py; nothing is handed on early)."""
 
     ready = False
 
