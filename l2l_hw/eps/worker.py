@@ -10,10 +10,12 @@ groups are used next (the update's life, docs/ARCHITECTURE.md):
                           backward pushes layer 0 last and the forward needs it first)
     result(key)           wait for `key`'s update: a waited-for group overtakes every other
                           at the next chunk boundary
+    when_done(key, then)  call `then()` on the update thread as `key`'s update succeeds (the
+                          relay starts the group's copy up to the device there)
 
 So while the update of layer i overlaps the backward of layer i-1 on the caller's thread,
 a group the device needs sooner never waits behind a whole later one. Updates of one group
-never overlap: a group is pushed again only after its update was collected (EPS.fetch).
+never overlap: a group's update is collected (EPS.fetch, or its next push) before the next.
 
 Inline, each update runs to its end on the caller's thread when it is pushed: where the
 layers compute on the same cores as the update (the relay on the CPU), overlapping them
