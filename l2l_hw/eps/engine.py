@@ -342,15 +342,17 @@ class Engine(LocalEps):
 
     # -- the step ---------------------------------------------------------------------
     def expect_step(self, fetches, updates):
-        """The step's order (EPS.expect_step): the update thread serves its backlog in the order of
-        the forward's fetches (the next step's too), and the storage reads ahead along it."""
+        """The step's order (EPS.expect_step): in memory, the update thread serves its backlog in the
+        order of the forward's fetches (the next step's too); on disk, the storage reads ahead along
+        the told order and the updates keep it."""
         unknown = sorted({*fetches, *updates} - set(self.shapes))
         if unknown:
             raise KeyError(f"expect_step names unknown EPS groups {unknown}; registered groups: "
                            f"{', '.join(self.shapes) or 'none'}")
-        self._open().order(list(fetches))
-        if self.storage.waits_on_io:  # a storage in memory has nothing to read ahead
+        if self.storage.waits_on_io:  # it reads ahead along the told order, so updates keep the push order
             self.order.expect(list(fetches), list(updates), self.step + 1)
+        else:
+            self._open().order(list(fetches))
 
     def _read_ahead(self, key: str, kind: str) -> None:
         """Group `key` is used for `kind` now: the storage starts reading what the step uses next."""
@@ -455,6 +457,8 @@ class Engine(LocalEps):
         self.found_nonfinite |= bool(found - background)
 
     def _commit_in_background(self, groups):
+        if self.storage.waits_on_io:  # the disk tier reads ahead along one step's order at a time
+            return super()._commit_in_background(groups)
         worker, first_error = self._open(), None
         for key in sorted(groups):
             if worker.done(key):
