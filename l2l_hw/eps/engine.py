@@ -457,8 +457,9 @@ class Engine(LocalEps):
         self.found_nonfinite |= bool(found - background)
 
     def _commit_in_background(self, groups):
-        if self.storage.waits_on_io:  # the disk tier reads ahead along one step's order at a time
-            return super()._commit_in_background(groups)
+        if self.storage.waits_on_io:  # the disk tier reads ahead along one step's order at a time: wait
+            self._wait()
+            return self.found_nonfinite
         worker, first_error = self._open(), None
         for key in sorted(groups):
             if worker.done(key):
