@@ -204,7 +204,7 @@ def test_bad_gradients_are_refused_before_any_update():
 def test_update_failure_on_worker_is_raised_from_train_step_without_hanging(monkeypatch):
     from torch import nn
 
-    def broken(self, key, grads, s, step):  # an update is a generator run by the update thread
+    def broken(self, key, grads, s):  # an update is a generator run by the update thread
         raise MemoryError("simulated allocation failure")
         yield
 

@@ -293,12 +293,12 @@ def test_pipedream_2bw_step_does_not_wait_for_its_last_update():
     release, finished = threading.Event(), threading.Event()
     update = eps._update
 
-    def slow_update(key, grads, s, step):  # an update is a generator the update thread runs
+    def slow_update(key, grads, s):  # an update is a generator the update thread runs
         if key != "layer0" or finished.is_set():
-            return (yield from update(key, grads, s, step))
+            return (yield from update(key, grads, s))
         assert release.wait(30), "never released"
         try:
-            return (yield from update(key, grads, s, step))
+            return (yield from update(key, grads, s))
         finally:
             finished.set()
 
@@ -325,10 +325,10 @@ def test_pipedream_2bw_failed_background_update_undoes_its_step():
     before = {k: v.clone() for k, v in eps.state_dict().items()}
     update = eps._update
 
-    def failing(key, grads, s, step):
+    def failing(key, grads, s):
         if key == "layer2":
             raise RuntimeError("injected")
-        return (yield from update(key, grads, s, step))
+        return (yield from update(key, grads, s))
 
     eps._update = failing
     relay.train_step(*data[1])  # returns: its updates run in the background

@@ -160,10 +160,10 @@ def test_a_relay_step_returns_while_its_updates_run_and_the_next_step_waits_for_
 
     gate, update = threading.Event(), vars(Engine)["_update"]
 
-    def gated(self, key, grads, scalars, step):
+    def gated(self, key, grads, scalars):
         if key == "layer0":
             assert gate.wait(10)
-        return (yield from update(self, key, grads, scalars, step))
+        return (yield from update(self, key, grads, scalars))
 
     monkeypatch.setattr(Engine, "_update", gated)
     torch.manual_seed(0)

@@ -641,12 +641,11 @@ class LocalEps(EPS):
         the stored pieces of `stored_slots`) and, with double buffering, its version one
         commit back (working dtype; None: the loaded param)."""
 
+    @abstractmethod
     def _commit_in_background(self, groups: set[str]) -> bool:
         """commit_step(wait=False) in place: collect the updates of `groups` that have finished
-        (raising their errors) and let the others finish in the background; whether a collected
-        one saw a non-finite gradient. Here: wait for all."""
-        self._wait()
-        return self.found_nonfinite
+        (raising their errors) and let the others finish in the background (or wait for all);
+        whether a collected one saw a non-finite gradient."""
 
     def _discard(self) -> None:
         """Forget what the updates of the step wrote (double buffering: spare buffers)."""

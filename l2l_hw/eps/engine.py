@@ -140,12 +140,10 @@ class StepOrder:
         self.uses: list[tuple[str, str]] = []  # (group, "fetch" | "update")
         self.reached: list[bool] = []
         self.waiting: dict[tuple[str, str], collections.deque] = {}  # use -> its places not reached yet
-        self.step = 0  # the step told (an update of an earlier one, still running, reads nothing ahead)
         self._lock = threading.Lock()  # fetches reach uses on the caller's thread, updates on the update thread
 
-    def expect(self, fetches: list[str], updates: list[str], step: int) -> None:
+    def expect(self, fetches: list[str], updates: list[str]) -> None:
         with self._lock:
-            self.step = step
             self.uses = [(key, "fetch") for key in fetches] + [(key, "update") for key in updates]
             self.reached = [False] * len(self.uses)
             self.waiting = {}
@@ -350,7 +348,7 @@ class Engine(LocalEps):
             raise KeyError(f"expect_step names unknown EPS groups {unknown}; registered groups: "
                            f"{', '.join(self.shapes) or 'none'}")
         if self.storage.waits_on_io:  # it reads ahead along the told order, so updates keep the push order
-            self.order.expect(list(fetches), list(updates), self.step + 1)
+            self.order.expect(list(fetches), list(updates))
         else:
             self._open().order(list(fetches))
 
@@ -378,17 +376,15 @@ class Engine(LocalEps):
         plain = golden.without_weight_decay(s)  # no_decay's tensors
         if self.storage.waits_on_io:
             self.storage.update_queued(key)
-        worker.submit(key, self._update(key, grads, {n: plain if n in self.no_decay[key] else s for n in grads},
-                                        self.step + 1))
+        worker.submit(key, self._update(key, grads, {n: plain if n in self.no_decay[key] else s for n in grads}))
 
-    def _update(self, key: str, grads: dict[str, torch.Tensor], scalars: dict, step: int) -> Update:
+    def _update(self, key: str, grads: dict[str, torch.Tensor], scalars: dict) -> Update:
         """Update thread: the group's gradients to the host first (all that can fail), then
         one run per tensor (with its step scalars), in place or into the spare buffers, a
         chunk at a time (`_chunks`): between chunks a group needed sooner may overtake it."""
         # fp32, bf16 or fp16 as they came (push_grads checked shapes and dtypes): the kernel widens
         # them. The relay's gradients come as a Landing, on their way down from the device.
-        if self.order.step == step:  # an update running into the next step reads nothing ahead
-            self._read_ahead(key, "update")
+        self._read_ahead(key, "update")
         rule = self._rule()
         try:
             with self.storage.hold(key, write_back=True) as view:
@@ -420,16 +416,12 @@ class Engine(LocalEps):
             yield grad, src, dst
             return
         block = golden.QUANT_BLOCK
-        flat = grad.reshape(-1)
         for start in range(0, n, UPDATE_CHUNK):
             end = min(n, start + UPDATE_CHUNK)
-
-            def part(t, scales=False):
-                t = t.reshape(-1)
-                return t[start // block:-(-end // block)] if scales else t[start:end]
-
-            yield flat[start:end], *({slot: part(t, slot.endswith("_scale")) for slot, t in buffers.items()}
-                                     for buffers in (src, dst))
+            cut = {False: slice(start, end), True: slice(start // block, -(-end // block))}  # elements; scales
+            yield grad.reshape(-1)[cut[False]], *(
+                {slot: t.reshape(-1)[cut[slot.endswith("_scale")]] for slot, t in buffers.items()}
+                for buffers in (src, dst))
 
     def _swap(self):
         slot = self.working_slot

@@ -61,8 +61,9 @@ def _drain_backlogs() -> None:
 
 
 class _Backlog:
-    """The queued updates and the thread that serves them. The thread holds this, not the
-    worker: a worker nobody closed is collected, and its thread ends once the backlog is served."""
+    """The queued updates and the thread that serves them, started with the first update queued
+    (an inline worker has none). The thread holds this, not the worker: a worker nobody closed
+    is collected, and its thread ends once the backlog is served."""
 
     def __init__(self, name: str):
         self.cond = threading.Condition()
@@ -70,14 +71,22 @@ class _Backlog:
         self.rank: dict[str, int] = {}  # group -> its place in the next forward's fetches
         self.closed = False
         self.thread = threading.Thread(target=self.serve, name=name, daemon=True)
-        self.thread.start()
-        _BACKLOGS.add(self)
+
+    def add(self, task: _Task) -> None:
+        with self.cond:
+            if self.closed:
+                raise RuntimeError("the EPS update worker is shut down")
+            self.queue.append(task)
+            if not self.thread.is_alive():
+                self.thread.start()
+                _BACKLOGS.add(self)
+            self.cond.notify_all()
 
     def close(self, wait: bool = False) -> None:
         with self.cond:
             self.closed = True
             self.cond.notify_all()
-        if wait and self.thread is not threading.current_thread():
+        if wait and self.thread.ident is not None and self.thread is not threading.current_thread():
             self.thread.join()
 
     def next(self) -> _Task | None:
@@ -110,22 +119,13 @@ class UpdateWorker:
         self.inline = False
         self._tasks: dict[str, _Task] = {}  # queued or running, not yet collected by result()
         self._seq = itertools.count()
-        self._backlog: _Backlog | None = None  # started with the first update queued
-        self._rank: dict[str, int] = {}
+        self._backlog = _Backlog(name)
+        weakref.finalize(self, self._backlog.close)
 
     def order(self, keys: list[str]) -> None:
         """Serve the backlog in the order of `keys` (the next forward's fetches)."""
-        self._rank = {key: i for i, key in enumerate(keys)}
-        if self._backlog is not None:
-            with self._backlog.cond:
-                self._backlog.rank = self._rank
-
-    def _started(self) -> _Backlog:
-        if self._backlog is None:
-            self._backlog = _Backlog(self.name)
-            self._backlog.rank = self._rank
-            weakref.finalize(self, self._backlog.close)
-        return self._backlog
+        with self._backlog.cond:
+            self._backlog.rank = {key: i for i, key in enumerate(keys)}
 
     def submit(self, key: str, update: Update) -> None:
         """Queue group `key`'s update (a generator; see the module docstring). A previous update of
@@ -136,13 +136,8 @@ class UpdateWorker:
         self._tasks[key] = task
         if self.inline:
             _run_to_end(task)
-            return
-        backlog = self._started()
-        with backlog.cond:
-            if backlog.closed:
-                raise RuntimeError("the EPS update worker is shut down")
-            backlog.queue.append(task)
-            backlog.cond.notify_all()
+        else:
+            self._backlog.add(task)
 
     def pending(self, key: str) -> bool:
         """Group `key` has an update not yet collected."""
@@ -158,7 +153,7 @@ class UpdateWorker:
         or now if it has ended (never after a failed update: its reader raises the error). An
         error of `then` is dropped: it only started early what the reader does anyway."""
         task = self._tasks.get(key)
-        if task is not None and self._backlog is not None:
+        if task is not None:
             with self._backlog.cond:
                 if not task.done.done():
                     task.then.append(then)
@@ -172,7 +167,7 @@ class UpdateWorker:
         task = self._tasks.get(key)
         if task is None:
             return False
-        if not task.done.done() and self._backlog is not None:
+        if not task.done.done():
             with self._backlog.cond:
                 if task.waited is None:
                     task.waited = next(self._seq)
@@ -202,8 +197,7 @@ class UpdateWorker:
 
     def shutdown(self, wait: bool = False) -> None:
         """Stop the thread once the queued updates have finished; with `wait`, return only then."""
-        if self._backlog is not None:
-            self._backlog.close(wait)
+        self._backlog.close(wait)
 
 
 def _advance(task: _Task) -> bool:
