@@ -1,4 +1,4 @@
-"""The training layer (l2l_hw/train.py): the README's loop runs and resumes exactly, the
+"""The training layer (l2l_hw/train.py): the guide's loop runs and resumes exactly, the
 metrics reach callbacks and TensorBoard, and the package's imports stay layered."""
 import ast
 import dataclasses
@@ -22,23 +22,23 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def readme_training_snippet() -> str:
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "GUIDE.md").read_text()  # README's reference part
     section = readme.split("### The training loop from Python", 1)[1]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
-def test_readme_training_loop_runs_and_its_resume_is_bit_identical_to_a_straight_run(tmp_path, monkeypatch):
+def test_the_guides_training_loop_runs_and_its_resume_is_bit_identical_to_a_straight_run(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     snippet = readme_training_snippet()
     assert "l2l_hw.train(" in snippet and "resume=True" in snippet
     scope = {}
-    exec(compile(snippet, "README.md", "exec"), scope)
+    exec(compile(snippet, "docs/GUIDE.md", "exec"), scope)
     result = scope["result"]
     assert result.relay.step == 40 and [r["step"] for r in result.history] == list(range(1, 41))
     saved = [json.loads(line) for line in (tmp_path / "runs/mlp/metrics.jsonl").read_text().splitlines()]
     assert saved == result.history
     # the same config without the stop: one straight run (independent of the checkpoint), on the
-    # README's layers built again (the relay left the snippet's own with their structure only)
+    # the guide's layers built again (the relay left the snippet's own with their structure only)
     assert all(p.is_meta for layer in scope["layers"] for p in layer.parameters())
     torch.manual_seed(0)
     layers = [nn.Sequential(nn.Linear(16, 64), nn.GELU()), nn.Linear(64, 1)]
