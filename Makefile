@@ -33,6 +33,9 @@ $(FULL): $(CORE) requirements-test.txt
 	    [a().create_op_builder(n).load() for n in ('CPUAdamBuilder', 'ShareMemCommBuilder')]"
 	touch $@
 
+# `make train` takes 4-5 min the first time (the .venv and its core packages, then the run: 263 s on a
+# fresh 2-core machine) and 2-3 min after (the run alone: 149 s, 119 s of CPU, on 2 cores shared with
+# other work; 2026-12-07). README's set-up line says the same.
 train: setup
 	$(BIN)/l2l train --out $(OUT) $(if $(filter --resume,$(ARGS)),,--overwrite) $(ARGS)
 

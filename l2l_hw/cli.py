@@ -8,6 +8,7 @@ import argparse
 import importlib
 import importlib.metadata
 import json
+import os
 import platform
 import re
 import signal
@@ -18,7 +19,7 @@ import torch
 import l2l_hw
 from l2l_hw import startup
 from l2l_hw.checkpoint import CheckpointError
-from l2l_hw.distributed import DataParallelError, rank_and_world
+from l2l_hw.distributed import DataParallelError, LaunchFailed, launch, rank_and_world
 from l2l_hw.finetune import finetune
 from l2l_hw.options import COMMANDS, OptionError, allowed_choices, help_for, option_fields, parse_size, spec
 from l2l_hw.relay.pipeline import PipelineError
@@ -33,6 +34,11 @@ FIELDS = {f.name: f for f in option_fields(TrainConfig)}
 def flag_of(name: str) -> str:
     """The command-line flag of an option field."""
     return spec(FIELDS[name])["flag"] or "--" + name.replace("_", "-")
+
+
+def defaults_of(name: str, command: str):
+    """An option's default in `command` (its own where it has one: finetune's --out)."""
+    return spec(FIELDS[name])["command_defaults"].get(command, FIELDS[name].default)
 
 
 def train_config(args) -> TrainConfig:
@@ -115,17 +121,23 @@ def _fail(command: str, message: str, code: int) -> int:
 
 
 def cmd_train(args) -> int:
-    return run_command("train", lambda: train(train_config(args)).relay.close())
+    code = launched("train", args)
+    if code is not None:
+        return code
+    return run_command("train", lambda: train(train_config(args)).close())
 
 
 def cmd_finetune(args) -> int:
     """`l2l finetune`: l2l_hw.finetune.finetune with the flags' TrainConfig."""
+    code = launched("finetune", args)
+    if code is not None:
+        return code
 
     def body():
         cfg = train_config(args)
         if cfg.epochs is not None and args.steps is not None and not args.resume:
             raise OptionError("--epochs and --steps both give the run's length: give one of them")
-        finetune(cfg).relay.close()
+        finetune(cfg).close()
 
     return run_command("finetune", body)
 
@@ -139,8 +151,9 @@ def cmd_estimate(args) -> int:
 
     def body():
         command = "finetune" if args.model is not None else "train"
-        cfg = train_config(argparse.Namespace(**{**vars(args), "command": command}))
-        e = estimate.estimate(cfg, measure=args.measure, search=True)
+        own = {k: defaults_of(k, command) for k in CONTROL_FIELDS if k in vars(args) and getattr(args, k) is None}
+        cfg = train_config(argparse.Namespace(**{**vars(args), **own, "command": command}))
+        e = estimate.estimate(cfg, measure=args.measure, search=True, host_memory=args.host_memory, disk=args.disk)
         print(json.dumps(e.to_json(), indent=2) if args.json else estimate.describe(e, cfg))
         fits.append(e.fits)
 
@@ -227,6 +240,8 @@ BENCHES = {
     "pipeline": ("the relay as a pipeline on CPU ranks vs one process and torch's 1F1B; the bubble",
                  "l2l_hw.bench.pipeline"),
     "overlap": ("whether the EPS's update hides under the device's compute (sleeping layers)", "l2l_hw.bench.overlap"),
+    "convergence": ("PipeDream-2BW's loss against flush, with and without delay compensation, 2 stages",
+                    "l2l_hw.bench.convergence"),
 }
 
 
@@ -244,7 +259,7 @@ def add_bench_parsers(sub) -> None:
 
 # ---------------------------------------------------------------------------- parser
 
-def add_option_flags(p: argparse.ArgumentParser, command: str) -> None:
+def add_option_flags(p: argparse.ArgumentParser, command: str):
     """One flag per option field of TrainConfig's components that `command` takes, grouped by
     component in --help: type, choices, default and help from the field's declaration
     (l2l_hw/options.py). Run flags default to None, so --resume can tell what was given;
@@ -254,14 +269,21 @@ def add_option_flags(p: argparse.ArgumentParser, command: str) -> None:
                           if any(c in spec(f)["commands"] for c in commands) and spec(f)["cli"]])
              for component in COMPONENTS]
     required = p.add_argument_group("required")  # first in --help, whichever component declares them
-    for component, fields in taken:
-        if not fields:
-            continue
-        group = p.add_argument_group(component.__doc__.strip().split(". ")[0].splitlines()[0].rstrip("."))
+    common_names = [name for name in COMMON[command] if any(f.name == name for _, fields in taken for f in fields)]
+    common = p.add_argument_group("common options")  # next, in COMMON's order; the rest by component below
+    taken = [(common, sorted((f for _, fields in taken for f in fields if f.name in common_names),
+                             key=lambda f: common_names.index(f.name)))] + [
+        (p.add_argument_group(component.__doc__.strip().split(". ")[0].splitlines()[0].rstrip(".")),
+         [f for f in fields if f.name not in common_names]) for component, fields in taken if fields]
+    for group, fields in taken:
         for f in fields:
             meta, name = spec(f), f.name
             default = meta["command_defaults"].get(command, FIELDS[name].default)
             text = help_for(meta, command).replace("%", "%%")  # argparse formats help with %
+            if command == "estimate" and meta["command_defaults"]:  # the estimated command's own: cmd_estimate
+                text += " (default the estimated command's: " + ", ".join(
+                    f"l2l {c} {defaults_of(name, c)}" for c in COMMANDS if c != command) + ")"
+                default = None
             kwargs = dict(dest=name, default=default if name in CONTROL_FIELDS else None,
                           help=text + ("" if default is None or isinstance(default, bool) else f" (default {default})"))
             if meta["kind"] == "bool":
@@ -275,6 +297,54 @@ def add_option_flags(p: argparse.ArgumentParser, command: str) -> None:
                 kwargs.update(required=True, help=text)
             (required if command in meta["required_in"] else group).add_argument(flag_of(name), *meta["aliases"],
                                                                                   **kwargs)
+    required_flags = " ".join(f"{flag_of(f.name)} {spec(f)['metavar']}" for _, fields in taken for f in fields
+                              if command in spec(f)["required_in"])
+    p.usage = f"%(prog)s {required_flags + ' ' if required_flags else ''}[options]  (the common ones first below)"
+    return common
+
+
+# What most runs set, first in --help after the required options (the rest follow by component).
+COMMON = {
+    "train": ("out", "steps", "lr", "batch_size", "context", "layers", "width", "device", "eps_backend",
+              "optimizer_state", "state_dir", "pipeline_stages", "resume"),
+    "finetune": ("out", "steps", "epochs", "lr", "batch_size", "context", "device", "eps_backend", "optimizer_state",
+                 "state_dir", "resume", "save"),
+    "estimate": ("model", "context", "batch_size", "micro_batches", "device", "optimizer_state", "state_dir",
+                 "pipeline_stages"),
+}
+
+
+def add_launch_flag(p) -> None:
+    """--nproc-per-node N: `l2l` launches its own ranks (distributed.launch), as torchrun would."""
+    p.add_argument("--nproc-per-node", type=int, metavar="N", default=None,
+                   help="run as N processes on this machine (data-parallel ranks, or a pipeline's stages): l2l "
+                        "starts them itself, as torchrun --nproc-per-node N would (default 1, or torchrun's)")
+
+
+def launched(command: str, args) -> int | None:
+    """With --nproc-per-node N > 1 and no launcher around: run the same command line as N ranks
+    (each prints its own lines); their exit status. None: this process is the run (one process,
+    or a rank of a launch)."""
+    n = args.nproc_per_node
+    if n is None:
+        return None
+    if n < 1:
+        return _fail(command, f"--nproc-per-node {n}: must be an integer >= 1", 2)
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local is not None:  # a rank: of this launch, or of torchrun's
+        if int(local) != n:
+            return _fail(command, f"--nproc-per-node {n}: this is one of {local} ranks torchrun started; give "
+                                  "one launcher (drop --nproc-per-node, or run l2l without torchrun)", 2)
+        return None
+    if n == 1:
+        return None
+    try:
+        launch(["-m", "l2l_hw.cli", *args.argv], n)
+    except KeyboardInterrupt:  # the ranks stopped at a step and said so, each in its line
+        return 128 + signal.SIGINT
+    except LaunchFailed as e:  # the ranks said why (a signal to the launcher: each stopped and said so)
+        return e.code
+    return 0
 
 
 def size(text: str) -> int:
@@ -307,7 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train the byte-level GPT through the relay",
                        description="Train the byte-level GPT through the relay; writes metrics.jsonl, "
                                    "loss.png and checkpoint.safetensors into --out.")
-    add_option_flags(t, "train")
+    add_launch_flag(add_option_flags(t, "train"))
     t.set_defaults(func=cmd_train)
 
     f = sub.add_parser("finetune", help="fine-tune a local Hugging Face model through the relay",
@@ -315,7 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "BERT masked LM) on local data (text, JSON Lines, a folder, a datasets dataset, "
                                    "conversations) through the relay; the same metrics, checkpoints and --resume as "
                                    "l2l train; the model is saved in transformers' format into --out/model.")
-    add_option_flags(f, "finetune")
+    add_launch_flag(add_option_flags(f, "finetune"))
     f.set_defaults(func=cmd_finetune)
 
     e = sub.add_parser("estimate", help="what a run needs (host memory, disk, device memory) and whether it fits",
@@ -329,6 +399,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "device_bytes, fits, ...)")
     e.add_argument("--measure", action="store_true", help="also estimate the step time from a short measured "
                    "profile: one layer of each kind on real data, and the EPS's update")
+    e.add_argument("--host-memory", type=size, metavar="SIZE", help="ask about a machine with this much host memory "
+                   "free for the run (e.g. 24GiB) instead of this one's")
+    e.add_argument("--disk", type=size, metavar="SIZE", help="ask about a machine with this much free disk where the "
+                   "run writes (--out, --state-dir) instead of this one's")
     e.set_defaults(func=cmd_estimate)
 
     i = sub.add_parser("info", help="versions, EPS backends and devices usable here",
@@ -342,6 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # a launch runs the same command line on each rank
     startup.started()
     return args.func(args)
 

@@ -224,3 +224,45 @@ def run_local_ranks(argv: list[str], world: int, timeout_s: float | None = None,
             p.kill()
         raise
     return results
+
+
+class LaunchFailed(RuntimeError):
+    """A rank of a launch() ended with an error (it said why on stderr); `code` is its exit status."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+def launch(argv: list[str], nproc: int) -> None:
+    """Run `python argv...` as `nproc` ranks of one process group on this machine, through
+    torch.distributed's elastic launch API (what `torchrun --standalone --nproc-per-node N`
+    does, as `accelerate launch` and the `deepspeed` launcher do): each rank gets RANK,
+    WORLD_SIZE, LOCAL_RANK and the rendezvous address. Returns when every rank has exited 0.
+    A rank that fails raises LaunchFailed with its exit status (the rank printed its own line); a
+    SIGINT or SIGTERM to the launcher is passed on to the ranks, which stop at a step boundary and
+    say so, then KeyboardInterrupt (SIGINT) or LaunchFailed (128 + signal) is raised: no traceback
+    of the launcher's own."""
+    import logging
+    import signal
+    import uuid
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    for name in list(logging.Logger.manager.loggerDict):  # the agent's INFO and WARNING lines: launcher chatter
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1)
+    try:
+        elastic_launch(config, sys.executable)(*argv)
+    except SignalException as e:
+        if e.sigval == signal.SIGINT:
+            raise KeyboardInterrupt from None
+        raise LaunchFailed(f"stopped by {e.sigval.name}", 128 + e.sigval) from None
+    except ChildFailedError as e:
+        rank, failure = min(e.failures.items())
+        code = failure.exitcode if failure.exitcode >= 0 else 128 - failure.exitcode  # -N: killed by signal N
+        raise LaunchFailed(f"rank {rank} of {nproc} exited with status {code}", code) from None

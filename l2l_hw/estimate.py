@@ -36,6 +36,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import itertools
 import math
 import os
 import shutil
@@ -611,7 +612,8 @@ def eps_oracle(cfg):
     stored_slots give the bytes of every tensor the run's EPS keeps."""
     from l2l_hw.eps import make_eps
 
-    eps = make_eps("cpu", optimizer=cfg.optimizer, momentum=cfg.momentum, state=cfg.optimizer_state)
+    eps = make_eps("cpu", optimizer=cfg.optimizer, momentum=cfg.momentum, state=cfg.optimizer_state,
+                   delay_compensation=cfg.delay_compensation)  # predict: a working copy of its own
     eps.configure(working_dtype=cfg.precision, double_buffer=_double_buffered(cfg))
     return eps
 
@@ -662,9 +664,8 @@ def checkpoint_bytes(cfg, model: ModelTrace) -> int:
     """checkpoint.safetensors as the training loop writes it: the relay's state (the EPS's stored
     slots, the previous version where double buffered, its step, the layers' buffers), the RNG
     and data states, and the run's config in its header (checkpoint.file_bytes)."""
-    from l2l_hw.checkpoint import file_bytes
+    from l2l_hw.checkpoint import file_bytes, run_meta
     from l2l_hw.eps.base import StateEntry
-    from l2l_hw.version import __version__
 
     eps = eps_oracle(cfg)
     try:
@@ -685,8 +686,7 @@ def checkpoint_bytes(cfg, model: ModelTrace) -> int:
     if cfg.model is None:  # the reference corpus's sampler (train.CorpusBatches)
         entries["data.generator"] = StateEntry(rng.shape, rng.dtype, None)
     elapsed = 1e4 + 1 / 3  # seconds trained, as long a float as the header writes (its only unknown: a few bytes)
-    meta = {"config": cfg.run_config(), "step": cfg.steps, "elapsed": elapsed, "l2l_hw_version": __version__}
-    return file_bytes(entries, meta)
+    return file_bytes(entries, run_meta(cfg, cfg.steps, elapsed))
 
 
 # ---------------------------------------------------------------------------- this machine
@@ -788,14 +788,29 @@ def tokenizer_bytes(folder: Path) -> int:
     return int(TOKENIZER_RSS_PER_BYTE * _files_bytes(folder / name for name in TOKENIZER_STATE))
 
 
-def weights_files(folder: Path) -> list[int]:
-    """The sizes of a Hugging Face folder's safetensors files (its shards), from the file system."""
+HUB_SHARD_BYTES = 5 * 10**9  # the shards of a model as the Hugging Face Hub holds them (save_pretrained of 4.x)
+
+
+def weights_files(folder: Path, parameters: int) -> list[int]:
+    """The sizes of a Hugging Face folder's safetensors files (its shards), from the file system;
+    a folder of config.json alone (weights elsewhere, or not yet fetched): the `parameters` in the
+    config's dtype, in the Hub's 5 GB shards."""
     from l2l_hw import hf
 
-    index = hf.weights_file(folder)
+    try:
+        index = hf.weights_file(folder)
+    except FileNotFoundError:
+        dtype = getattr(hf.load_config(folder), "dtype", None)
+        whole = parameters * (dtype.itemsize if isinstance(dtype, torch.dtype) else 4)
+        full, rest = divmod(whole, HUB_SHARD_BYTES)
+        return [HUB_SHARD_BYTES] * full + ([rest] if rest else [])
     if index.name == hf.WEIGHTS_FILE:
         return [index.stat().st_size]
-    return [shard.stat().st_size for shard in sorted(set(hf.shard_map(index).values()))]
+    shards = sorted(set(hf.shard_map(index).values()))
+    if not shards:
+        raise ValueError(f"{index} names no weights (its weight_map is empty): give the folder as save_pretrained "
+                         "wrote it, or config.json alone")
+    return [shard.stat().st_size for shard in shards]
 
 
 def import_what_the_run_imports(cfg) -> None:
@@ -823,40 +838,45 @@ def host_parts(cfg, run: RunModel, model: ModelTrace, eps: EpsBytes, step: StepM
     this process now; the EPS; the relay's buffers; the data; the libraries' working buffers),
     and the phases that come and go, of which the largest counts:
 
-        build  the reference GPT is built whole in fp32, then streamed into the EPS; a Hugging
-               Face model's weights file is mapped while its layers stream in
+        build  the reference GPT is made one layer at a time in fp32 as the EPS takes it
+               (build_gpt_meta; a pipeline's stages build it whole); a Hugging Face model's
+               weights file is mapped while its layers stream in
         step   the steps' (and validations') own bytes on the CPU, and what glibc's allocator
                keeps of them (ALLOCATOR_SLACK); on CUDA the pinned gradient staging
-        end    the model gathered in fp32 for the report (and a finetune's save), beside the
-               heap the steps grew"""
+        end    the model gathered in fp32 for the reference GPT's sample or a fine-tune's --prompt
+               (a fine-tune's save holds one shard of it), beside the heap the steps grew"""
     buffers = sum(_nbytes(s, d) for layer in model.buffers for s, d in layer.values())
     parts = {"baseline": baseline, "eps": eps.memory if cfg.eps_backend in ("cpu", "golden") else 0,
              "buffers": buffers + sum(model.frozen), "libraries": LIBRARY_BUFFERS}
+    largest_layer = max(sum(math.prod(s) for s in t.values()) for t in model.shapes.values()) * 4
     if run.folder is None:
         parts["data"] = int(CORPUS_RSS_PER_BYTE * corpus_bytes(cfg.data))
-        build = whole_model
+        build = whole_model if cfg.pipeline_stages > 1 else 2 * largest_layer  # made, then registered (build_relay)
     else:
         parts["data"] = token_bytes(cfg)
         parts["tokenizer"] = tokenizer_bytes(run.folder)
-        largest_layer = max(sum(math.prod(s) for s in t.values()) for t in model.shapes.values()) * 4
-        build = max(weights_files(run.folder)) + largest_layer
+        build = max(weights_files(run.folder, whole_model // 4)) + largest_layer
     if on_host:  # the device is this host: the step's own bytes (not the EPS's) and what the allocator keeps
         stepping, kept = int(step.own_peak * (1 + ALLOCATOR_SLACK)) + step.host_stash, step.own_peak
     else:  # pinned: the gradients' staging buffers (two groups in flight), the stash sent down
         stepping = kept = 2 * max(model.group_bytes.values()) + step.host_stash
-    gathered = cfg.verbose or (run.folder is not None and cfg.out is not None)  # the report; finetune's save
-    phases = {"build": build, "step": stepping, "end": whole_model + kept if gathered else 0}
+    if run.folder is None:  # the reference GPT: the report gathers the model for its sample
+        end = whole_model if cfg.verbose else 0
+    else:  # a fine-tune: --prompt gathers the model; the save holds one shard of it at a time
+        from l2l_hw import hf
+
+        saved = min(whole_model, hf.SHARD_BYTES) if cfg.save and cfg.out is not None else 0
+        end = whole_model if cfg.prompt is not None else saved
+    phases = {"build": build, "step": stepping, "end": end + kept if end else 0}
     return parts, phases
 
 
 # ---------------------------------------------------------------------------- a pipeline's stage
 def stage_bounds(cfg, layers: int) -> list[int]:
     """[0, b_1, ..., L]: the layers of each pipeline stage, as PipelineRelay splits them ('auto'
-    is planned from a profile at start-up: estimated here as the even split)."""
-    from l2l_hw.relay.pipeline import even_split
-
-    split = cfg.pipeline_config().split()
-    return [0, *split, layers] if split else even_split(layers, cfg.pipeline_stages)
+    is planned from a profile at start-up: estimated here as the even split); a geometry the
+    pipeline would refuse is refused here, before anything is estimated."""
+    return cfg.pipeline_config().bounds(layers)
 
 
 def stage_trace(model: ModelTrace, first: int, end: int) -> ModelTrace:
@@ -917,6 +937,7 @@ class Estimate:
     fits: bool = True
     shortfall: list[str] = field(default_factory=list)
     largest: dict = field(default_factory=dict)  # context, micro_batches, optimizer_state that fit here
+    ways_to_fit: list[dict] = field(default_factory=list)  # where it does not fit: the flags that would, and at what
     step_s: float | None = None  # --measure: the estimated seconds a step takes
     profile: dict | None = None  # --measure: what the step time is made of
 
@@ -1006,15 +1027,22 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:,.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:,.1f} MiB"
 
 
-def available(cfg, baseline: int) -> dict[str, int | None]:
+def available(cfg, baseline: int, host_memory: int | None = None, disk: int | None = None) -> dict[str, int | None]:
     """What this machine has for the run: host memory (MemAvailable, plus what this process holds
-    now, which the run's baseline counts), free disk where it writes, free device memory."""
+    now, which the run's baseline counts), free disk where it writes, free device memory; or, asked
+    about another machine, its `host_memory` and `disk` (free bytes where the run writes)."""
+    from l2l_hw.memory_limit import limits
+
     free_host = meminfo_bytes("MemAvailable")
-    out = {"host": free_host + baseline if free_host is not None else None}
+    host = free_host + baseline if free_host is not None else None
+    limited = limits()  # a cgroup's memory limit over this process: what is left under it, never more than it
+    if limited is not None:
+        host = min(limited[0], limited[1] + baseline, *([host] if host is not None else []))
+    out = {"host": host_memory if host_memory is not None else host}
     if cfg.out is not None:
-        out["disk"] = free_disk_bytes(cfg.out)
+        out["disk"] = disk if disk is not None else free_disk_bytes(cfg.out)
     if cfg.state_dir is not None:
-        out["state_dir_disk"] = free_disk_bytes(cfg.state_dir)
+        out["state_dir_disk"] = disk if disk is not None else free_disk_bytes(cfg.state_dir)
     out["device"] = device_memory_bytes(cfg.device)
     return out
 
@@ -1072,6 +1100,51 @@ def largest(cfg, baseline: int, have: dict, run_limit: int | None) -> dict:
     return out
 
 
+def fit_options(cfg) -> list[tuple[str, dict]]:
+    """The flags that lower what a run needs, each with its change to cfg, cheapest first: 8-bit
+    optimizer state (7.9 B less a parameter, a quantised m and v), a bf16 working copy, the state on
+    disk (host memory for groups in flight only; disk traffic each step), activations on the host
+    (device memory; transfers each step), no checkpoint (no disk for one; no resume)."""
+    options = []
+    if cfg.optimizer_state != "8bit" and not cfg.shard_state:
+        options.append(("--optimizer-state 8bit", {"optimizer_state": "8bit"}))
+    if cfg.precision == "fp32":
+        options.append(("--precision bf16", {"precision": "bf16"}))
+    if cfg.state_dir is None and cfg.eps_backend in ("cpu", "golden") and not cfg.shard_state:
+        options.append(("--state-dir DIR", {"state_dir": str(Path(cfg.out or ".") / "state")}))
+    if cfg.device.startswith("cuda") and cfg.activations == "device":
+        options.append(("--activations host", {"activations": "host"}))
+    if cfg.save and cfg.out is not None:
+        options.append(("--no-save", {"save": False}))
+    return options
+
+
+def ways_to_fit(cfg, baseline: int, have: dict) -> list[dict]:
+    """Where the run does not fit: the fewest of fit_options' flags that make it fit (host, device
+    and disk), each way with what it needs, cheapest first; [] where none does."""
+    options = fit_options(cfg)
+    for n in range(1, len(options) + 1):
+        ways = []
+        for chosen in itertools.combinations(options, n):
+            change = {k: v for _, c in chosen for k, v in c.items()}
+            changed = dataclasses.replace(cfg, **change)
+            e = needs(changed, baseline)
+            if not shortfalls(e, {**have, **available_disk(changed, have)}, changed):
+                ways.append({"flags": [flag for flag, _ in chosen], "host_bytes": e.host_bytes,
+                             "disk_bytes": e.disk_bytes, "device_bytes": e.device_bytes})
+        if ways:
+            return ways
+    return []
+
+
+def available_disk(cfg, have: dict) -> dict:
+    """The free disk at a state dir a way to fit adds (as where the run writes, if asked about
+    another machine's disk)."""
+    if cfg.state_dir is None or "state_dir_disk" in have:
+        return {}
+    return {"state_dir_disk": have["disk"] if have.get("disk") is not None else free_disk_bytes(cfg.state_dir)}
+
+
 MAX_TRACED_LAYERS = 10_000  # deeper reference GPTs are not built even on the meta device: the EPS alone is weighed
 
 
@@ -1096,14 +1169,16 @@ def needs(cfg, baseline: int) -> Estimate:
     return figures(cfg, baseline)
 
 
-def estimate(cfg, *, measure: bool = False, search: bool = False) -> Estimate:
-    """What the run of `cfg` needs, and whether it fits this machine (module docstring). search: also
-    the largest context, micro-batch and state format that fit; measure: the step time, from a
-    profile of one layer of each kind."""
+def estimate(cfg, *, measure: bool = False, search: bool = False, host_memory: int | None = None,
+             disk: int | None = None) -> Estimate:
+    """What the run of `cfg` needs, and whether it fits this machine (module docstring), or one
+    with `host_memory` and `disk` free. search: also the largest context, micro-batch and state
+    format that fit, and where the run does not fit, the flags that would make it; measure: the
+    step time, from a profile of one layer of each kind."""
     import_what_the_run_imports(cfg)
     have = available(cfg, 0)  # the device's context exists before the baseline is read
     baseline = rss_bytes()
-    have = available(cfg, baseline)
+    have = available(cfg, baseline, host_memory, disk)
     e = needs(cfg, baseline)
     e.available = have
     e.shortfall = shortfalls(e, have, cfg)
@@ -1111,6 +1186,8 @@ def estimate(cfg, *, measure: bool = False, search: bool = False) -> Estimate:
     if search:
         limit = run_model(cfg).max_context
         e.largest = largest(cfg, baseline, have, limit)
+        if not e.fits:
+            e.ways_to_fit = ways_to_fit(cfg, baseline, have)
     if measure:
         e.step_s, e.profile = measure_step(cfg)
     return e
@@ -1123,8 +1200,7 @@ def check_fits(cfg) -> None:
     if e.fits:
         return
     raise NotEnoughMemory(f"the run does not fit this machine: {'; '.join(e.shortfall)} (l2l estimate with the "
-                          "same flags breaks it down, and finds the largest context, micro-batch and optimizer "
-                          "state format that fit)")
+                          "same flags breaks it down, and names the options that would make it fit)")
 
 
 # ---------------------------------------------------------------------------- --measure: the step time
@@ -1136,8 +1212,8 @@ def measure_step(cfg) -> tuple[float, dict]:
     """An estimated step time: one layer of each kind built with random weights on cfg.device and
     run on a micro-batch of real data as the relay runs it (forward sweep, the last layer's loss,
     recompute and backward, through the run's recompute policy), times its layers and micro-
-    batches; plus the EPS's update of every parameter (the host kernel on UPDATE_ELEMENTS),
-    which runs between layers on the CPU and beside the device's compute elsewhere. The
+    batches; plus the EPS's update of every parameter (the host kernel on UPDATE_ELEMENTS, and
+    Muon's Newton-Schulz iterations: _time_muon_matrices), which runs between layers on the CPU and beside the device's compute elsewhere. The
     transfers are left out (they overlap the compute: docs/BENCHMARKS.md)."""
     from l2l_hw.relay.precision import compute_dtype
 
@@ -1164,8 +1240,8 @@ def measure_step(cfg) -> tuple[float, dict]:
             del real
         x = kinds[key]["next"]
         seconds += kinds[key]["seconds"]
-    update = _time_update(cfg) * sum(math.prod(s) for layer in run.layers for s in
-                                     (p.shape for p in layer.parameters() if p.requires_grad))
+    trained = [p.shape for layer in run.layers for p in layer.parameters() if p.requires_grad]
+    update = _time_update(cfg) * sum(math.prod(s) for s in trained) + _time_muon_matrices(cfg, trained)
     on_host = device.type == "cpu"
     total = seconds + update if on_host else max(seconds, update)
     return total, {"compute_s": seconds, "update_s": update, "layer_kinds": len(kinds),
@@ -1242,6 +1318,36 @@ def _targets(ids: torch.Tensor, loss_fn):
     return labels
 
 
+MUON_PROFILE_SIDE = 512  # Muon's Newton-Schulz iterations are timed on a square matrix this wide
+
+
+def muon_flops(shape, steps: int) -> int:
+    """Floating-point operations of Muon's Newton-Schulz iterations on a (rows, cols) matrix
+    (golden.orthogonalize), s <= l its sides: per iteration A = X X^T (2 s^2 l), b A + c A A
+    (2 s^3) and that times X (2 s^2 l)."""
+    s, l = sorted(shape)
+    return steps * (4 * s * s * l + 2 * s ** 3)
+
+
+def _time_muon_matrices(cfg, shapes: list) -> float:
+    """Seconds Muon's matrix work takes in a step, on the host: the Newton-Schulz flops of the run's
+    matrices at the rate measured on one MUON_PROFILE_SIDE square matrix (its bf16 products on
+    torch's threads); their element-wise work is _time_update's. 0 for the other optimizers."""
+    from l2l_hw.eps.base import tensor_rule
+    from l2l_hw.eps.golden import orthogonalize
+
+    matrices = [s for s in shapes if tensor_rule(cfg.optimizer, s) == "muon"]
+    if not matrices:
+        return 0.0
+    x = torch.randn(MUON_PROFILE_SIDE, MUON_PROFILE_SIDE)
+    best = math.inf
+    for _ in range(PROFILE_REPEATS):
+        start = time.perf_counter()
+        orthogonalize(x, cfg.muon_ns_steps)
+        best = min(best, time.perf_counter() - start)
+    return best * sum(muon_flops(s, cfg.muon_ns_steps) for s in matrices) / muon_flops(x.shape, cfg.muon_ns_steps)
+
+
 def _time_update(cfg) -> float:
     """Seconds the run's EPS takes to update one parameter (the host kernel, cfg's optimizer and state)."""
     from l2l_hw.eps import make_eps
@@ -1267,7 +1373,7 @@ def _time_update(cfg) -> float:
 HOST_PARTS = {"baseline": "this process (Python, torch, transformers)", "eps": "EPS state",
               "buffers": "layer buffers", "libraries": "libraries' buffers", "data": "data", "tokenizer": "tokenizer",
               "build": "building the model", "step": "the steps' activations and gradients",
-              "end": "the model gathered at the end"}
+              "end": "the model gathered or saved at the end"}
 
 
 def describe(e: Estimate, cfg) -> str:
@@ -1303,10 +1409,19 @@ def describe(e: Estimate, cfg) -> str:
     lines.append(f"this machine  {', '.join(m for m in machine if m)}: {verdict}")
     if e.largest:
         big = e.largest
-        lines.append("largest that fits here (the rest as given): "
+        lines.append("largest that fits this machine's memory (the rest as given): "
                      f"context {big['context'] or 'none'}, micro-batches "
                      f"{big['micro_batches'] or 'none'} (of batch {cfg.batch_size}), optimizer state "
                      f"{big['optimizer_state'] or 'none'}")
+    if e.ways_to_fit:
+        lines.append("fits with     " + "; or ".join(
+            f"{' '.join(w['flags'])} (host {_gib(w['host_bytes'])}, disk {_gib(w['disk_bytes'])}"
+            + ("; no checkpoint and no saved model: a trial only" if "--no-save" in w["flags"] else "")
+            + (f", device {_gib(w['device_bytes'])}" if e.device.startswith("cuda") else "") + ")"
+            for w in e.ways_to_fit))
+    elif not e.fits and e.largest:
+        tried = ", ".join(flag for flag, _ in fit_options(cfg))
+        lines.append(f"fits with     {'none of ' + tried if tried else 'no option'}: a smaller model, context or batch")
     if e.step_s is not None:
         p = e.profile
         lines.append(f"step time     {e.step_s:.3g} s (measured profile: compute {p['compute_s']:.3g} s, EPS updates "

@@ -22,7 +22,7 @@ from l2l_hw.distributed import Ranks, join_torchrun, rank_body
 from l2l_hw.estimate import check_fits
 from l2l_hw.inputs import path_kind
 from l2l_hw.train import (MODEL, ConfigError, OutputError, TrainConfig, TrainResult, agree_to_start, as_config_error,
-                          build_eps, check_out, leave_together, relay_options, sharded, train)
+                          build_eps, check_out, check_state_dir, leave_together, relay_options, sharded, train)
 
 TOKEN_CACHE = "tokens"  # in out: the tokenized data (finetune_data's cache), one folder per role (train, val)
 
@@ -57,6 +57,7 @@ def _finetune(cfg: TrainConfig, ranks: Ranks, callbacks: Iterable[Callable[[dict
             if getattr(cfg, name) is not None and path_kind(getattr(cfg, name)) == "missing":
                 raise ConfigError("does not exist", name, getattr(cfg, name))
         check_fits(cfg)  # before anything is read or loaded: a run this machine cannot hold is refused
+        check_state_dir(cfg)
         if out is not None and lead:  # a run there is refused, or continued, or replaced once all is checked
             check_out(cfg)
     except Exception as e:

@@ -32,6 +32,7 @@ mean (exact when u = 1).
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import inspect
 import json
@@ -44,7 +45,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from l2l_hw.checkpoint import temporary_beside
+from l2l_hw.checkpoint import new_file_mode, temporary_beside
 from l2l_hw.inputs import path_kind, regular_file
 
 IGNORE_INDEX = -100  # HF's label for tokens that carry no loss
@@ -52,6 +53,7 @@ SUPPORTED = ("GPT2LMHeadModel, BertForMaskedLM, and decoder-only causal LMs laid
              "(model.embed_tokens, model.layers, model.norm, model.rotary_emb, lm_head: Llama, Mistral, "
              "Qwen2, Qwen3, Gemma-3, ...)")
 WEIGHTS_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
+SHARD_BYTES = 2 * 10**9  # save_pretrained's largest shard, the one part of the saved model held in memory
 SIZES = ("num_hidden_layers", "n_layer", "num_attention_heads", "n_head", "hidden_size", "n_embd", "vocab_size",
          "n_positions", "max_position_embeddings")  # config.json's sizes, each a whole number >= 1 where given
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model")
@@ -99,6 +101,35 @@ class Embedding(nn.Module):
         return _pack(hidden, mask)
 
 
+def mask_call(build, config, hidden: torch.Tensor, mask, positions: torch.Tensor | None = None):
+    """HF's mask function `build` (masking_utils.create_*_mask) for a forward without a cache, in
+    the words of the installed transformers (mask_arguments): the names changed within 5.x."""
+    return build(**mask_arguments(build, config, hidden, mask, positions))
+
+
+@functools.cache
+def mask_parameters(build) -> frozenset:
+    return frozenset(inspect.signature(build).parameters)
+
+
+def mask_arguments(build, config, hidden: torch.Tensor, mask, positions: torch.Tensor | None = None) -> dict:
+    """The keyword arguments of `build` for a forward without a cache, by the names its signature
+    has: 5.0 calls the embeddings `input_embeds` and takes `cache_position` (positions 0..T-1
+    here), later 5.x (5.23) `inputs_embeds` without it; the cache is `past_key_values`, renamed
+    `cache` by 5.25 (which warns on the old name, to be removed in 5.40). Positions only where
+    `positions` is given (the causal masks)."""
+    params = mask_parameters(build)
+    args = {"config": config, ("inputs_embeds" if "inputs_embeds" in params else "input_embeds"): hidden,
+            "attention_mask": mask}
+    if positions is None:
+        return args
+    args["cache" if "cache" in params else "past_key_values"] = None
+    args["position_ids"] = positions
+    if "cache_position" in params:
+        args["cache_position"] = positions[0]  # (T,): no cache, so the positions themselves
+    return args
+
+
 class Block(nn.Module):
     """One HF decoder (or encoder) layer. Rebuilds what the model's forward computes once for
     all layers, with the same functions: positions arange(T), HF's 4-D attention mask of
@@ -117,10 +148,9 @@ class Block(nn.Module):
         from transformers import masking_utils as mu
 
         if self.attention == "bidirectional":
-            return mu.create_bidirectional_mask(config=self.config, inputs_embeds=hidden, attention_mask=mask)
+            return mask_call(mu.create_bidirectional_mask, self.config, hidden, mask)
         build = mu.create_sliding_window_causal_mask if self.attention == "sliding_attention" else mu.create_causal_mask
-        return build(config=self.config, inputs_embeds=hidden, attention_mask=mask, past_key_values=None,
-                     position_ids=positions)
+        return mask_call(build, self.config, hidden, mask, positions)
 
     def forward(self, x):
         hidden, mask = _unpack(x)
@@ -157,6 +187,8 @@ class TokenLoss:
     `(labels, tokens_per_sample)` from `targets()`, whose loss is the token sum over this
     micro-batch's expected count, sum(tokens_per_sample): the minibatch's token mean once
     the relay weights micro-batches by their samples (module docstring)."""
+
+    over_tokens = True  # l2l_hw.train reports its perplexity and tokens/s
 
     def __init__(self, shift: bool):
         self.shift = shift
@@ -385,6 +417,7 @@ def skeleton(path) -> nn.Module:
         owner, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(owner), leaf, torch.empty_like(buffer, device="cpu"))
     model.initialize_weights()  # meta parameters: nothing is allocated; buffers get their values
+    model.tie_weights()  # transformers 5.0 builds a meta model untied (later 5.x tie it when built)
     return model
 
 
@@ -506,7 +539,7 @@ def from_pretrained(path, eps, exempt_from_decay: bool = True, **relay_options):
 
 
 # ---------------------------------------------------------------------------- saving
-def write_weights(tensors: Iterable[tuple[str, torch.Tensor]], path, max_shard_size: int | str = "2GB") -> list[Path]:
+def write_weights(tensors: Iterable[tuple[str, torch.Tensor]], path, max_shard_size: int | str = SHARD_BYTES) -> list[Path]:
     """Write `(name, tensor)` pairs, in order, as transformers' safetensors: one
     model.safetensors, or shards of at most `max_shard_size` (bytes or "200MB") named
     model-0000k-of-0000n.safetensors plus model.safetensors.index.json. Holds one shard."""
@@ -526,6 +559,7 @@ def write_weights(tensors: Iterable[tuple[str, torch.Tensor]], path, max_shard_s
         if shard:
             name = folder / f"part-{len(shards):05d}.safetensors"  # renamed once the count is known
             save_file(shard, name, metadata={"format": "pt"})
+            os.chmod(name, new_file_mode())  # save_file makes it 0600; the user's umask, as config.json
             shards.append((name, list(shard)))
             shard.clear()
 
@@ -562,7 +596,7 @@ def _relay_tensors(relay) -> Iterator[tuple[str, torch.Tensor]]:
         yield keys[0], e.tensor
 
 
-def save_pretrained(relay, path, max_shard_size: int | str = "2GB", tokenizer=None, files_from=None) -> Path:
+def save_pretrained(relay, path, max_shard_size: int | str = SHARD_BYTES, tokenizer=None, files_from=None) -> Path:
     """Write the relay's model as a transformers folder: config.json and fp32 safetensors
     shards, streamed layer by layer from the EPS masters (write_weights). `tokenizer`
     (optional) is saved alongside; `files_from` (the model folder it was loaded from) gives

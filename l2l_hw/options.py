@@ -46,7 +46,9 @@ def option(default: Any, help: str | dict[str, str], *, kind: str, choices: tupl
     """A dataclass field that is an option.
 
     help: one text, or a text per command ({"train": ..., "finetune": ...}: each command's --help
-    says only what holds for it; help_for). kind: "int" (a whole number), "float" (a finite
+    says only what holds for it; help_for); a "bool"'s help is a sentence saying what its switch
+    does (for a True default, flagged --no-...: what False does), never "True"/"False" first.
+    kind: "int" (a whole number), "float" (a finite
     number), "bool", "choice" (one of `choices`, a tuple or a function giving one), "path" (a
     non-empty path), "text", "bytes" (a whole number of bytes; the command line also takes units:
     parse_size).

@@ -17,7 +17,9 @@ made) and the last validation loss.
 
 Files in `cfg.out` (rank 0 only; nothing when out is None):
   metrics.jsonl            one JSON object per step (step, loss, lr, tokens_per_s,
-                           elapsed; val_loss and val_perplexity at eval points)
+                           elapsed; val_loss and val_perplexity at eval points);
+                           tokens_per_s and val_perplexity where the loss is a cross
+                           entropy over tokens (over_tokens), else samples_per_s
   loss.png                 train and validation loss curves
   checkpoint.safetensors   relay state, config and every RNG state (l2l_hw.checkpoint)
   tensorboard/             event files, with cfg.tensorboard (torch.utils.tensorboard)
@@ -43,21 +45,22 @@ from typing import Callable, Iterable, Iterator, NoReturn
 import torch
 
 from l2l_hw import hf
-from l2l_hw.checkpoint import (Checkpoint, CheckpointError, open_checkpoint, remove_stale_temporaries, save_checkpoint,
-                               temporary_beside)
+from l2l_hw.checkpoint import (Checkpoint, CheckpointError, open_checkpoint, remove_stale_temporaries, run_meta,
+                               save_checkpoint, temporary_beside)
 from l2l_hw.distributed import (Ranks, close_all, failed_ranks, guarded, join_torchrun, rank_and_world, rank_body,
                                 rank_shard, stage_groups)
 from l2l_hw.eps import make_eps
 from l2l_hw.eps.base import STATE_SLOTS
+from l2l_hw.eps.disk_store import held_state, remove_state, state_bytes
 from l2l_hw.eps.options import LAMB_LR, EpsOptions, ScheduleOptions
 from l2l_hw.estimate import check_fits, eps_bytes_per_parameter
 from l2l_hw.models import Corpus, GPTConfig, build_gpt, generate, lm_loss
+from l2l_hw.models.gpt import build_gpt_meta
 from l2l_hw.models.gpt import ModelOptions
 from l2l_hw.options import OptionError, check_options, fail, option, pick, with_default
 from l2l_hw.relay import Relay, RelayOptions, init_from_state
 from l2l_hw.relay.schedule import Schedule
 from l2l_hw.relay.options import PipelineConfig, PipelineOptions
-from l2l_hw.version import __version__
 
 CHECKPOINT, METRICS, PLOT, TENSORBOARD = "checkpoint.safetensors", "metrics.jsonl", "loss.png", "tensorboard"
 MODEL = "model"  # a fine-tune's (l2l_hw/finetune.py): the Hugging Face folder it saves
@@ -151,9 +154,12 @@ class RunOptions:
                                 check=lambda text: "must not be empty" if not text.strip() else None)
     tensorboard: bool = option(False, "also write the metrics as TensorBoard event files into --out/tensorboard",
                                kind="bool")
-    save: bool = option(True, "False (--no-save): write no checkpoint and no --out/model, only metrics.jsonl, loss.png "
-                        "and TensorBoard: a trial of speed or memory, which needs no disk for the state and cannot "
-                        "be resumed", kind="bool", flag="--no-save")
+    save: bool = option(True, "write no checkpoint and no --out/model (save=False from Python), only metrics.jsonl, "
+                        "loss.png and TensorBoard: a trial of speed or memory, which needs no disk for the state and "
+                        "cannot be resumed", kind="bool", flag="--no-save")
+    remove_state_dir: bool = option(False, "remove --state-dir's files once the run has finished and written its final "
+                                    "checkpoint, which holds all of the state (without it the end line says where "
+                                    "the folder is, its size, and that it may be deleted)", kind="bool")
     dist_timeout: float = option(300.0, "under torchrun: how long a rank waits for the others (a pipeline stage for its "
                                  "neighbours) before failing",
                                  kind="float", low=0.0, low_open=True, metavar="SECONDS")
@@ -194,6 +200,10 @@ class TrainConfig(RunOptions, PipelineOptions, RelayOptions, EpsOptions, Schedul
                 fail("micro_batches", self.micro_batches, f"must be at most batch_size ({self.batch_size})")
             if self.min_lr is not None and self.min_lr > self.lr:
                 fail("min_lr", self.min_lr, f"must be at most lr ({self.lr})")
+            if self.delay_compensation != "none" and not self.stale_weights:
+                fail("delay_compensation", self.delay_compensation, "corrects the weights PipeDream-2BW computes on, "
+                     "one step stale; this run computes on the newest (flush, or no pipeline): give --pipeline-stages 2 "
+                     "or more with --pipeline-schedule 2bw (or --pipedream-2bw), or drop it")
             if self.pipeline_stages > 1 and self.grad_compression != "none":
                 fail("grad_compression", self.grad_compression, "compresses the gradient all-reduce of data "
                      f"parallelism, and a pipeline (pipeline_stages {self.pipeline_stages}) has none: drop it")
@@ -217,6 +227,12 @@ class TrainConfig(RunOptions, PipelineOptions, RelayOptions, EpsOptions, Schedul
         return self.gpt_config(self.context)
 
     @property
+    def stale_weights(self) -> bool:
+        """Each step computes on the weights one step stale: PipeDream-2BW, as a pipeline's schedule or
+        the single process's mode."""
+        return self.pipedream_2bw or (self.pipeline_stages > 1 and self.pipeline_schedule == "2bw")
+
+    @property
     def eval_interval(self) -> int:
         """Steps between validations and checkpoints: eval_every, or a tenth of the run."""
         return self.eval_every or max(1, self.steps // 10)
@@ -228,7 +244,7 @@ class TrainConfig(RunOptions, PipelineOptions, RelayOptions, EpsOptions, Schedul
 
 
 CONTROL_FIELDS = ("out", "resume", "overwrite", "stop_after", "tensorboard", "save", "verbose", "overlay", "kernel",
-                  "state_dir", "dist_timeout", "save_every", "prompt")
+                  "state_dir", "remove_state_dir", "dist_timeout", "save_every", "prompt")
 FINGERPRINT = "model_fingerprint"  # in a fine-tuning run's saved config: l2l_hw.hf.config_fingerprint
 
 
@@ -253,6 +269,8 @@ def resume_config(out: str | os.PathLike, **given) -> TrainConfig:
         raise ConfigError("--resume: the checkpoint's run differs from what is given: " + ", ".join(
             _clash(k, saved, given) for k in clash))
     saved = {k: v for k, v in saved.items() if k != FINGERPRINT}  # compared when the run resumes (_load_for_resume)
+    if given.get("state_dir") is None and isinstance(meta.get("state_dir"), str):  # the state stays where it was
+        given["state_dir"] = meta["state_dir"]
     return TrainConfig(**{**saved, **given, "out": str(out), "resume": True})
 
 
@@ -287,10 +305,37 @@ def build_eps(cfg: TrainConfig, shard_state: bool | None = None, process_group=N
         arguments["shard_state"] = shard_state
     if arguments.get("shard_state") and process_group is not None:
         arguments["process_group"] = process_group
-    rank, world = rank_and_world()
-    if world > 1 and arguments.get("state_dir") is not None:
-        arguments["state_dir"] = str(Path(arguments["state_dir"]) / f"rank{rank}")
+    if arguments.get("state_dir") is not None:
+        arguments["state_dir"] = str(own_state_dir(cfg))
     return make_eps(**arguments)
+
+
+def own_state_dir(cfg: TrainConfig) -> Path:
+    """This process's folder of cfg.state_dir: the folder itself, or under torchrun state_dir/rankR."""
+    rank, world = rank_and_world()
+    return Path(cfg.state_dir) / f"rank{rank}" if world > 1 else Path(cfg.state_dir)
+
+
+def check_state_dir(cfg: TrainConfig) -> None:
+    """A --state-dir holding an earlier run's state is continued (resume), replaced (overwrite),
+    or the run is refused, before anything in it changes."""
+    if cfg.state_dir is None or cfg.resume or cfg.overwrite:
+        return
+    if held_state(cfg.state_dir):
+        raise ConfigError("holds the state of another run, an earlier one; continue that run with --resume (and its "
+                          "--out), replace the state with --overwrite, or give another folder (nothing in it was "
+                          "changed)", "state_dir", cfg.state_dir)
+
+
+def state_dir_line(cfg: TrainConfig) -> str:
+    """The end line about --state-dir: where it is, its size, whether it may go."""
+    size = _size(state_bytes(cfg.state_dir))
+    if cfg.remove_state_dir:
+        return f"state dir {cfg.state_dir}: {size} on disk, removed as the run closes (--remove-state-dir)"
+    why = ("the final checkpoint holds all of it" if cfg.save and cfg.out is not None else
+           "no checkpoint was written, so no run resumes from it")
+    return (f"state dir {cfg.state_dir}: {size} on disk, scratch space of the EPS; {why}: it may be deleted "
+            "(--remove-state-dir removes it at the end)")
 
 
 def relay_options(cfg: TrainConfig, device: str | None = None) -> RelayOptions:
@@ -316,8 +361,15 @@ def build_relay(cfg: TrainConfig, layers=None, loss_fn: Callable | None = None, 
     reference GPT and its loss when not given. Seeds torch with cfg.seed first. `init` fills
     layers on the meta device (Relay's init=); `groups`: a pipeline's (pipeline_groups, else made here)."""
     torch.manual_seed(cfg.seed)
-    reference = layers is None
-    if reference:
+    reference, drawn = layers is None, None
+    if reference and cfg.pipeline_stages == 1:  # never held whole: made layer by layer as the EPS takes it
+        if init is None:  # as build_gpt draws it
+            (layers, drawn), loss_fn = build_gpt_meta(cfg.model_config()), lm_loss
+            init = drawn
+        else:  # resuming: the checkpoint's values
+            with torch.device("meta"):
+                layers, loss_fn = build_gpt(cfg.model_config()), lm_loss
+    elif reference:
         layers, loss_fn = build_gpt(cfg.model_config()), lm_loss
     if cfg.pipeline_stages > 1:  # stages on the ranks (docs/PIPELINE.md); each replica trains its shard of the minibatch
         from l2l_hw.relay.pipeline import PipelineRelay
@@ -336,8 +388,11 @@ def build_relay(cfg: TrainConfig, layers=None, loss_fn: Callable | None = None, 
                                  cfg.micro_batches, threads=cfg.threads or 1)
         return PipelineRelay(layers, loss_fn, eps or build_eps(cfg, shard_state, replicas), relay_options(cfg, device),
                              pipeline=cfg.pipeline_config(), group=group, replicas=replicas, init=init, plan=plan)
-    return Relay(layers, loss_fn, eps=eps or build_eps(cfg, shard_state), options=relay_options(cfg, device),
-                 init=init)
+    relay = Relay(layers, loss_fn, eps=eps or build_eps(cfg, shard_state), options=relay_options(cfg, device),
+                  init=init)
+    if drawn is not None:
+        drawn.finish()  # torch's RNG where build_gpt leaves it
+    return relay
 
 
 class OutputError(OSError):
@@ -376,6 +431,18 @@ class TrainResult:
     history: list[dict] = field(default_factory=list)  # the metrics rows, resumed ones included
     val_loss: float | None = None  # the last validation
     elapsed: float = 0.0  # seconds in train steps, over every resumed segment
+    state_dir: Path | None = None  # removed by close() (--remove-state-dir, once the run has finished)
+
+    def close(self) -> None:
+        """Close the relay (its EPS's updates finished, its files released); then, with
+        --remove-state-dir, remove this process's state folder (and the parent of torchrun's
+        rankR folders, once empty)."""
+        self.relay.close()
+        if self.state_dir is not None:
+            remove_state(self.state_dir)
+            if self.state_dir.name.startswith("rank"):
+                with contextlib.suppress(OSError):
+                    self.state_dir.parent.rmdir()
 
 
 def train(cfg: TrainConfig | None = None, *, layers=None, loss_fn: Callable | None = None,
@@ -396,6 +463,10 @@ def train(cfg: TrainConfig | None = None, *, layers=None, loss_fn: Callable | No
         cfg = dataclasses.replace(cfg, warmup=checkpoint[1]["config"]["warmup"])
     ranks = join_torchrun(cfg.device, cfg.dist_timeout)
     with rank_body(ranks) as owned:
+        if cfg.pipeline_stages > 1 and ranks.world == 1 and relay is None:
+            raise ConfigError(f"runs one stage per process: start {cfg.pipeline_stages} (l2l train --nproc-per-node "
+                              f"{cfg.pipeline_stages} ..., or under torchrun); this is one process", "pipeline_stages",
+                              cfg.pipeline_stages)
         if cfg.shard_state and not sharded(cfg, ranks) and not cfg.resume:  # a resumed sharded run may go on whole
             if cfg.pipeline_stages > 1:
                 raise ConfigError(f"shards each stage's optimizer state over its data-parallel replicas: run the "
@@ -410,9 +481,11 @@ def train(cfg: TrainConfig | None = None, *, layers=None, loss_fn: Callable | No
         if cfg.verbose:
             stages = _trained_by_stage(loop.relay, cfg, ranks)  # every rank: a collective in a pipeline
             if ranks.lead:
-                print(_banner(cfg, loop.relay, ranks, corpus, stages, checkpoint))
+                print(_banner(cfg, loop.relay, ranks, corpus, stages, checkpoint, loop.tokens))
                 loop.callbacks.append(_PlanAnnouncer(loop.relay))
         result = loop.run()
+        if cfg.remove_state_dir and cfg.state_dir is not None:  # finished: its final checkpoint holds the state
+            result.state_dir = own_state_dir(cfg)
         if cfg.verbose:  # every rank: the report gathers the weights (a collective when sharded)
             loop.report(result, sample=corpus is not None)
         if ranks.world > 1:  # leave together: rank 0 may still write while a peer tears the group down
@@ -438,12 +511,16 @@ def _set_up(cfg: TrainConfig, ranks: Ranks, layers, loss_fn, data, val_data, rel
     earlier run in the output folder removed (overwrite). A pipeline's groups are made first, on
     every rank, before anything may refuse on one rank alone (a sharded EPS shards over them)."""
     corpus = eps = None
+    tokens = over_tokens(loss_fn if layers is not None else lm_loss if relay is None
+                         else getattr(relay, "loss_fn", None))  # a Relay's; a PipelineRelay's is its stages'
     groups = pipeline_groups(cfg) if cfg.pipeline_stages > 1 and relay is None else (None, None)
     try:  # what may refuse the run on one rank alone, before the ranks' first collective
         if layers is None and relay is None:
             check_fits(cfg)
         if cfg.out is not None and ranks.lead:
             check_out(cfg)
+        if relay is None:
+            check_state_dir(cfg)
         if layers is None and relay is None:  # the reference GPT on the reference corpus
             corpus = load_corpus(cfg)
             data = CorpusBatches(corpus, cfg.batch_size, cfg.context, cfg.seed)
@@ -459,7 +536,7 @@ def _set_up(cfg: TrainConfig, ranks: Ranks, layers, loss_fn, data, val_data, rel
             if relay is None:  # resuming, layers on the meta device (or a relay's: only structure) are filled
                 init = init_from_state(checkpoint[0].view("relay.")) if checkpoint is not None else None  # the file's
                 relay = build_relay(cfg, layers, loss_fn, device=ranks.device, eps=eps, init=init, groups=groups)
-            loop = _Loop(cfg, relay, data, val_data, ranks)
+            loop = _Loop(cfg, relay, data, val_data, ranks, tokens)
             if checkpoint is not None:  # after building: construction draws from the RNGs restored now
                 loop.restore(*checkpoint)
         except Exception as e:
@@ -646,9 +723,10 @@ class _PlanAnnouncer:
 
 
 def _banner(cfg: TrainConfig, relay, ranks: Ranks, corpus: Corpus | None, stages: list[int],
-            checkpoint=None) -> str:
-    """What the run is: the model, the data per step and in all, the optimizer's settings, the EPS,
-    the pipeline's stages, and where a resumed run picks up."""
+            checkpoint=None, tokens: bool = True) -> str:
+    """What the run is: the model, the data per step and in all (tokens where the loss is over
+    tokens, else samples), the optimizer's settings, the EPS, the pipeline's stages, and where a
+    resumed run picks up."""
     trained = sum(stages)
     total = sum(p.numel() for p in {id(p): p for layer in relay.layers for p in layer.parameters()}.values())
     config = getattr(relay.layers[0], "config", None)  # a Hugging Face model's
@@ -658,7 +736,8 @@ def _banner(cfg: TrainConfig, relay, ranks: Ranks, corpus: Corpus | None, stages
         model = f"{config.model_type}, {getattr(config, 'num_hidden_layers', len(relay.layers) - 2)} layers"
     else:
         model = f"{len(relay.layers)} relay layers"
-    step_tokens = cfg.batch_size * cfg.context
+    # what a step trains on: B x T tokens of a language model, else the minibatch's samples
+    per_step, unit = (cfg.batch_size * cfg.context, "tokens") if tokens else (cfg.batch_size, "samples")
     pipeline = cfg.pipeline_stages > 1
     if pipeline:  # every replica runs its shard of the minibatch through its stages, one a rank
         replicas = ranks.world // len(stages)
@@ -671,14 +750,27 @@ def _banner(cfg: TrainConfig, relay, ranks: Ranks, corpus: Corpus | None, stages
         where = f", a shard on each of {ranks.world} data-parallel ranks" if ranks.world > 1 else ""
         held = f"{trained:,} trained"
     run = (f"l2l {'finetune' if cfg.model else 'train'}: {model}, {total:,} parameters ({held}), "
-           f"context {cfg.context}, batch {cfg.batch_size} in {cfg.micro_batches} micro-batches{where}, "
-           f"{step_tokens:,} tokens a step, {cfg.steps * step_tokens:,} tokens in {cfg.steps} steps")
+           + (f"context {cfg.context}, " if tokens else "")
+           + f"batch {cfg.batch_size} in {cfg.micro_batches} micro-batches{where}, "
+           + (f"{per_step:,} tokens a step, " if tokens else "")
+           + f"{cfg.steps * per_step:,} {unit} in {cfg.steps} steps")
     if checkpoint is not None:
         step = checkpoint[1]["step"]
-        run += (f"\nresumed from {Path(cfg.out) / CHECKPOINT} at step {step} ({step * step_tokens:,} tokens "
+        run += (f"\nresumed from {Path(cfg.out) / CHECKPOINT} at step {step} ({step * per_step:,} {unit} "
                 f"trained), on to step {cfg.steps}")
+        if cfg.pipeline_stages > 1 and cfg.pipeline_schedule == "2bw":  # a run of the days 2bw was the default
+            run += ", as PipeDream-2BW: the schedule its checkpoint saved (a new run's default is flush)"
+    if cfg.stale_weights:
+        from l2l_hw.relay.pipeline import staleness_trade
+
+        run += "\n" + staleness_trade(cfg.delay_compensation, "--pipeline-schedule flush (the default)"
+                                       if cfg.pipeline_stages > 1 else "a run without --pipedream-2bw")
     rule = (f"betas ({cfg.adam_beta1:g}, {cfg.adam_beta2:g}), eps {cfg.adam_eps:g}" if "v" in STATE_SLOTS[cfg.optimizer]
             else f"momentum {cfg.momentum:g}")
+    if cfg.optimizer == "muon":  # torch.optim.Muon on the matrices, AdamW on the rest
+        rule = (f"2-D weights: {'Nesterov ' if cfg.muon_nesterov else ''}momentum {cfg.muon_momentum:g} orthogonalised "
+                f"by {cfg.muon_ns_steps} Newton-Schulz steps on the host, lr scaled {cfg.muon_adjust_lr}; the rest "
+                f"AdamW, {rule}")
     schedule = "constant" if cfg.schedule == "constant" else f"{cfg.schedule} to {cfg.floor(cfg.lr):g}"
     optimizer = (f"optimizer: {cfg.optimizer}, lr {cfg.lr:g}, {schedule}, warm-up {cfg.warmup_steps} steps, "
                  f"weight decay {cfg.weight_decay:g}, {rule}")
@@ -710,13 +802,16 @@ def _banner(cfg: TrainConfig, relay, ranks: Ranks, corpus: Corpus | None, stages
 class _Loop:
     """The state of one train() call between steps: the relay, the data position, the rows."""
 
-    def __init__(self, cfg: TrainConfig, relay, data: Iterable, val_data: Iterable | None, ranks: Ranks):
+    def __init__(self, cfg: TrainConfig, relay, data: Iterable, val_data: Iterable | None, ranks: Ranks,
+                 tokens: bool = True):
         self.cfg, self.relay, self.data, self.val_data, self.ranks = cfg, relay, data, val_data, ranks
+        self.tokens = tokens  # the loss is a cross entropy over tokens: perplexity and tokens/s mean something
         self.callbacks: list[Callable[[dict], None]] = []
         self.out = Path(cfg.out) if cfg.out is not None else None
         self.files = self.out is not None and ranks.lead  # rank 0 alone writes files
         self.history: list[dict] = []
         self.elapsed = 0.0
+        self.resumed_elapsed: float | None = None  # the training seconds of the run's earlier segments, if resumed
         self.skip = 0  # batches of a fresh pass over `data` already trained on (resume without a data state)
         self.saved_step: int | None = None  # the step of the newest checkpoint in out
         self.val_loss: float | None = None  # the last validation of this call
@@ -741,7 +836,7 @@ class _Loop:
             self.data.load_state_dict(data_state)
         else:
             self.skip = self.relay.step
-        self.elapsed = meta["elapsed"]
+        self.elapsed = self.resumed_elapsed = meta["elapsed"]
         self.saved_step = meta["step"]
         if self.out is not None:
             self.history = read_metrics(self.out / METRICS, self.relay.step)
@@ -768,7 +863,7 @@ class _Loop:
     def validate(self, row: dict) -> float | None:
         """Validate now; the loss and its perplexity go into the step's metrics row."""
         row["val_loss"] = self.evaluate()
-        if row["val_loss"] is not None:
+        if row["val_loss"] is not None and self.tokens:
             row["val_perplexity"] = perplexity(row["val_loss"])
         return row["val_loss"]
 
@@ -790,10 +885,8 @@ class _Loop:
         tensors.update(rng_tensors())
         if hasattr(self.data, "state_dict"):
             tensors.update({f"data.{k}": v for k, v in self.data.state_dict().items()})
-        meta = {"config": self.cfg.run_config(), "step": self.relay.step, "elapsed": self.elapsed,
-                "l2l_hw_version": __version__}
         try:
-            save_checkpoint(self.out / CHECKPOINT, tensors, meta)
+            save_checkpoint(self.out / CHECKPOINT, tensors, run_meta(self.cfg, self.relay.step, self.elapsed))
         except OSError as e:
             raise OutputError(f"{self.out / CHECKPOINT}: cannot write the checkpoint ({e}); the previous "
                               "checkpoint is unchanged") from e
@@ -911,19 +1004,22 @@ class _Loop:
             self.elapsed += dt
             step = relay.step if len(chunk) == 1 else first + k + 1  # several: every step is taken
             targets = batch[1][0] if isinstance(batch[1], (tuple, list)) else batch[1]  # HF: (labels, counts)
-            tokens = targets.numel()  # the global minibatch's targets: B x T for a language model
-            rows.append({"step": step, "loss": loss, "lr": relay.eps.lr_at(first + k + 1), "tokens_per_s": tokens / dt,
+            # the global minibatch's tokens (B x T targets of a language model), else its samples
+            rate = ({"tokens_per_s": targets.numel() / dt} if self.tokens
+                    else {"samples_per_s": (targets.shape[0] if targets.dim() else 1) / dt})
+            rows.append({"step": step, "loss": loss, "lr": relay.eps.lr_at(first + k + 1), **rate,
                          "elapsed": self.elapsed, "taken": step > first + k})
         return rows
 
     def report(self, result: TrainResult, sample: bool) -> None:
-        model = result.relay.materialize()  # every rank: with a sharded EPS the weights are gathered
+        # The reference GPT's sample needs the whole model: every rank (a sharded EPS gathers it)
+        model = result.relay.materialize() if sample else None
         if not self.ranks.lead:
             return
         cfg = self.cfg
-        val = (f"  final val loss {result.val_loss:.4f} (perplexity {perplexity(result.val_loss):.4g})"
-               if result.val_loss is not None else "")
-        print(f"step {result.relay.step}/{cfg.steps}{val}  ({result.elapsed:.1f} s training)")
+        val = ("" if result.val_loss is None else f"  final val loss {result.val_loss:.4f}"
+               + (f" (perplexity {perplexity(result.val_loss):.4g})" if self.tokens else ""))
+        print(f"step {result.relay.step}/{cfg.steps}{val}  ({training_time(result.elapsed, self.resumed_elapsed)})")
         if self.files:
             written = [self.out / name for name in (METRICS, PLOT, CHECKPOINT) if (self.out / name).exists()]
             print(f"wrote {', '.join(map(str, written))}")
@@ -933,6 +1029,8 @@ class _Loop:
             text = generate(model, SAMPLE_PROMPT, SAMPLE_BYTES, temperature=0.8, top_k=40, block_size=cfg.context,
                             generator=torch.Generator().manual_seed(cfg.seed))
             print("sample:\n" + (SAMPLE_PROMPT + text).decode("utf-8", errors="replace"))
+        if cfg.state_dir is not None:
+            print(state_dir_line(cfg))
 
 
 class _Outputs:
@@ -988,7 +1086,8 @@ class _Outputs:
                 if name != "step" and value is not None:
                     self.board.add_scalar(name, value, row["step"])
         self.bar.update(1)
-        self.bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}")
+        rate = {"tok_s": row["tokens_per_s"]} if "tokens_per_s" in row else {"samples_s": row["samples_per_s"]}
+        self.bar.set_postfix(loss=f"{row['loss']:.3f}", **{k: f"{v:,.0f}" for k, v in rate.items()})
 
 
 class StopSignals:
@@ -1040,6 +1139,21 @@ class StopSignals:
         if got:
             self.where = f" by {signal.Signals(got[0][1]).name} to rank {got[0][0]}"
         return bool(got)
+
+
+def over_tokens(loss_fn) -> bool:
+    """Whether `loss_fn` is a mean cross entropy over tokens (a language model's), which a loss
+    says with an attribute `over_tokens = True` (lm_loss, hf.TokenLoss): then perplexity and
+    tokens/s are figures of the run; of any other loss (an MSE, say) samples/s are."""
+    return getattr(loss_fn, "over_tokens", False) is True
+
+
+def training_time(elapsed: float, resumed_elapsed: float | None) -> str:
+    """The end line's time: the seconds in train steps, of the run in all and of this process
+    where it resumed (the checkpoint's figure counts every earlier segment)."""
+    if resumed_elapsed is None:
+        return f"{elapsed:.1f} s training"
+    return f"{elapsed:.1f} s training in all, {elapsed - resumed_elapsed:.1f} s this run"
 
 
 def perplexity(loss: float) -> float:

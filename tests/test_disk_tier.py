@@ -205,6 +205,24 @@ def test_cli_state_dir_resume_equals_one_run(tmp_path, capsys):
     assert_same_runs(tmp_path / "ram", tmp_path / "disk")
 
 
+def test_resume_keeps_the_state_dir_of_the_checkpoint_s_run_unless_given_another(tmp_path, capsys):
+    from l2l_hw.cli import main
+
+    state, out = tmp_path / "state", tmp_path / "run"
+    assert main(["train", *SMALL, "--steps", "3", "--stop-after", "1", "--out", str(out), "--state-dir",
+                 str(state)]) == 0
+    regions = lambda: {p.name: p.stat().st_mtime_ns for p in (state / "regions").iterdir()}
+    first = regions()
+    capsys.readouterr()
+    assert main(["train", "--resume", "--stop-after", "2", "--out", str(out)]) == 0  # no --state-dir: the same
+    assert f"state in {state}" in capsys.readouterr().out
+    second = regions()
+    assert all(second[name] > first[name] for name in first)  # its regions were written by the resumed run
+    assert main(["train", "--resume", "--out", str(out), "--state-dir", str(tmp_path / "other")]) == 0
+    assert f"state in {tmp_path / 'other'}" in capsys.readouterr().out
+    assert regions() == second  # and not by the run given another folder
+
+
 def test_a_training_run_that_fails_closes_the_eps_it_built_and_releases_its_state_dir(tmp_path):
     from l2l_hw.train import TrainConfig
 
@@ -355,9 +373,45 @@ def test_a_state_dir_of_another_model_is_refused_and_left_as_it_was(tmp_path, ca
         l2l_hw.Relay(gpt(), lm_loss, eps=disk_eps(tmp_path / "state", state="8bit"), micro_batches=2)
     assert {p: p.read_bytes() for p in (tmp_path / "state").rglob("*") if p.is_file()} == before
     rc, err = run_cli(capsys, *SMALL, "--steps", "1", "--out", str(tmp_path / "out"), "--state-dir",
-                      str(tmp_path / "state"))
+                      str(tmp_path / "state"), "--overwrite")  # overwrite: of the same model's state only
     assert rc == 2
     assert_one_clear_line(err, "holds the state of another")
+    assert {p: p.read_bytes() for p in (tmp_path / "state").rglob("*") if p.is_file()} == before
+
+
+def test_a_state_dir_of_an_earlier_run_is_refused_unless_resumed_or_overwritten(tmp_path, capsys):
+    state = tmp_path / "state"
+    rc, err = run_cli(capsys, *SMALL, "--steps", "1", "--out", str(tmp_path / "a"), "--state-dir", str(state))
+    assert rc == 0, err
+    before = files_of(state)
+    rc, err = run_cli(capsys, *SMALL, "--steps", "1", "--out", str(tmp_path / "b"), "--state-dir", str(state))
+    assert rc == 2
+    assert_one_clear_line(err, f"--state-dir {state}", "another run, an earlier one", "--resume", "--overwrite",
+                          "nothing in it was changed")
+    assert files_of(state) == before and not (tmp_path / "b").exists()
+    rc, err = run_cli(capsys, "--resume", "--steps", "2", "--out", str(tmp_path / "a"), "--state-dir", str(state))
+    assert rc == 0, err
+    rc, err = run_cli(capsys, *SMALL, "--steps", "1", "--out", str(tmp_path / "b"), "--state-dir", str(state),
+                      "--overwrite")
+    assert rc == 0, err
+
+
+def test_the_end_line_names_the_state_dir_its_size_and_whether_it_may_go(tmp_path, capsys):
+    from l2l_hw.cli import main
+
+    state, out = tmp_path / "state", tmp_path / "a"
+    capsys.readouterr()
+    assert main(["train", *SMALL, "--steps", "1", "--out", str(out), "--state-dir", str(state)]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    du = sum(os.stat(os.path.join(d, f)).st_blocks * 512 for d, _, files in os.walk(state) for f in files)
+    assert last.startswith(f"state dir {state}: ") and "the final checkpoint holds all of it: it may be deleted" in last
+    mib = float(last.split(": ")[1].split(" MiB")[0])
+    assert abs(mib - du / 2**20) <= 0.05 + 0.001 * du / 2**20, (mib, du)
+    assert main(["train", "--resume", "--steps", "2", "--out", str(out), "--state-dir", str(state),
+                 "--remove-state-dir"]) == 0
+    assert "removed as the run closes" in capsys.readouterr().out.splitlines()[-1]
+    assert not state.exists()  # the folder it made, gone with its files
+    assert main(["train", "--resume", "--steps", "3", "--out", str(out), "--state-dir", str(tmp_path / "s2")]) == 0
 
 
 def test_a_state_dir_in_use_is_refused(tmp_path):
@@ -507,7 +561,7 @@ def test_a_state_dir_of_a_model_with_other_layers_is_refused_before_any_region_i
     before = files_of(state)
     flags = dict(zip(SMALL[::2], SMALL[1::2]), **{"--layers": layers})
     rc, err = run_cli(capsys, *[x for kv in flags.items() for x in kv], "--steps", "1", "--out", str(tmp_path / "b"),
-                      "--state-dir", str(state))
+                      "--state-dir", str(state), "--overwrite")
     assert rc == 2
     assert_one_clear_line(err, str(state), "another model", f"this one has {int(layers) + 2}", "nothing in it was changed")
     assert files_of(state) == before

@@ -254,3 +254,60 @@ if __name__ == "__main__":
                   f"{e['host_bytes'] / m['host_bytes']:>6.3f} {mib(e['device_bytes']):>11} "
                   f"{mib(m['device_bytes']):>11} {e['device_bytes'] / m['device_bytes']:>6.3f}  {e['host']}",
                   flush=True)
+
+
+def test_a_folder_of_config_json_alone_is_estimated_as_its_weights_in_the_config_s_dtype(tmp_path, one_thread):
+    folder = hf_folder("llama", "small", tmp_path)  # bf16 weights, as save_pretrained wrote them
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text((folder / "config.json").read_text())
+    weights = (folder / "model.safetensors").stat().st_size
+    assert est.weights_files(folder, 0) == [weights]
+    (size,) = est.weights_files(bare, sum(p.numel() for p in LlamaForCausalLM.from_pretrained(folder).parameters()))
+    assert abs(size - weights) <= 0.01 * weights  # safetensors' header and tied tensors aside
+    cfg = TrainConfig(model=str(bare), context=128, batch_size=8, out=None, verbose=False)
+    assert est.estimate(cfg).host_phases["build"] >= size
+
+
+def test_an_index_that_names_no_weights_is_one_clear_line(tmp_path, capsys):
+    folder = hf_folder("llama", "small", tmp_path)
+    (folder / "model.safetensors").unlink()
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {}}))
+    rc, _, err = cli(capsys, "estimate", "--model", str(folder), "--context", "128", "--batch-size", "8")
+    assert rc == 2
+    one_line(err, "estimate", "model.safetensors.index.json names no weights")
+
+
+def test_nothing_is_counted_that_the_run_will_not_do_and_the_run_gathers_nothing_it_does_not_use(
+        tmp_path, monkeypatch, one_thread):
+    from l2l_hw.finetune import finetune
+    from l2l_hw.relay.executor import Relay
+
+    (tmp_path / "text.txt").write_text(TEXT)
+    cfg = TrainConfig(model=str(hf_folder("llama", "small", tmp_path)), data=str(tmp_path / "text.txt"),
+                      context=128, batch_size=8, steps=1, out=str(tmp_path / "run"), save=False)
+    assert est.estimate(cfg).host_phases["end"] == 0  # no save, no --prompt: nothing gathered at the end
+    assert est.estimate(dataclasses.replace(cfg, save=True)).host_phases["end"] > 0  # the save holds a shard
+
+    def gathered(self):
+        raise AssertionError("the run gathered the whole model, which --no-save without --prompt never uses")
+
+    monkeypatch.setattr(Relay, "materialize", gathered)
+    finetune(cfg).close()
+
+
+def test_a_run_that_does_not_fit_names_the_flags_that_would_make_it_fit(tmp_path, capsys, one_thread):
+    argv = ["--layers", "4", "--width", "256", "--heads", "4", "--out", str(tmp_path / "run")]
+    exact = est.estimate(TrainConfig(layers=4, width=256, heads=4, out=str(tmp_path / "run")))
+    small = est.estimate(TrainConfig(layers=4, width=256, heads=4, out=str(tmp_path / "run"), optimizer_state="8bit"))
+    between = (exact.host_bytes + small.host_bytes) // 2  # a machine that holds the 8-bit run, not the exact one
+    rc, text, _ = cli(capsys, "estimate", *argv, "--host-memory", str(between), "--json")
+    figures = json.loads(text)
+    assert rc == 1 and not figures["fits"]
+    ways = {tuple(w["flags"]): w for w in figures["ways_to_fit"]}
+    assert ("--optimizer-state 8bit",) in ways and all(len(flags) == 1 for flags in ways)
+    assert all(w["host_bytes"] <= between for w in ways.values())
+    rc, text, _ = cli(capsys, "estimate", *argv, "--host-memory", str(between))
+    assert rc == 1 and "fits with     --optimizer-state 8bit (host" in text
+    rc, text, _ = cli(capsys, "estimate", *argv, "--host-memory", "1TiB", "--disk", "1TiB")
+    assert rc == 0 and "1,024.00 GiB available" in text

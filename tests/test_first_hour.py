@@ -51,7 +51,7 @@ def help_text(command: str) -> str:
 
 
 def test_each_command_s_help_says_only_what_holds_for_that_command():
-    finetune, train = (help_text(c).split("options:")[1] for c in ("finetune", "train"))  # the flags' text
+    finetune, train = (help_text(c).split("options:", 1)[1] for c in ("finetune", "train"))  # the flags' text
     assert "l2l train" not in finetune and "train's" not in finetune
     assert "finetune" not in train
     required = finetune.split("required:")[1].split("\n\n")[0]

@@ -261,8 +261,10 @@ FAULTS = {  # name -> (extra flags, given the inputs and tmp_path; words of the 
                          ("finetune",)),
     "state-dir is a file": (lambda i, t: ["--state-dir", str(i["data"])], ["state_dir", "is a file, not a folder"],
                             ("train", "finetune")),
-    "state-dir of another model": (lambda i, t: ["--state-dir", str(i["state"])], ["another model"], ("train",)),
-    "state-dir of another run": (lambda i, t: ["--state-dir", str(i["state"])], ["another"], ("finetune",)),
+    "state-dir of another model": (lambda i, t: ["--state-dir", str(i["state"])], ["holds the state of another"],
+                                   ("train",)),  # new: an earlier run's; resume or overwrite: the EPS's own check
+    "state-dir of another run": (lambda i, t: ["--state-dir", str(i["state"])], ["holds the state of another"],
+                                 ("finetune",)),
     "threads above the cores": (lambda i, t: ["--threads", str(CORES + 1)], [f"at most {CORES}"],
                                 ("train", "finetune")),
     "pipeline boundaries ²": (lambda i, t: ["--pipeline-stages", "2", "--pipeline-boundaries", "²"],

@@ -16,7 +16,8 @@ from torch import nn
 import l2l_hw
 from l2l_hw.distributed import run_local_ranks
 from l2l_hw.models.gpt import GPTConfig, build_gpt, lm_loss
-from l2l_hw.relay.pipeline import OneFOneB, even_split
+from l2l_hw.relay.options import even_split
+from l2l_hw.relay.pipeline import OneFOneB
 from tests.helpers import coherent_batches, coherent_layers, launch_ranks, mlp_layers, ranks_ok, rel_diff
 from tests.test_relay_equivalence import OPTIMIZERS, gpt_batches, mlp_batches
 
@@ -408,20 +409,55 @@ def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@SLOW
-def test_l2l_train_pipeline_stages_equals_one_process_in_2bw_and_resumes_bit_exactly(tmp_path):
-    l2l_train(1, "--steps", "6", "--pipedream-2bw", "--out", str(tmp_path / "single"))
-    l2l_train(2, "--steps", "6", "--pipeline-stages", "2", "--out", str(tmp_path / "straight"))
-    l2l_train(2, "--steps", "3", "--pipeline-stages", "2", "--out", str(tmp_path / "split"))
-    l2l_train(2, "--steps", "6", "--pipeline-stages", "2", "--resume", "--out", str(tmp_path / "split"))
-    single, straight, split = (metrics(tmp_path / name) for name in ("single", "straight", "split"))
-    for a, b, c in zip(single, straight, split):
+def test_l2l_train_pipeline_stages_runs_flush_by_default_and_trains_as_one_process_over_5_steps(tmp_path):
+    single = l2l_train(1, "--steps", "5", "--out", str(tmp_path / "single"))
+    out = l2l_train(2, "--steps", "5", "--pipeline-stages", "2", "--out", str(tmp_path / "pipeline"))
+    assert "one step stale" not in out and "one step stale" not in single  # exact: nothing traded
+    one, two = metrics(tmp_path / "single"), metrics(tmp_path / "pipeline")
+    assert len(one) == len(two) == 5
+    for a, b in zip(one, two):
+        assert b["loss"] == pytest.approx(a["loss"], rel=TOL), (a, b)
+        if "val_loss" in a:
+            assert b["val_loss"] == pytest.approx(a["val_loss"], rel=TOL), (a, b)
+
+
+def assert_same_runs(single: Path, straight: Path, split: Path) -> None:
+    """`straight` equals the single process to TOL, `split` (stopped and resumed) equals `straight` bit for bit."""
+    for a, b, c in zip(*(metrics(out) for out in (single, straight, split))):
         assert a["loss"] == pytest.approx(b["loss"], rel=TOL) and b["loss"] == c["loss"], (a, b, c)
         if "val_loss" in a:
             assert a["val_loss"] == pytest.approx(b["val_loss"], rel=TOL) and b["val_loss"] == c["val_loss"]
-    want = safetensors.torch.load_file(tmp_path / "straight" / "checkpoint.safetensors")
-    got = safetensors.torch.load_file(tmp_path / "split" / "checkpoint.safetensors")
+    want = safetensors.torch.load_file(straight / "checkpoint.safetensors")
+    got = safetensors.torch.load_file(split / "checkpoint.safetensors")
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+@SLOW
+def test_2bw_by_name_equals_the_single_process_2bw_says_what_it_trades_and_its_checkpoint_resumes_as_2bw(tmp_path):
+    l2l_train(1, "--steps", "6", "--pipedream-2bw", "--out", str(tmp_path / "single"))
+    two_bw = ["--pipeline-stages", "2", "--pipeline-schedule", "2bw"]
+    out = l2l_train(2, "--steps", "6", *two_bw, "--out", str(tmp_path / "straight"))
+    assert "schedule 2bw (PipeDream-2BW): no step waits for an update, but each computes on the weights one step " \
+           "stale, delay compensation none" in out and "--pipeline-schedule flush (the default) trains exactly" in out
+    l2l_train(2, "--steps", "3", *two_bw, "--out", str(tmp_path / "split"))
+    # resumed with no schedule flag, as a run from before flush was the default: its checkpoint's 2bw, said
+    resumed = l2l_train(2, "--steps", "6", "--pipeline-stages", "2", "--resume", "--out", str(tmp_path / "split"))
+    assert ", as PipeDream-2BW: the schedule its checkpoint saved (a new run's default is flush)" in resumed
+    assert_same_runs(tmp_path / "single", tmp_path / "straight", tmp_path / "split")
+
+
+@SLOW
+def test_2bw_with_prediction_on_2_stages_equals_the_single_process_and_resumes_bit_exactly(tmp_path):
+    predict = ["--delay-compensation", "predict"]
+    l2l_train(1, "--steps", "6", "--pipedream-2bw", *predict, "--out", str(tmp_path / "single"))
+    two_bw = ["--pipeline-stages", "2", "--pipeline-schedule", "2bw", *predict]
+    out = l2l_train(2, "--steps", "6", *two_bw, "--out", str(tmp_path / "straight"))
+    assert "delay compensation predict" in out
+    l2l_train(2, "--steps", "3", *two_bw, "--out", str(tmp_path / "split"))
+    l2l_train(2, "--steps", "6", *two_bw, "--resume", "--out", str(tmp_path / "split"))
+    assert_same_runs(tmp_path / "single", tmp_path / "straight", tmp_path / "split")
+    plain = safetensors.torch.load_file(tmp_path / "straight" / "checkpoint.safetensors")
+    assert any(k.endswith("/predicted") for k in plain)  # each stage's newest predicted copy, in the one file
 
 
 @SLOW
@@ -430,7 +466,7 @@ def test_l2l_train_on_4_ranks_as_2_stages_x_2_replicas_equals_one_process_and_re
     # no dropout: a replica draws its masks for its shard, the single process for the whole minibatch;
     # --shard-state: each stage's state sharded over its 2 replicas, its checkpoint whole
     pipeline = ["--pipeline-stages", "2", "--dropout", "0", *shard]
-    l2l_train(1, "--steps", "4", "--pipedream-2bw", "--dropout", "0", "--out", str(tmp_path / "single"))
+    l2l_train(1, "--steps", "4", "--dropout", "0", "--out", str(tmp_path / "single"))  # flush: the default
     out = l2l_train(4, "--steps", "4", *pipeline, "--out", str(tmp_path / "straight"))
     assert "through 2 pipeline stages, one a rank, a shard on each of 2 data-parallel replicas" in out
     assert ("EPS cpu (state sharded)" in out) == bool(shard)
@@ -446,7 +482,7 @@ def test_l2l_train_on_4_ranks_as_2_stages_x_2_replicas_equals_one_process_and_re
 
 
 def test_l2l_train_with_the_planners_boundaries_prints_its_plan_and_trains_as_one_process(tmp_path):
-    l2l_train(1, "--steps", "3", "--pipedream-2bw", "--out", str(tmp_path / "single"))
+    l2l_train(1, "--steps", "3", "--out", str(tmp_path / "single"))  # the pipeline's default, flush: exact
     out = l2l_train(2, "--steps", "3", "--pipeline-stages", "2", "--pipeline-boundaries", "auto",
                     "--out", str(tmp_path / "auto"))
     assert "pipeline plan: 2 stages, 2 micro-batches" in out and "stage 1: layers" in out

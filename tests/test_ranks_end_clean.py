@@ -63,10 +63,10 @@ def finish(procs: list[subprocess.Popen]) -> list[tuple[int, str]]:
     return results
 
 
-def wait_for_rows(out: Path, n: int, procs: list[subprocess.Popen]) -> None:
+def wait_for_rows(out: Path, n: int, procs: list[subprocess.Popen], said=lambda: "") -> None:
     deadline = time.monotonic() + TIMEOUT
     while rows(out) < n:
-        assert all(p.poll() is None for p in procs), "a rank ended before it was signalled"
+        assert all(p.poll() is None for p in procs), f"a rank ended before it was signalled: {said()}"
         assert time.monotonic() < deadline, "no progress"
         time.sleep(0.01)
 
@@ -185,6 +185,62 @@ def test_a_signal_to_torchrun_or_its_group_ends_every_rank_in_one_line_and_the_r
         err = Path(glob.glob(f"{logs}/*/attempt_0/{rank}/stderr.log")[0]).read_text()
         assert len(err.splitlines()) == 1 and err.startswith(f"l2l train: rank {rank} of 2: interrupted by {word}"), err
     resumed_equals_straight(out, straight(mode))
+
+
+def test_bad_pipeline_geometry_is_refused_by_every_rank_in_one_line_before_anything_is_estimated(tmp_path, data):
+    out = tmp_path / "run"  # 2 blocks are relayed as 4 layers: a boundary at 9 is past the last
+    argv = ["train", *tiny(data), "--pipeline-stages", "2", "--pipeline-boundaries", "9", "--out", str(out)]
+    one_line_each(finish(start(argv)), {0: 2, 1: 2}, "boundaries 9 do not split")
+    assert not out.exists()
+
+
+def test_more_pipeline_stages_than_layers_is_refused_in_one_line_naming_the_layers(data, capsys):
+    from l2l_hw.cli import main
+
+    assert main(["estimate", *tiny(data), "--layers", "1", "--pipeline-stages", "4"]) == 2
+    assert capsys.readouterr().err == ("l2l estimate: 4 pipeline stages need at least 4 layers (one a stage); the "
+                                       "model is relayed as 3: give 3 stages or fewer\n")
+
+
+def launched(argv: list[str]) -> subprocess.Popen:
+    """`l2l ARGV --nproc-per-node 2` in a session of its own, as a terminal starts it."""
+    return subprocess.Popen([sys.executable, "-m", "l2l_hw.cli", *argv, "--nproc-per-node", "2"], cwd=ROOT,
+                            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)), text=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+
+
+def test_ctrl_c_of_l2l_s_own_launch_ends_with_each_rank_s_line_and_no_launcher_traceback(tmp_path, data):
+    out = tmp_path / "run"
+    proc = launched(["train", *tiny(data), "--steps", "2000", *MODES["pipeline"], "--out", str(out)])
+    try:
+        wait_for_rows(out, 6, [proc], lambda: proc.communicate()[1])
+        os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: every process of the foreground group
+        err = proc.communicate(timeout=TIMEOUT)[1]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err[-3000:]
+    lines = err.splitlines()
+    assert len(lines) == 2 and all("interrupted by SIGINT" in line and "resume with --resume" in line
+                                   for line in lines), err[-3000:]
+    assert {line.split(":")[1].strip() for line in lines} == {"rank 0 of 2", "rank 1 of 2"}
+
+
+def test_nproc_per_node_under_torchrun_s_other_count_is_refused_in_one_line(tmp_path, data):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), LOCAL_WORLD_SIZE="4")
+    done = subprocess.run([sys.executable, "-m", "l2l_hw.cli", "train", *tiny(data), "--nproc-per-node", "2",
+                           "--out", str(tmp_path / "run")], cwd=ROOT, env=env, text=True, capture_output=True)
+    assert done.returncode == 2 and done.stderr.splitlines() == [
+        "l2l train: --nproc-per-node 2: this is one of 4 ranks torchrun started; give one launcher (drop "
+        "--nproc-per-node, or run l2l without torchrun)"]
+
+
+def test_a_pipeline_in_one_process_is_refused_in_one_line_naming_nproc_per_node(tmp_path, data, capsys):
+    from l2l_hw.cli import main
+
+    assert main(["train", *tiny(data), *MODES["pipeline"], "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "--nproc-per-node 2" in err, err
 
 
 def test_a_rank_that_cannot_start_stops_every_rank_before_training_each_in_one_line(tmp_path, data):

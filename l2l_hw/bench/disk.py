@@ -30,9 +30,14 @@ checkpoint, one more step; then a fresh process loads the checkpoint into the sa
 state_dir and takes that step again. Both report the step's loss and the crc32 of every
 state tensor after it (bit-exact resume: equal), their peak RSS, step times, tokens/s and
 the share of each step the main thread waited on the disk.
+
+`--memory-limit SIZE` runs training inside that memory limit instead (bench/disk_limit.py): the
+reference GPT with its state STATE_RATIO (3) times the limit on disk, in a cgroup of the limit,
+against the same model in RAM outside it: step times, peaks, losses bit-identical.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import resource
@@ -48,11 +53,12 @@ from pathlib import Path
 import torch
 
 import l2l_hw
-from l2l_hw.bench import aio, print_report, train_steps
+from l2l_hw.bench import aio, disk_limit, print_report, train_steps
 from l2l_hw.bench.timer import round_robin
 from l2l_hw.eps.disk import GROUPS_IN_FLIGHT
 from l2l_hw.eps.disk_store import CHUNK_BYTES, IO_THREADS, RegionStore
 from l2l_hw.models import GPTConfig, build_gpt, lm_loss
+from l2l_hw.options import parse_size
 
 MODEL = GPTConfig(n_layer=6, n_embd=384, n_head=6, block_size=128)
 BATCHES = (1, 16)  # 1: the disk's I/O is the step; 16: compute per layer exceeds the layer's I/O
@@ -394,10 +400,23 @@ def add_arguments(p) -> None:
                    help=f"bytes each point of DeepSpeed aio's tuning sweep moves (default {AIO_SWEEP_MIB} MiB)")
     p.add_argument("--llama-layers", type=int, default=None, metavar="N",
                    help="the large-model run instead: a Llama-2-7B-shaped model with N decoder layers (32: 6.74 B)")
+    p.add_argument("--memory-limit", type=_size, default=None, metavar="SIZE",
+                   help="training inside this memory limit instead (a cgroup, as root): the reference GPT with "
+                        "its state 3x the limit on disk against the same model in RAM, losses bit-identical "
+                        "(bench/disk_limit.py; --rounds steps after a warm-up)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def run_from_args(args) -> int:
+    if args.memory_limit is not None:
+        return disk_limit.run_from_args(args)
     if args.llama_layers is not None:
         return print_report(llama(args.dir, args.llama_layers), args.json, format_llama)
     report = run(args.dir, args.size_gib, args.region_mib, args.rounds, tuple(args.batches), args.aio_sweep_mib)

@@ -30,7 +30,7 @@ def capped(c):
     """The device memory cap: CUDA's own; none in the dry run (the twin is the host)."""
     if c.device.type == "cuda":
         total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, c.sizes.cap_bytes / total))
+        torch.cuda.set_per_process_memory_fraction(min(1.0, c.cap_bytes / total))
     try:
         yield
     finally:

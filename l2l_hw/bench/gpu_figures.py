@@ -1,22 +1,28 @@
 """The GPU campaign's figures of merit: model FLOPs, the part's dense bf16 peak, spreads.
 
-Model FLOPs per token (PaLM, Chowdhery et al. 2022, appendix B):
+Model FLOPs per token (PaLM, Chowdhery et al. 2022, appendix B, with causal attention
+counted as a causal model computes it):
 
-    6 N  +  12 L H Q T
+    6 N  +  6 L H Q T      (causal: the default)
+    6 N  + 12 L H Q T      (causal=False: the whole T x T score matrix, PaLM's count)
 
 N: the parameters that take part in matrix products: every weight but the input
 embedding tables (a lookup: the token and position tables), so the LM head counts.
 6 N: 2 N multiply-adds forward, 4 N backward (activation and weight gradients).
-12 L H Q T: attention's two products, Q K^T and the scores times V, 2 T H Q FLOPs each per
-token and layer forward, x3 with the backward; L layers, H query heads of width Q (H Q is
-the model width, also with grouped KV heads, which share K and V but not the products), T
-the context. Causal masking is counted as PaLM counts it, over the whole T x T score matrix:
-a causal kernel computes about half of it, so this is the convention of published MFU
-figures, not the work done. Recomputation (activation checkpointing) is not counted: MFU
+Attention's two products, Q K^T and the scores times V, over the whole T x T score matrix are
+2 T H Q FLOPs each per token and layer forward, x3 with the backward: 12 L H Q T; L layers,
+H query heads of width Q (H Q is the model width, also with grouped KV heads, which share K
+and V but not the products), T the context. A causal model's token t attends to t + 1
+positions, T / 2 on average, and a causal kernel (flash attention) computes only those: half,
+6 L H Q T. The campaign counts the half, the work done, so that no MFU is flattered by the
+masked half (the published convention counts the whole; a test checks the whole against
+torch's FlopCounterMode on the math kernel, which computes the whole matrix, and the half
+as that less the masked half). Recomputation (activation checkpointing) is not counted: MFU
 is model FLOPs per second over a peak, whatever a method spends on recompute.
 
-Peaks: the measured bf16 matmul (8192^3, l2l bench gpu's matmul_peak) and the part's dense
-bf16 figure from NVIDIA's datasheets (DENSE_BF16_TFLOPS). An MFU is given against each.
+Peaks: the measured bf16 matmul (8192^3, l2l bench gpu's matmul_peak: the best of its runs,
+with their spread) and the part's dense bf16 figure from NVIDIA's datasheets
+(DENSE_BF16_TFLOPS). An MFU is given against each.
 """
 from __future__ import annotations
 
@@ -44,9 +50,13 @@ def dense_bf16_peak(device_name: str) -> dict:
     return {"tflops": None, "source": f"{device_name!r} is not in l2l_hw/bench/gpu_figures.py's DENSE_BF16_TFLOPS"}
 
 
-def flops_per_token(matmul_params: int, layers: int, width: int, context: int) -> float:
-    """Model FLOPs per trained token, 6 N + 12 L H Q T (module docstring; H Q = width)."""
-    return 6 * matmul_params + 12 * layers * width * context
+ATTENTION = "causal: half of the full T x T score matrix, 6 L H Q T a token (gpu_figures)"
+
+
+def flops_per_token(matmul_params: int, layers: int, width: int, context: int, causal: bool = True) -> float:
+    """Model FLOPs per trained token, 6 N + 6 L H Q T causal, 12 L H Q T over the whole matrix
+    (module docstring; H Q = width)."""
+    return 6 * matmul_params + (6 if causal else 12) * layers * width * context
 
 
 def spread(values) -> dict:

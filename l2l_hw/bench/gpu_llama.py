@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from l2l_hw.bench.gpu_figures import flops_per_token, mfu, rate_spread, spread
+from l2l_hw.bench.gpu_figures import ATTENTION, flops_per_token, mfu, rate_spread, spread
 from l2l_hw.bench.gpu_watch import idle_share, log_tail, watch
 
 LLAMA_3_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
@@ -191,7 +191,8 @@ def step_figures(timed: list[dict], start: float, seen: dict, cfg: dict, context
     rate = rate_spread(tokens, [tokens / r["tokens_per_s"] for r in timed])
     return {"layers": layers, "parameters": n["total"], "tokens_per_step": tokens, "context": context,
             "tokens_per_s": rate, "tflops": spread(rate[k] * per_token / 1e12 for k in ("min", "median", "max")),
-            "flops_per_token": per_token, "peak_device_bytes": seen["peak_device_bytes"],
+            "flops_per_token": per_token, "attention_counted": ATTENTION,
+            "peak_device_bytes": seen["peak_device_bytes"],
             "peak_host_rss_bytes": seen["peak_rss_bytes"], **idle_share(seen, start, timed[-1]["seen_at"]),
             "losses": [r.get("loss") for r in timed]}
 

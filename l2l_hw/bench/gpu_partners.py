@@ -35,16 +35,22 @@ class GPTPartner:
     float, so the step has ended on the device when it returns)."""
 
     def __init__(self, cfg: GPTConfig, device: torch.device, recipe: str, micro_batches: int, *,
-                 checkpointed: bool = False, compiled: bool = False, lr: float = 1e-4, seed: int = 0):
+                 checkpointed: bool = False, compiled: bool = False, lr: float = 1e-4, seed: int = 0,
+                 state: dict | None = None, adamw: dict | None = None):
         if recipe not in RECIPES:
             raise ValueError(f"recipe must be one of {', '.join(RECIPES)}, got {recipe!r}")
         self.device, self.recipe, self.micro_batches = device, recipe, micro_batches
         self.checkpointed = checkpointed
         torch.manual_seed(seed)  # drawn on the host, as the relay draws its model: the same initial weights
-        self.model = build_gpt(cfg).to(device)  # (built under `with device:`, CUDA's generator would draw others)
+        model = build_gpt(cfg)  # (built under `with device:`, CUDA's generator would draw others)
+        if state is not None:  # a saved model: the one the relay starts from
+            model.load_state_dict(state)
+        self.model = model.to(device)
         kernel = {"fused": True} if device.type == "cuda" else {"foreach": True}
+        a = {"lr": lr} if adamw is None else {"lr": adamw["lr"], "betas": tuple(adamw["betas"]), "eps": adamw["eps"],
+                                               "weight_decay": adamw["weight_decay"]}
         if recipe == "autocast":
-            self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, **kernel)
+            self.opt = torch.optim.AdamW(self.model.parameters(), **a, **kernel)
         else:
             self.masters = [p.detach() for p in self.model.parameters()]  # the fp32 tensors, kept
             self.model.to(DTYPE)  # the parameters now hold bf16 copies of them
@@ -54,7 +60,7 @@ class GPTPartner:
                 p.register_post_accumulate_grad_hook(_summer(s))
             for m, s in zip(self.masters, self.sums):
                 m.grad = s  # AdamW reads the fp32 sums where it reads gradients
-            self.opt = torch.optim.AdamW(self.masters, lr=lr, **kernel)
+            self.opt = torch.optim.AdamW(self.masters, **a, **kernel)
         if compiled:
             backend = "inductor" if device.type == "cuda" else "aot_eager"
             for layer in self.model:

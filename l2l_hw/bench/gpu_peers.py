@@ -1,230 +1,280 @@
-"""The peers a user would pick instead of the relay, each in its documented best configuration.
+"""The peers a user would pick instead of the relay, each with its documented knobs, its grid and its own estimator.
 
-Every peer trains transformers' LlamaForCausalLM built from the same config.json as the
-relay's folder, on the same minibatches (finetune_data.finetune_batches with the same seed,
-batch and context, the tenth `l2l finetune` holds out left out), with the same micro-batches
-and AdamW settings, bf16 compute with fp32 master weights and optimizer state, and
-transformers' activation checkpointing (gradient_checkpointing_enable, non-reentrant: every
-decoder layer's input kept, its inside recomputed), as the relay recomputes every layer.
-Each peer runs in its own process (`python -m l2l_hw.bench.gpu_peers '{json}'`) under
-l2l_hw.bench.gpu_watch, as `l2l finetune` does, and appends one row per step to a JSON
-Lines file: its step time, tokens/s and loss.
+Every side of a comparison (the relay and each peer) is a `kind` below. Each starts from the
+same saved model (the regime's GPT state file, or its Llama folder through transformers'
+from_pretrained), trains on the same minibatches with the same loss (the minibatch's mean
+token loss) and the same AdamW, bf16 compute with fp32 master weights and fp32 optimizer state,
+and picks its own batch shape: `micro_batch` sequences a micro-batch, accumulated over
+batch / micro_batch micro-batches, the same tokens a step for all.
 
-  zero3_offload  DeepSpeed ZeRO-3, offload_param and offload_optimizer to the CPU, pinned:
-                 the model built partitioned (transformers' from_config under
-                 HfDeepSpeedConfig: deepspeed.zero.Init), DeepSpeedCPUAdam (the optimizer
-                 section's AdamW with offload), overlap_comm, contiguous_gradients, buckets
-                 and prefetch sized from the hidden size as transformers' "auto" values do
-                 (reduce_bucket_size h^2, stage3_prefetch_bucket_size 0.9 h^2,
-                 stage3_param_persistence_threshold 10 h), stage3_max_live_parameters and
-                 stage3_max_reuse_distance 1e9 and sub_group_size 1e9 (DeepSpeed's defaults,
-                 its docs' offload examples)
-  zero2_offload  DeepSpeed ZeRO-2 with offload_optimizer to the CPU, pinned (ZeRO-Offload):
-                 bf16 weights and gradients on the GPU, fp32 master and AdamW state on the host,
-                 DeepSpeedCPUAdam, overlap_comm, contiguous_gradients, reduce_scatter,
-                 allgather and reduce buckets 2e8 (DeepSpeed's ZeRO-Offload tutorial)
-  fsdp2_offload  PyTorch FSDP2 on one rank: fully_shard on every decoder layer and the root
-                 with CPUOffloadPolicy(pin_memory=True) and MixedPrecisionPolicy(param_dtype
-                 bf16, reduce_dtype fp32); AdamW on the host's fp32 shards (fused, torch's CPU
-                 kernel); gradient sync only on the last micro-batch (set_requires_gradient_sync)
-  torch_resident plain PyTorch on the GPU where the model fits: fp32 weights, bf16 autocast,
-                 fused AdamW, the same checkpointing; where it cannot fit (16 B per parameter
-                 before activations, more than the device has) it is not started and says so
+    relay              the relay (l2l_hw.Relay, or hf.from_pretrained as `l2l finetune` builds it),
+                       the CPU EPS; knobs: micro_batch, recompute, activations
+    torch_compiled     (GPT) PyTorch resident in the relay's own recipe (gpu_partners "recipe"),
+                       every block compiled (Inductor); knobs: micro_batch, checkpointed
+    torch_checkpointed (Llama) PyTorch resident: fp32 weights, bf16 autocast, fused AdamW,
+                       transformers' activation checkpointing (non-reentrant); knob: micro_batch
+    zero2_offload      DeepSpeed ZeRO-2, offload_optimizer to the CPU (ZeRO-Offload): bf16
+                       weights and gradients on the device, fp32 master and AdamW on the host
+                       (DeepSpeedCPUAdam); knobs: reduce_bucket_size, allgather_bucket_size,
+                       overlap_comm, pin_memory, checkpointed
+    zero3_offload      DeepSpeed ZeRO-3, offload_param and offload_optimizer to the CPU, the model
+                       loaded partitioned (HfDeepSpeedConfig: zero.Init); knobs:
+                       stage3_prefetch_bucket_size, stage3_param_persistence_threshold,
+                       reduce_bucket_size, overlap_comm, pin_memory, sub_group_size, checkpointed
+    fsdp2_offload      PyTorch FSDP2 on one rank, fully_shard on every decoder layer and the root,
+                       CPUOffloadPolicy (the sharded fp32 parameters, their gradients and AdamW on
+                       the host), MixedPrecisionPolicy(bf16, reduce fp32); knobs:
+                       reshard_after_forward (False keeps the gathered bf16 weights on the device
+                       from forward to backward: the optimizer-offload shape), prefetch (layers
+                       gathered ahead, explicitly: set_modules_to_forward/backward_prefetch),
+                       pin_memory, checkpointed
 
-The dry run runs each on the CPU: DeepSpeed on its CPU accelerator (DS_ACCELERATOR=cpu,
-the gloo backend), FSDP2 on one gloo rank without pinning, DeepSpeedCPUAdam as on the GPU.
+A grid (GRIDS) is tried in a short pre-run at the size compared: first the batch shapes with
+the documented defaults (`base`), then each variation alone on the fastest shape; the fastest
+point that ran wins. DeepSpeed's config dicts are validated by DeepSpeed's own DeepSpeedConfig
+(validate_deepspeed), which rejects an unknown or ill-typed key, before anything runs.
+
+Sizes: each side's host and device needs at a depth (`needs`) come from its own estimator:
+DeepSpeed's estimate_zero2_model_states_mem_needs and estimate_zero3_model_states_mem_needs
+(deepspeed.runtime.zero), the relay's EPS layout (l2l_hw.train.eps_bytes_per_parameter, what
+`l2l finetune`'s banner reports), the plain byte counts for PyTorch and FSDP2 (which have
+none); plus margins, each named in the JSON ("how"): the activations of the side's micro-batch
+(activation_bytes), its buckets and prefetch, and ZeRO-2 offload's pinned buffers as its
+stage_1_and_2.py allocates them (rounded to powers of two by the pinned allocator), which
+DeepSpeed's estimate leaves short (the H200 host's OOM killer ended it inside the estimate).
 """
 from __future__ import annotations
 
-import json
+import functools
 import math
-import os
-import sys
-import time
-from pathlib import Path
+from dataclasses import dataclass, field
 
-PEERS = ("zero3_offload", "zero2_offload", "fsdp2_offload", "torch_resident")
-# Host bytes per parameter each peer keeps (DeepSpeed's estimate_zero3/zero2_model_states_mem_needs,
-# before their buffer factor; FSDP2: fp32 shard, fp32 gradient, m, v); torch_resident keeps none.
-HOST_BYTES_PER_PARAMETER = {"zero3_offload": 18, "zero2_offload": 16, "fsdp2_offload": 16, "torch_resident": 0}
+SIDES = ("relay", "torch_compiled", "torch_checkpointed", "zero2_offload", "zero3_offload", "fsdp2_offload")
+PEERS = SIDES[1:]
+FAMILY = {"relay": "relay", "torch_compiled": "torch", "torch_checkpointed": "torch", "zero2_offload": "deepspeed",
+          "zero3_offload": "deepspeed", "fsdp2_offload": "fsdp2"}  # one process per family (gpu_sides)
+PYTORCH = ("torch_compiled", "torch_checkpointed", "fsdp2_offload")  # the drift's reference: PyTorch itself
 DEEPSPEED_BUFFER_FACTOR = 1.5  # the additional_buffer_factor of DeepSpeed's own estimators
-RESIDENT_DEVICE_BYTES_PER_PARAMETER = 16  # fp32 weights and gradients, AdamW's m and v
+FSDP2_HOST_BYTES_PER_PARAMETER = 16  # fp32 shard, its fp32 gradient, AdamW's m and v
+RESIDENT_DEVICE_BYTES_PER_PARAMETER = {"torch_checkpointed": 16, "torch_compiled": 18}  # gpu_partners
+HOST_PROCESS_BYTES = 3 * 2**30  # a side's process outside its model: torch, CUDA's context, DeepSpeed's ops
 
 
 def _pinned(nbytes: float) -> int:
     """A block of PyTorch's pinned host allocator: the request rounded up to a power of two."""
-    return 1 << max(0, math.ceil(math.log2(nbytes)))
+    return 1 << max(0, math.ceil(math.log2(max(nbytes, 1))))
 
 
-def host_bytes(peer: str, parameters: int) -> float:
-    """The host memory a peer needs for a model of `parameters`, the larger of DeepSpeed's estimate
-    (bytes per parameter x its buffer factor 1.5; FSDP2 the same rule) and, for ZeRO-2 offload, its
-    buffers as stage_1_and_2.py allocates them, which the estimate leaves short: three flat buffers
-    over the whole model pinned whole (the fp32 master and its fp32 gradient, 4 B a parameter each,
-    the bf16 copy, 2 B), each a power of two in the pinned allocator; a pinned bf16 gradient
-    accumulator per parameter (2 B); AdamW's m and v (8 B); the unpinned fp32 clone the master is
-    pinned from (4 B). On the H200 machine (125 GiB) ZeRO-2 offload was killed by the OOM killer
-    before its first step at 4.76 B parameters, inside DeepSpeed's estimate (106 GiB)."""
-    estimate = HOST_BYTES_PER_PARAMETER[peer] * DEEPSPEED_BUFFER_FACTOR * parameters
-    if peer != "zero2_offload":
-        return estimate
-    buffers = 2 * _pinned(4 * parameters) + _pinned(2 * parameters) + (2 + 8 + 4) * parameters
-    return max(estimate, buffers)
+@dataclass(frozen=True)
+class Grid:
+    """A side's documented defaults, the batch shapes tried with them, and each variation
+    tried alone on the fastest shape."""
+
+    base: dict
+    shapes: tuple[int, ...]  # sequences a micro-batch
+    variations: tuple[dict, ...] = ()
+
+    def first_points(self) -> list[dict]:
+        return [{**self.base, "micro_batch": m} for m in self.shapes]
+
+    def second_points(self, best: dict) -> list[dict]:
+        return [{**best, **v} for v in self.variations if any(best.get(k) != x for k, x in v.items())]
 
 
-def deepspeed_config(peer: str, hidden: int, micro_batch: int, micro_batches: int, adamw: dict, pin: bool) -> dict:
-    """The DeepSpeed config of a ZeRO peer (docs/BENCHMARKS.md shows both)."""
-    zero = {"overlap_comm": True, "contiguous_gradients": True,
-            "offload_optimizer": {"device": "cpu", "pin_memory": pin}}
-    if peer == "zero3_offload":
-        zero.update(stage=3, offload_param={"device": "cpu", "pin_memory": pin}, reduce_bucket_size=hidden * hidden,
-                    stage3_prefetch_bucket_size=int(0.9 * hidden * hidden),
-                    stage3_param_persistence_threshold=10 * hidden, stage3_max_live_parameters=int(1e9),
-                    stage3_max_reuse_distance=int(1e9), sub_group_size=int(1e9))
+def grid(kind: str, hidden: int, shapes: tuple[int, ...], variations: bool = True) -> Grid:
+    """The grid of `kind` on a model of width `hidden` (the buckets' "auto" values scale with it,
+    as transformers' DeepSpeed integration sets them: reduce_bucket_size h^2, prefetch 0.9 h^2,
+    persistence threshold 10 h). `variations` False: the shapes only."""
+    h2 = hidden * hidden
+    grids = {
+        "relay": Grid({"recompute": "full", "activations": "device"}, shapes,
+                      ({"recompute": "selective"}, {"activations": "host"})),
+        "torch_compiled": Grid({"checkpointed": False}, shapes, ({"checkpointed": True},)),
+        "torch_checkpointed": Grid({}, shapes),
+        "zero2_offload": Grid({"overlap_comm": True, "reduce_bucket_size": int(2e8), "allgather_bucket_size": int(2e8),
+                               "pin_memory": True, "checkpointed": True}, shapes,
+                              ({"reduce_bucket_size": int(5e8), "allgather_bucket_size": int(5e8)},
+                               {"reduce_bucket_size": int(5e7), "allgather_bucket_size": int(5e7)},
+                               {"overlap_comm": False}, {"pin_memory": False}, {"checkpointed": False})),
+        "zero3_offload": Grid({"overlap_comm": True, "reduce_bucket_size": h2,
+                               "stage3_prefetch_bucket_size": int(0.9 * h2),
+                               "stage3_param_persistence_threshold": 10 * hidden, "sub_group_size": int(1e9),
+                               "pin_memory": True, "checkpointed": True}, shapes,
+                              ({"stage3_prefetch_bucket_size": int(5e8)}, {"reduce_bucket_size": int(5e8)},
+                               {"stage3_param_persistence_threshold": int(1e7)}, {"overlap_comm": False},
+                               {"pin_memory": False}, {"sub_group_size": int(1e8)}, {"checkpointed": False})),
+        "fsdp2_offload": Grid({"reshard_after_forward": True, "prefetch": 0, "pin_memory": True, "checkpointed": True},
+                              shapes, ({"reshard_after_forward": False}, {"prefetch": 1}, {"prefetch": 2},
+                                       {"pin_memory": False}, {"checkpointed": False})),
+    }
+    g = grids[kind]
+    return g if variations else Grid(g.base, g.shapes)
+
+
+def deepspeed_config(kind: str, knobs: dict, batch: int, adamw: dict, pin: bool = True) -> dict:
+    """The DeepSpeed config of a ZeRO peer at a grid point: `knobs` (its micro_batch among them)
+    over the documented defaults; `pin` False where there is nothing to pin to (the CPU)."""
+    m = knobs["micro_batch"]
+    if batch % m:
+        raise ValueError(f"micro_batch {m} must divide the {batch} sequences of a step")
+    pinned = knobs.get("pin_memory", True) and pin
+    zero = {"overlap_comm": knobs["overlap_comm"], "contiguous_gradients": True,
+            "reduce_bucket_size": knobs["reduce_bucket_size"],
+            "offload_optimizer": {"device": "cpu", "pin_memory": pinned}}
+    if kind == "zero3_offload":
+        zero.update(stage=3, offload_param={"device": "cpu", "pin_memory": pinned},
+                    stage3_prefetch_bucket_size=knobs["stage3_prefetch_bucket_size"],
+                    stage3_param_persistence_threshold=knobs["stage3_param_persistence_threshold"],
+                    stage3_max_live_parameters=int(1e9), stage3_max_reuse_distance=int(1e9),
+                    sub_group_size=knobs["sub_group_size"])
+    elif kind == "zero2_offload":
+        zero.update(stage=2, reduce_scatter=True, allgather_partitions=True,
+                    allgather_bucket_size=knobs["allgather_bucket_size"])
     else:
-        zero.update(stage=2, reduce_scatter=True, allgather_partitions=True, allgather_bucket_size=int(2e8),
-                    reduce_bucket_size=int(2e8))
-    return {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": micro_batches,
-            "bf16": {"enabled": True}, "gradient_clipping": 0.0, "steps_per_print": 10 ** 9,
+        raise ValueError(f"{kind!r} is not a DeepSpeed peer (zero2_offload, zero3_offload)")
+    return {"train_micro_batch_size_per_gpu": m, "gradient_accumulation_steps": batch // m,
+            "train_batch_size": batch, "bf16": {"enabled": True}, "gradient_clipping": 0.0,
+            "steps_per_print": 10 ** 9, "wall_clock_breakdown": False,
             "optimizer": {"type": "AdamW", "params": {"lr": adamw["lr"], "betas": list(adamw["betas"]),
                                                       "eps": adamw["eps"], "weight_decay": adamw["weight_decay"]}},
             "zero_optimization": zero}
 
 
-def _minibatches(spec: dict):
-    """The minibatches `l2l finetune` trains on: the same function, seed and held-out tenth."""
-    from l2l_hw import finetune_data
+def validate_deepspeed(config: dict) -> dict:
+    """`config` read by DeepSpeed's own DeepSpeedConfig (pydantic: an unknown or ill-typed key, or
+    batch sizes that do not multiply, is refused); what it read back, for the record."""
+    from deepspeed.runtime.config import DeepSpeedConfig
 
-    batches = finetune_data.finetune_batches(spec["model"], spec["data"], spec["batch"], spec["context"],
-                                             seed=spec["seed"], cache=Path(spec["cache"]))
-    held = len(batches) // 10 or (1 if len(batches) > 1 else 0)
-    return batches[held:]
-
-
-def _deepspeed(spec: dict, config, device):
-    import deepspeed
-    import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.integrations import HfDeepSpeedConfig
-
-    u = spec["micro_batches"]
-    ds = deepspeed_config(spec["peer"], config.hidden_size, spec["batch"] // u, u, spec["adamw"],
-                          pin=device.type == "cuda")
-    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
-    keep = HfDeepSpeedConfig(ds) if spec["peer"] == "zero3_offload" else None  # from_config then builds under zero.Init
-    if keep is None:
-        with device:
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    else:
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
-
-    def step(micro) -> float:
-        total = 0.0
-        for x, y in micro:
-            loss = engine(input_ids=x.to(device), labels=y.to(device)).loss
-            engine.backward(loss)
-            engine.step()  # the optimizer steps at the last micro-batch (gradient_accumulation_steps)
-            total += loss.item() / u
-        return total
-
-    return step, (keep, engine)
+    read = DeepSpeedConfig(config)
+    z = read.zero_config
+    return {"stage": int(z.stage), "train_batch_size": read.train_batch_size,
+            "micro_batch": read.train_micro_batch_size_per_gpu,
+            "gradient_accumulation_steps": read.gradient_accumulation_steps,
+            "reduce_bucket_size": int(z.reduce_bucket_size), "overlap_comm": bool(z.overlap_comm),
+            "offload_optimizer": str(z.offload_optimizer.device) if z.offload_optimizer else None,
+            **({"offload_param": str(z.offload_param.device) if z.offload_param else None,
+                "stage3_prefetch_bucket_size": int(z.prefetch_bucket_size),
+                "stage3_param_persistence_threshold": int(z.param_persistence_threshold),
+                "sub_group_size": int(z.sub_group_size)} if int(z.stage) == 3 else {})}
 
 
-def _fsdp2(spec: dict, config, device):
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-    from transformers import AutoModelForCausalLM
-
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
-    mesh = init_device_mesh(device.type, (1,))
-    with device:  # initialized where it is fast; fully_shard moves the shards to the host
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    policy = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
-                  offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda"))
-    for layer in model.model.layers:
-        fully_shard(layer, **policy)
-    fully_shard(model, **policy)
-    before = lambda j: model.set_requires_gradient_sync(j == spec["micro_batches"] - 1)  # noqa: E731  sync once
-    return _torch_step(spec, model, device, fused=True, before=before), model
+def side_config(kind: str, knobs: dict, batch: int, adamw: dict, device: str) -> dict:
+    """What a side is built from at a grid point (a DeepSpeed peer: its validated config)."""
+    if kind in ("zero2_offload", "zero3_offload"):
+        config = deepspeed_config(kind, knobs, batch, adamw, pin=device == "cuda")
+        return {"deepspeed": config, "deepspeed_read": validate_deepspeed(config)}
+    if batch % knobs["micro_batch"]:
+        raise ValueError(f"micro_batch {knobs['micro_batch']} must divide the {batch} sequences of a step")
+    return {}
 
 
-def _resident(spec: dict, config, device):
-    import torch
-    from transformers import AutoModelForCausalLM
+# ----------------------------------------------------------------------------- sizes
+@dataclass(frozen=True)
+class Model:
+    """What the estimators need of a model: parameters, its largest layer's, width, depth, vocabulary."""
 
-    with device:
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return _torch_step(spec, model, device, fused=device.type == "cuda", autocast=True), model
-
-
-def _torch_step(spec: dict, model, device, fused: bool, autocast: bool = False, before=lambda j: None):
-    """A PyTorch step over the micro-batches: gradients summed, then AdamW (FSDP2, resident)."""
-    import contextlib
-
-    import torch
-
-    a, u = spec["adamw"], spec["micro_batches"]
-    opt = torch.optim.AdamW(model.parameters(), lr=a["lr"], betas=tuple(a["betas"]), eps=a["eps"],
-                            weight_decay=a["weight_decay"], **({"fused": True} if fused else {}))
-    cast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
-
-    def step(micro) -> float:
-        total = 0.0
-        for j, (x, y) in enumerate(micro):
-            before(j)
-            with cast():
-                loss = model(input_ids=x.to(device), labels=y.to(device)).loss / u
-            loss.backward()
-            total += loss.item()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return total
-
-    step.optimizer = opt  # kept alive with the step
-    return step
+    parameters: int
+    largest_layer: int
+    hidden: int
+    layers: int
+    vocab: int
+    intermediate: int
+    kv_projection: int  # elements of one k (or v) projection (GQA: smaller than h x h); 0 for the GPT
 
 
-BUILDERS = {"zero3_offload": _deepspeed, "zero2_offload": _deepspeed, "fsdp2_offload": _fsdp2,
-            "torch_resident": _resident}
+@dataclass
+class Needs:
+    host_bytes: int
+    device_bytes: int
+    how: str  # the estimator and the margins, in words
+    parts: dict = field(default_factory=dict)
 
 
-def peer_main(spec: dict) -> None:
-    """Build the peer, train warmup + timed steps, one row per step into spec["rows"]."""
-    import torch
-    from transformers import AutoConfig
-
-    device = torch.device(spec["device"])
-    if device.type == "cuda":
-        torch.cuda.set_device(0)
-    config = AutoConfig.from_pretrained(spec["model"])
-    batches = _minibatches(spec)
-    step, keep = BUILDERS[spec["peer"]](spec, config, device)
-    u = spec["micro_batches"]
-    with open(spec["rows"], "a") as rows:
-        for k in range(spec["steps"]):
-            inputs, (labels, _) = batches[k % len(batches)]
-            micro = list(zip(inputs.tensor_split(u), labels.tensor_split(u)))
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            loss = step(micro)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            seconds = time.perf_counter() - t0
-            rows.write(json.dumps({"step": k + 1, "loss": loss, "seconds": seconds,
-                                   "tokens_per_s": labels.numel() / seconds}) + "\n")
-            rows.flush()
-    del keep
+def activation_bytes(model: Model, micro_batch: int, context: int, checkpointed: bool = True) -> int:
+    """A micro-batch's activations on the device, estimated: the layer inputs kept by checkpointing
+    (bf16), one layer's inside while it is recomputed, the logits in bf16 and fp32 (the loss
+    upcasts) with their gradient; without checkpointing every layer's inside."""
+    tokens = micro_batch * context
+    inside = tokens * (10 * model.hidden + 3 * model.intermediate) * 2
+    kept = model.layers * tokens * model.hidden * 2 if checkpointed else model.layers * inside
+    logits = tokens * model.vocab * (2 + 4 + 4)
+    return kept + inside + logits
 
 
-if __name__ == "__main__":
-    spec = json.loads(sys.argv[1])
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(spec["port"]))
-    peer_main(spec)
+def needs(kind: str, model: Model, knobs: dict, context: int, batch: int) -> Needs:
+    """Host and device bytes of `kind` at a grid point, from its own estimator plus margins."""
+    p, m = model.parameters, knobs.get("micro_batch", 1)
+    act = activation_bytes(model, m, context, knobs.get("checkpointed", True))
+    if kind == "relay":
+        bpp = _relay_bytes_per_parameter()
+        tokens = batch * context
+        stash = model.layers * tokens * model.hidden * 2  # every layer's input, the whole minibatch, bf16
+        inside = m * context * (10 * model.hidden + 3 * model.intermediate) * 2
+        held = batch // m if knobs["recompute"] == "selective" else 1  # selective keeps each micro-batch's
+        logits = m * context * model.vocab * (2 + 4 + 4)
+        host = bpp * p + 4 * model.largest_layer * (2 + 2) + HOST_PROCESS_BYTES
+        return Needs(int(host + (stash if knobs["activations"] == "host" else 0)),
+                     3 * model.largest_layer * (2 + 4) + (stash if knobs["activations"] == "device" else 0)
+                     + held * inside + logits,
+                     f"the EPS's {bpp:.2f} B per parameter (l2l_hw.train.eps_bytes_per_parameter, its layout), "
+                     "pinned staging for a few layers; device: three layers' bf16 weights and fp32 gradient sums, "
+                     "the stash where it lives, one layer's inside (each micro-batch's under selective recompute), "
+                     "a micro-batch's logits", {"eps_bytes_per_parameter": bpp, "stash": stash})
+    if kind == "zero2_offload":
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+        cpu, gpu = estimate_zero2_model_states_mem_needs(p, 1, 1, cpu_offload=True,
+                                                         additional_buffer_factor=DEEPSPEED_BUFFER_FACTOR)
+        # stage_1_and_2.py pins three flat buffers over the whole model (fp32 master and gradient, bf16
+        # copy), each a power of two in the pinned allocator, beside the bf16 accumulators, m, v and the
+        # unpinned fp32 clone: killed by the OOM killer inside the estimate at 4.76 B on the H200 host
+        pinned = 2 * _pinned(4 * p) + _pinned(2 * p) + (2 + 8 + 4) * p if knobs.get("pin_memory", True) else 0
+        buckets = 2 * 2 * min(p, knobs["reduce_bucket_size"] + knobs["allgather_bucket_size"])
+        return Needs(max(cpu, pinned) + HOST_PROCESS_BYTES, gpu + 2 * p + buckets + act,
+                     "deepspeed.runtime.zero.stage_1_and_2.estimate_zero2_model_states_mem_needs (offload), host "
+                     "at least its pinned flat buffers as allocated (powers of two); device + bf16 gradients, "
+                     "its buckets and the micro-batch's activations",
+                     {"estimator_host": cpu, "estimator_device": gpu, "pinned_rule": pinned, "activations": act})
+    if kind == "zero3_offload":
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+        cpu, gpu, _ = estimate_zero3_model_states_mem_needs(p, model.largest_layer, 1, 1, cpu_offload=True,
+                                                            cpu_offload_params=True, zero_init=True,
+                                                            additional_buffer_factor=DEEPSPEED_BUFFER_FACTOR)
+        live = 2 * min(p, knobs["stage3_prefetch_bucket_size"] + knobs["reduce_bucket_size"])
+        persistent = 2 * model.layers * _persistent(model, knobs["stage3_param_persistence_threshold"])
+        return Needs(cpu + HOST_PROCESS_BYTES, gpu + live + persistent + act,
+                     "deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs (offload_param, "
+                     "offload_optimizer, zero_init); device + its prefetch and reduce buckets, the parameters "
+                     "under the persistence threshold and the micro-batch's activations",
+                     {"estimator_host": cpu, "estimator_device": gpu, "activations": act})
+    if kind == "fsdp2_offload":
+        gathered = 2 * (model.largest_layer * (2 + knobs.get("prefetch", 0)))
+        resident = 2 * p if not knobs.get("reshard_after_forward", True) else 0
+        host = FSDP2_HOST_BYTES_PER_PARAMETER * p * (DEEPSPEED_BUFFER_FACTOR if knobs.get("pin_memory") else 1)
+        return Needs(int(host) + HOST_PROCESS_BYTES, gathered + resident + act,
+                     "16 B per parameter on the host (fp32 shard, gradient, m, v; x1.5 pinned, as DeepSpeed's "
+                     "buffer factor); device: the layers gathered (2 + prefetch), every bf16 weight when "
+                     "reshard_after_forward is off, the micro-batch's activations",
+                     {"activations": act})
+    if kind in RESIDENT_DEVICE_BYTES_PER_PARAMETER:
+        state = RESIDENT_DEVICE_BYTES_PER_PARAMETER[kind] * p
+        return Needs(HOST_PROCESS_BYTES + 2 * p, state + act,
+                     f"{RESIDENT_DEVICE_BYTES_PER_PARAMETER[kind]} B per parameter on the device (weights, "
+                     "gradients, AdamW's m and v) and the micro-batch's activations", {"activations": act})
+    raise ValueError(f"unknown side {kind!r}; one of {', '.join(SIDES)}")
+
+
+@functools.lru_cache(maxsize=1)
+def _relay_bytes_per_parameter() -> float:
+    """The EPS's host bytes per parameter with bf16 compute and fp32 state (the engine's layout)."""
+    from l2l_hw.train import TrainConfig, eps_bytes_per_parameter
+
+    return eps_bytes_per_parameter(TrainConfig(precision="bf16", optimizer_state="fp32"))
+
+
+def _persistent(model: Model, threshold: int) -> int:
+    """Parameters a Llama layer keeps resident under ZeRO-3's persistence threshold (its norms;
+    its k and v projections where the threshold reaches them)."""
+    kv = model.kv_projection
+    return 2 * model.hidden + (2 * kv if kv and threshold >= kv else 0)

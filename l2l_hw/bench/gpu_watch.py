@@ -102,7 +102,13 @@ def watch(cmd: list[str], rows_file: Path, log: Path, *, stop_after_rows: int | 
 
         poller = threading.Thread(target=poll, daemon=True)
         poller.start()
-        _, status, usage = os.wait4(child.pid, 0)
+        try:
+            _, status, usage = os.wait4(child.pid, 0)
+        except BaseException:  # the campaign's time limit (gpu_checks.Cut): the child goes with it
+            done.set()
+            os.killpg(child.pid, signal.SIGKILL)
+            os.waitpid(child.pid, 0)
+            raise
         child.returncode = os.waitstatus_to_exitcode(status)
         done.set()
         poller.join()

@@ -10,11 +10,12 @@ builds them into DIR (default .whl, which .git/info/exclude must ignore) for the
   hjson, pydantic, pydantic-core (cp312 manylinux), annotated-types, typing-inspection
 
 On the machine, one command installs them beside the image's packages and runs a call of the
-campaign (docs/BENCHMARKS.md):
+campaign (docs/GPU_CAMPAIGN.md, "Time budget and the device command", which builds DeepSpeed's
+CPU Adam beside our extension first):
 
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \\
       && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 && python3 setup.py -q build_ext --inplace \\
-      && python3 -m l2l_hw.cli bench gpu --out $OUT/gpu1 --parts tests matmul_peak loss peers
+      && python3 -m l2l_hw.cli bench gpu --out $OUT/gpu1 --work /tmp/w --time-limit 500 --parts matmul_peak regime_c
 """
 from __future__ import annotations
 

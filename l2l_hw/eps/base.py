@@ -26,6 +26,7 @@ rank's slices.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import math
 import numbers
 from abc import ABC, abstractmethod
@@ -36,22 +37,56 @@ import torch
 
 from l2l_hw.options import OptionError
 
-OPTIMIZERS = ("adamw", "adam", "sgd", "lamb", "lars")
+_LIBC = ctypes.CDLL(None)  # this process's symbols: its C library's among them
+
+
+def release_freed_memory() -> None:
+    """Give the pages of freed buffers back to the system (glibc's malloc_trim, every arena).
+    glibc keeps freed blocks under its mmap threshold (up to 32 MiB) in its heaps, and the EPS's
+    long-lived state sits among them: the encoding of 8-bit state at registration, the update's
+    temporaries and the pushed gradients would otherwise stay resident, 4-40% over the state
+    (issue 59; measured in tests/test_eps.py). Called once a step, as the step commits."""
+    trim = getattr(_LIBC, "malloc_trim", None)  # glibc only (musl has none)
+    if trim is not None:
+        trim(0)
+
+OPTIMIZERS = ("adamw", "adam", "sgd", "lamb", "lars", "muon")
 # The layer-wise optimizers: each tensor's step is scaled by a trust ratio of its whole norms
 # (docs/NUMERICS.md, "LAMB and LARS"), so an update sees the whole tensor, never a slice.
 LAYERWISE = ("lamb", "lars")
+# Muon (docs/NUMERICS.md): the Muon rule on every matrix (2 dimensions, as torch.optim.Muon takes
+# them), AdamW on every other tensor. The rules that read a whole tensor: never run on a slice.
+MUON_MATRIX_NDIM = 2
+WHOLE_TENSOR_RULES = LAYERWISE + ("muon",)
 SCHEDULES = ("constant", "cosine", "linear")
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 WORKING_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-# Optimizer state slots per optimizer: m is Adam's (LAMB's) exp_avg or SGD's (LARS's) momentum
-# buffer, v is Adam's exp_avg_sq.
-STATE_SLOTS = {"adamw": ("m", "v"), "adam": ("m", "v"), "sgd": ("m",), "lamb": ("m", "v"), "lars": ("m",)}
+# Optimizer state slots per optimizer: m is Adam's (LAMB's) exp_avg or SGD's (LARS's, Muon's)
+# momentum buffer, v is Adam's exp_avg_sq. Muon's: what any tensor of a Muon EPS may keep (a
+# matrix keeps m alone, every other tensor AdamW's m and v: tensor_rule).
+STATE_SLOTS = {"adamw": ("m", "v"), "adam": ("m", "v"), "sgd": ("m",), "lamb": ("m", "v"), "lars": ("m",),
+               "muon": ("m", "v")}
+RULE_SLOTS = {**STATE_SLOTS, "muon": ("m",)}  # per update rule: the Muon rule keeps one momentum buffer
 MOMENTUM_OPTIMIZERS = ("sgd", "lars")  # take momentum=; without it they keep no state
+MUON_MOMENTUM = 0.95  # torch.optim.Muon's default momentum
+MUON_ADJUST_LR = (None, "original", "match_rms_adamw")  # torch.optim.Muon's adjust_lr_fn values (None: original)
+MAX_NS_STEPS = 99  # torch.optim.Muon refuses 100 or more Newton-Schulz steps
 
 
-def updated_slots(optimizer: str, momentum: float) -> tuple[str, ...]:
-    """The state slots an update reads and writes: SGD and LARS without momentum keep none."""
-    return () if optimizer in MOMENTUM_OPTIMIZERS and momentum == 0 else STATE_SLOTS[optimizer]
+def tensor_rule(optimizer: str, shape) -> str:
+    """The rule a tensor of `shape` is updated by: with optimizer "muon", "muon" for a matrix
+    (MUON_MATRIX_NDIM dimensions: the shape it was registered with, the whole tensor's) and
+    "adamw" for any other tensor; every other optimizer its own rule."""
+    if optimizer == "muon":
+        return "muon" if len(shape) == MUON_MATRIX_NDIM else "adamw"
+    return optimizer
+
+
+def updated_slots(optimizer: str, momentum: float, shape=None) -> tuple[str, ...]:
+    """The state slots an update of a tensor of `shape` reads and writes: SGD and LARS without
+    momentum keep none; Muon's matrices m alone (its momentum buffer, even at momentum 0, as torch)."""
+    rule = optimizer if shape is None else tensor_rule(optimizer, shape)
+    return () if rule in MOMENTUM_OPTIMIZERS and momentum == 0 else RULE_SLOTS[rule]
 
 
 def check_number(name: str, value, low=None, high=None, integer: bool = False, high_open: bool = False):
@@ -79,34 +114,49 @@ class OptimConfig:
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
-    weight_decay: float | None = None  # None: torch's default (AdamW 1e-2, Adam/SGD 0); LAMB 1e-2, LARS 0
-    momentum: float = 0.0  # SGD and LARS
+    weight_decay: float | None = None  # None: torch's (AdamW 1e-2, Adam/SGD 0, Muon 0.1); LAMB 1e-2, LARS 0
+    momentum: float | None = None  # SGD, LARS and Muon; None: torch's default (Muon 0.95, SGD 0)
     dampening: float = 0.0
-    nesterov: bool = False
+    nesterov: bool | None = None  # None: torch's default (Muon True, SGD False)
     schedule: str = "constant"
     warmup_steps: int = 0
     total_steps: int | None = None
     min_lr: float = 0.0
     # LARS's eta: the trust ratio is eta ||p|| / (||g|| + weight_decay ||p||) (You et al., arXiv 1708.03888)
     trust_coefficient: float = 1e-3
+    # Muon's, with torch.optim.Muon's names and defaults: Newton-Schulz iterations, and how its step
+    # is scaled to a matrix's shape (None or "original": sqrt(max(1, rows / cols)); "match_rms_adamw":
+    # 0.2 sqrt(max(rows, cols)), Moonshot's, arXiv 2502.16982, so that AdamW's lr and decay carry over)
+    ns_steps: int = 5
+    adjust_lr_fn: str | None = None
 
     def __post_init__(self):
         if self.optimizer not in OPTIMIZERS:
             raise OptionError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}",
                               "optimizer", self.optimizer, f"must be one of {', '.join(OPTIMIZERS)}")
         if self.weight_decay is None:
-            object.__setattr__(self, "weight_decay", 1e-2 if self.optimizer in ("adamw", "lamb") else 0.0)
+            object.__setattr__(self, "weight_decay", {"adamw": 1e-2, "lamb": 1e-2, "muon": 0.1}.get(self.optimizer, 0.))
+        muon = self.optimizer == "muon"
+        if self.momentum is None:
+            object.__setattr__(self, "momentum", MUON_MOMENTUM if muon else 0.0)
+        if self.nesterov is None:
+            object.__setattr__(self, "nesterov", muon)
         # finite: an infinite one trains to NaN
         for name in ("lr", "eps", "weight_decay", "min_lr", "trust_coefficient"):
             object.__setattr__(self, name, check_number(name, getattr(self, name), low=0.0))
         # momentum >= 1 grows the buffer without bound (torch.optim.SGD takes it and diverges)
         object.__setattr__(self, "momentum", check_number("momentum", self.momentum, low=0.0, high=1.0,
                                                           high_open=True))
-        if self.momentum and self.optimizer not in MOMENTUM_OPTIMIZERS:
-            raise OptionError(f"momentum is SGD's; {self.optimizer} takes none (its betas play that part; lars "
-                              f"takes momentum too), got momentum={self.momentum!r}", "momentum", self.momentum,
-                              f"is for the sgd and lars optimizers; {self.optimizer} takes none (its betas play "
-                              "that part)")
+        if self.momentum and self.optimizer not in MOMENTUM_OPTIMIZERS + ("muon",):
+            rule = f"is for the sgd and lars optimizers; {self.optimizer} takes none (its betas play that part)"
+            raise OptionError(f"momentum is SGD's; {self.optimizer} takes none (its betas play that part; lars and "
+                              f"muon take momentum too), got momentum={self.momentum!r}", "momentum", self.momentum, rule)
+        object.__setattr__(self, "ns_steps", check_number("ns_steps", self.ns_steps, low=1, high=MAX_NS_STEPS,
+                                                          integer=True))
+        if self.adjust_lr_fn not in MUON_ADJUST_LR:
+            rule = f"must be one of {', '.join(map(repr, MUON_ADJUST_LR))} (torch.optim.Muon's)"
+            raise OptionError(f"adjust_lr_fn {rule}, got {self.adjust_lr_fn!r}", "adjust_lr_fn", self.adjust_lr_fn,
+                              rule)
         object.__setattr__(self, "dampening", check_number("dampening", self.dampening, low=0.0, high=1.0))
         betas = self.betas
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
@@ -119,7 +169,7 @@ class OptimConfig:
         if not isinstance(self.nesterov, bool):
             raise ValueError(f"nesterov must be True or False, got {self.nesterov!r}")
         checks = [
-            (not self.nesterov or (self.momentum > 0 and self.dampening == 0),
+            (not self.nesterov or muon or (self.momentum > 0 and self.dampening == 0),
              "nesterov needs momentum > 0 and dampening = 0 (as torch.optim.SGD)"),
             (self.schedule in SCHEDULES, f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}"),
             (self.schedule == "constant" or (self.total_steps or 0) > self.warmup_steps,
@@ -230,6 +280,7 @@ class EPS(ABC):
     shapes: dict[str, dict[str, torch.Size]]  # group -> tensor name -> the whole tensor's shape
     working_dtype: str  # what fetch() gives: fp32, bf16 or fp16
     double_buffer: bool  # updates write spare buffers; a step can be discarded, the previous version read
+    delay_compensation: str = "none"  # "predict": the working copy is the next step's predicted weights (golden.py)
 
     @abstractmethod
     def configure(self, working_dtype: str | None = None, double_buffer: bool | None = None,
@@ -463,6 +514,7 @@ class LocalEps(EPS):
         self._settle()
         self.pushes.run_deferred(grad_scale, self._push)
         if not wait:
+            release_freed_memory()  # what the steps before left (this step's updates go on)
             if skip_nonfinite:
                 raise ValueError("commit_step(wait=False) cannot skip a non-finite step: deciding needs every "
                                  "update of the step finished (wait=True)")
@@ -476,6 +528,7 @@ class LocalEps(EPS):
             self.step += 1
             return found
         self._wait()
+        release_freed_memory()
         found = self.found_nonfinite if agree is None else agree(self.found_nonfinite)
         if found and skip_nonfinite:
             self.discard_step()
@@ -550,14 +603,17 @@ class LocalEps(EPS):
         return self._fetch(key, previous and self.double_buffer)
 
     # -- checkpoints ----------------------------------------------------------
-    def slots(self) -> tuple[str, ...]:
-        """The fp32 tensors each parameter has in the state: param and the optimizer's slots."""
-        return ("param",) + STATE_SLOTS[self.config.optimizer]
+    def slots(self, shape: torch.Size | None = None) -> tuple[str, ...]:
+        """The fp32 tensors a parameter of `shape` has in the state: param and its rule's slots
+        (tensor_rule: a Muon EPS's matrices keep m alone); without a shape, every slot the
+        optimizer's tensors may have."""
+        rule = self.config.optimizer if shape is None else tensor_rule(self.config.optimizer, shape)
+        return ("param",) + (STATE_SLOTS if shape is None else RULE_SLOTS)[rule]
 
     def stored_slots(self, shape: torch.Size) -> dict[str, tuple[torch.Size, torch.dtype]]:
         """Shape and dtype of what one tensor keeps, as a checkpoint stores it: fp32 param and
         optimizer slots here; compressed optimizer state (engine.py) stores its own pieces."""
-        return {slot: (shape, torch.float32) for slot in self.slots()}
+        return {slot: (shape, torch.float32) for slot in self.slots(shape)}
 
     def state_entries(self) -> dict[str, StateEntry]:
         """The state as `{key}/{name}/{slot}` entries read one at a time (plus `step`), so a

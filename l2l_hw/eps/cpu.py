@@ -12,10 +12,11 @@ one copy of param, m, v and the working copy (12 B/parameter with Adam and an fp
 working copy, 14 with bf16; `state="bf16"` 10, `state="8bit"` 8.03 with bf16). Only the
 working copy crosses to an accelerator; it alone is pinned, and only when the relay runs
 on CUDA. With `state_dir` the same kernel runs on the region images of l2l_hw/eps/disk.py.
+Muon's matrices are matrix work, not the kernel's: their updates run in torch (l2l_hw/eps/muon.py).
 """
 from __future__ import annotations
 
-from l2l_hw.eps import host_kernel
+from l2l_hw.eps import host_kernel, muon
 from l2l_hw.eps.base import OptimConfig
 from l2l_hw.eps.engine import Kernel
 from l2l_hw.eps.registry import register_backend
@@ -38,6 +39,8 @@ class HostKernel(Kernel):
             self.threads = threads
 
     def run(self, what, rule, s, grad, src, dst):
+        if rule.optimizer == "muon":  # matrix work: torch on the host (l2l_hw/eps/muon.py)
+            return muon.step(s, grad, src, dst, rule.state, rule.working_dtype)
         return host_kernel.step(rule.optimizer, s, grad, src["param"], src.get("m"), src.get("v"),
                                 param_out=dst["param"], m_out=dst.get("m"), v_out=dst.get("v"),
                                 working_out=dst.get("working"), state=rule.state,

@@ -24,6 +24,11 @@ Buffers of one tensor (`TensorBuffers`), in the storage:
                error or a timeout on the FPGA). Slots the rule does not write have none.
     previous   double buffering only: the working copy one commit back (fetch(previous=True)).
 
+Delay compensation "predict" (PipeDream-2BW; golden.predict_rule): the kernel writes param and
+the state, then its `predict` writes the working copy (a buffer of its own, fp32 too: +8 B/parameter
+with an fp32 copy, in current and spare) at the weights the next step is predicted to reach. Checkpoints keep the
+newest version's predicted copy (`{key}/{name}/predicted`): it is not a function of the state.
+
 An update first brings the whole group's gradients to the host, so everything that can
 fail is done before any buffer is written; then it runs tensor by tensor, in place or
 into the spare buffers. Without double buffering a group's spare buffers are swapped in
@@ -54,8 +59,8 @@ from dataclasses import dataclass, field
 import torch
 
 from l2l_hw.eps import golden
-from l2l_hw.eps.base import (LAYERWISE, WORKING_DTYPES, LocalEps, OptimConfig, PendingFetch, landed, release,
-                             updated_slots)
+from l2l_hw.eps.base import (WHOLE_TENSOR_RULES, WORKING_DTYPES, LocalEps, OptimConfig, PendingFetch, StateEntry,
+                             check_state_mapping, landed, release, tensor_of, tensor_rule, updated_slots)
 from l2l_hw.eps.golden import step_scalars
 from l2l_hw.eps.storage import Buffer, GroupLayout, Spec, Storage
 from l2l_hw.eps.worker import Update, UpdateWorker
@@ -103,6 +108,18 @@ class Kernel:
         source). Returns whether the gradient (times the inverse loss scale) held a
         non-finite value."""
         raise NotImplementedError
+
+    def predict(self, rule: UpdateRule, s, grad: torch.Tensor, dst: dict) -> None:
+        """Delay compensation "predict" (golden.predict_rule), after run() wrote `dst`: the weights
+        the next step is predicted to reach into dst["working"], from dst's param and state, this
+        run's gradient and the NEXT step's scalars `s`. Here torch float32 on the host, one rounding
+        a statement as golden's (a kernel computing elsewhere has none: the engine refuses it)."""
+        state = {slot: _decoded(dst, rule.state, slot) for slot in ("m", "v") if slot in dst}
+        g = grad.reshape(dst["param"].shape).float()  # bf16 and fp16 widen exactly
+        q = golden.predict_rule(rule.optimizer, s, dst["param"], state.get("m"), state.get("v"), g, _sqrt32)
+        w = dst["working"]
+        q = q.reshape(w.shape).to(w.dtype)  # bf16 / fp16: round to nearest even
+        w.copy_(torch.where(torch.isnan(q), _CANONICAL_NANS[w.dtype], q))  # as golden's canonical NaNs
 
     def close(self) -> None:
         """Release the kernel's threads and device memory."""
@@ -174,8 +191,11 @@ class Engine(LocalEps):
     """An EPS whose updates run on the update thread: `kernel` on buffers kept by `storage`."""
 
     def __init__(self, config: OptimConfig, kernel: Kernel, storage: Storage, working_dtype: str = "fp32",
-                 double_buffer: bool = False, state: str = "fp32", name: str | None = None):
+                 double_buffer: bool = False, state: str = "fp32", name: str | None = None,
+                 delay_compensation: str = "none"):
         check_formats(state, working_dtype)
+        check_delay_compensation(delay_compensation, config, name or kernel.name, kernel.memory)
+        self.delay_compensation = delay_compensation
         if kernel.memory != storage.memory:
             raise ValueError(f"the {kernel.name} kernel computes on {kernel.memory} memory; a {type(storage).__name__} "
                              f"storage keeps {storage.memory} memory")
@@ -206,25 +226,35 @@ class Engine(LocalEps):
     # -- layout ---------------------------------------------------------------------
     @property
     def working_slot(self) -> str:
-        return "param" if self.working_dtype == "fp32" else "working"
+        """The buffer the device reads: param itself for an fp32 copy, unless it is predicted."""
+        return "param" if self.working_dtype == "fp32" and not self.predicts else "working"
 
-    def _slots_written(self) -> tuple[str, ...]:
-        """What an update writes: SGD and LARS without momentum leave m as it is."""
-        state = updated_slots(self.config.optimizer, self.config.momentum)
-        return ("param",) + state + (("working",) if self.working_dtype != "fp32" else ())
+    @property
+    def predicts(self) -> bool:
+        """Delay compensation "predict": every update writes the working copy at the weights the
+        next step is predicted to reach (golden.predict_rule), not the rounding of param."""
+        return self.delay_compensation == "predict"
+
+    def _slots_written(self, shape: torch.Size) -> tuple[str, ...]:
+        """What an update of a tensor of `shape` writes: SGD and LARS without momentum leave m as it is."""
+        state = updated_slots(self.config.optimizer, self.config.momentum, shape)
+        return ("param",) + state + (("working",) if self.working_slot == "working" else ())
 
     @property
     def out_of_place(self) -> bool:
         return self.double_buffer or not self.kernel.in_place
 
-    def _rule(self, optimizer: str | None = None) -> UpdateRule:
-        return UpdateRule(optimizer or self.config.optimizer, self.state_format, self.working_dtype,
-                          self.config.nesterov)
+    def _rule(self, optimizer: str | None = None, shape: torch.Size | None = None) -> UpdateRule:
+        """The rule a kernel run applies: `optimizer`, else that of a tensor of `shape` (base.tensor_rule:
+        a Muon EPS runs Muon on its matrices, AdamW on the rest)."""
+        rule = optimizer or (self.config.optimizer if shape is None else tensor_rule(self.config.optimizer, shape))
+        return UpdateRule(rule, self.state_format, self.working_dtype, self.config.nesterov)
 
     def _stored_rule(self) -> dict:
         """What the bytes of a group depend on besides the model (a storage that keeps them checks it)."""
-        return {"optimizer": self.config.optimizer, "state": self.state_format, "working_dtype": self.working_dtype,
+        rule = {"optimizer": self.config.optimizer, "state": self.state_format, "working_dtype": self.working_dtype,
                 "double_buffer": self.double_buffer}
+        return rule | ({"delay_compensation": self.delay_compensation} if self.predicts else {})
 
     def _pieces(self, slot: str, shape: torch.Size) -> dict[str, tuple[torch.Size, torch.dtype]]:
         """The buffers one slot is kept in: param fp32, the working copy in its dtype, m and v
@@ -238,7 +268,7 @@ class Engine(LocalEps):
                 for piece, (dtype, count) in pieces.items()}
 
     def stored_slots(self, shape):
-        return {piece: layout for slot in self.slots() for piece, layout in self._pieces(slot, shape).items()}
+        return {piece: layout for slot in self.slots(shape) for piece, layout in self._pieces(slot, shape).items()}
 
     def buffer_layout(self, shape: torch.Size) -> list[tuple[str, str | None, Spec]]:
         """(role, piece, spec) of every buffer one tensor of `shape` takes: role "current", "spare"
@@ -248,12 +278,12 @@ class Engine(LocalEps):
             fetched = slot == self.working_slot
             return Spec(torch.Size(s), dtype, fetched, fetched and self.pin_fetched)
 
-        slots = self.slots() + (("working",) if self.working_dtype != "fp32" else ())
+        slots = self.slots(shape) + (("working",) if self.working_slot == "working" else ())
         out = [("current", piece, spec(s, dtype, slot))
                for slot in slots for piece, (s, dtype) in self._pieces(slot, shape).items()]
         if self.out_of_place:
             out += [("spare", piece, spec(s, dtype, slot))
-                    for slot in self._slots_written() for piece, (s, dtype) in self._pieces(slot, shape).items()]
+                    for slot in self._slots_written(shape) for piece, (s, dtype) in self._pieces(slot, shape).items()]
         if self.double_buffer:
             out.append(("previous", None, spec(shape, WORKING_DTYPES[self.working_dtype], self.working_slot)))
         return out
@@ -291,15 +321,48 @@ class Engine(LocalEps):
     def load_tensor(self, key, name, slots, previous=None):
         shape = self.shapes[key][name]
         b = self.buffers[key][name]
-        for slot in self.slots():
+        for slot in self.slots(shape):
             for piece, values in self._stored_values(slot, slots, shape).items():
                 self.storage.write(b.current[piece], values)
-        if self.working_dtype != "fp32":
+        if self.working_slot == "working":
             self._convert(key, name, b)
         if b.previous is not None:  # before the first commit the previous version is the loaded one
             if previous is None:
-                previous = self.storage.read(b.current[self.working_slot], shape, WORKING_DTYPES[self.working_dtype])
+                previous = self.storage.read(b.current["param" if self.working_dtype == "fp32" else "working"],
+                                             shape, WORKING_DTYPES[self.working_dtype])
             self.storage.write(b.previous, previous)
+
+    def state_entries(self):
+        """LocalEps's, and under "predict" the working copy of the newest version, `{key}/{name}/predicted`
+        (fp32): the step after the next computes on it, and it is not a function of the state alone."""
+        out = super().state_entries()
+        if self.predicts:
+            for key, names in self.shapes.items():
+                for name, shape in names.items():
+                    out[f"{key}/{name}/predicted"] = StateEntry(
+                        shape, torch.float32, lambda k=key, n=name: self._working(k, False)[n].float())
+        return out
+
+    def load_state_dict(self, state):
+        """LocalEps's, and under "predict" the checkpoint's predicted working copies (without them the
+        working copy is param's rounding, as for a fresh run), each checked before anything is written."""
+        check_state_mapping(state)
+        predicted = {name: entry for name, entry in state.items() if name.endswith("/predicted")} \
+            if self.predicts else {}
+        for name, entry in predicted.items():
+            key, _, rest = name.partition("/")
+            shape = self.shapes.get(key, {}).get(rest.rpartition("/")[0])
+            if shape is None or entry.shape != shape or entry.dtype != torch.float32:
+                raise ValueError(f"EPS state {name} is {entry.dtype} {tuple(entry.shape)}; expected float32 "
+                                 f"{tuple(shape) if shape is not None else 'of a tensor this EPS holds'}")
+        super().load_state_dict({k: v for k, v in state.items() if k not in predicted} if predicted else state)
+        for key, names in self.shapes.items():
+            with self._holding(key):
+                for name in names:
+                    entry = predicted.get(f"{key}/{name}/predicted")
+                    if entry is not None:
+                        self.storage.write(self.buffers[key][name].current["working"],
+                                           tensor_of(entry).to(WORKING_DTYPES[self.working_dtype]))
 
     def _stored_values(self, slot: str, given: dict[str, torch.Tensor], shape: torch.Size) -> dict[str, torch.Tensor]:
         """What to write into one slot's buffers: the stored pieces as given (a checkpoint of
@@ -322,8 +385,12 @@ class Engine(LocalEps):
     def _convert(self, key: str, name: str, b: TensorBuffers) -> None:
         """The working copy of loaded weights by the kernel's own rounding: a zero-step SGD
         run (p - 0 * 0 = p for finite p; NaN becomes the canonical NaN), its param output
-        going to scratch so the master keeps every bit."""
+        going to scratch so the master keeps every bit. An fp32 copy (predict's) is param's bits."""
         shape = self.shapes[key][name]
+        if self.working_dtype == "fp32":
+            p = self.storage.read(b.current["param"], shape, torch.float32)
+            self.storage.write(b.current["working"], torch.where(torch.isnan(p), _CANONICAL_NAN, p))
+            return
         scratch = b.spare.get("param")
         temporary = scratch is None
         if temporary:
@@ -376,26 +443,38 @@ class Engine(LocalEps):
         plain = golden.without_weight_decay(s)  # no_decay's tensors
         if self.storage.waits_on_io:
             self.storage.update_queued(key)
-        worker.submit(key, self._update(key, grads, {n: plain if n in self.no_decay[key] else s for n in grads}))
+        shapes = self.shapes[key]  # a Muon matrix's step depends on its shape (golden.tensor_scalars)
+        scalars = {n: golden.tensor_scalars(self.config, plain if n in self.no_decay[key] else s, shapes[n])
+                   for n in grads}
+        if not self.predicts:
+            worker.submit(key, self._update(key, grads, scalars))
+            return
+        following = step_scalars(self.config, self.step + 2, inv_scale)  # the next step's, for the prediction
+        ahead = {n: following if n not in self.no_decay[key] else golden.without_weight_decay(following) for n in grads}
+        worker.submit(key, self._update(key, grads, scalars, ahead))
 
-    def _update(self, key: str, grads: dict[str, torch.Tensor], scalars: dict) -> Update:
+    def _update(self, key: str, grads: dict[str, torch.Tensor], scalars: dict, ahead: dict | None = None) -> Update:
         """Update thread: the group's gradients to the host first (all that can fail), then
         one run per tensor (with its step scalars), in place or into the spare buffers, a
         chunk at a time (`_chunks`): between chunks a group needed sooner may overtake it."""
         # fp32, bf16 or fp16 as they came (push_grads checked shapes and dtypes): the kernel widens
         # them. The relay's gradients come as a Landing, on their way down from the device.
         self._read_ahead(key, "update")
-        rule = self._rule()
         try:
             with self.storage.hold(key, write_back=True) as view:
                 host = {name: grad.detach().to("cpu").contiguous() for name, grad in landed(grads).items()}
                 found = False
                 for name, g in host.items():
-                    b = self.buffers[key][name]
-                    written = [piece for slot in self._slots_written() for piece in self._pieces(slot, g.shape)]
+                    b, rule = self.buffers[key][name], self._rule(shape=g.shape)
+                    written = [piece for slot in self._slots_written(g.shape) for piece in self._pieces(slot, g.shape)]
                     dst = b.spare if self.out_of_place else {piece: b.current[piece] for piece in written}
-                    for part, src, out in self._chunks(g, _viewed(b.current, view), _viewed(dst, view)):
-                        found |= self.kernel.run(_what(key, name), rule, scalars[name], part, src, out)
+                    for part, src, out in self._chunks(rule, g, _viewed(b.current, view), _viewed(dst, view)):
+                        if ahead is None:
+                            found |= self.kernel.run(_what(key, name), rule, scalars[name], part, src, out)
+                        else:  # the kernel writes param and state; the working copy is the prediction
+                            ran = {slot: t for slot, t in out.items() if slot != "working"}
+                            found |= self.kernel.run(_what(key, name), rule, scalars[name], part, src, ran)
+                            self.kernel.predict(rule, ahead[name], part, out)
                         if not self.storage.waits_on_io:  # a storage on disk holds one whole group at a time
                             yield
         finally:
@@ -407,12 +486,12 @@ class Engine(LocalEps):
                 self.buffers[key][name].flip()
         return found
 
-    def _chunks(self, grad: torch.Tensor, src: dict, dst: dict):
+    def _chunks(self, rule: UpdateRule, grad: torch.Tensor, src: dict, dst: dict):
         """(grad, src, dst) of one tensor's update in UPDATE_CHUNK-element slices where the rule is
         element-wise and the kernel takes slices (every element's result is the same either way);
-        whole otherwise. 8-bit state: whole blocks, with their scales."""
+        whole otherwise (LAMB, LARS, Muon's matrices). 8-bit state: whole blocks, with their scales."""
         n = grad.numel()
-        if not self.kernel.slices or self.config.optimizer in LAYERWISE or n <= UPDATE_CHUNK:
+        if not self.kernel.slices or rule.optimizer in WHOLE_TENSOR_RULES or n <= UPDATE_CHUNK:
             yield grad, src, dst
             return
         block = golden.QUANT_BLOCK
@@ -510,7 +589,7 @@ class Engine(LocalEps):
             self._collect(key)
         b, shape = self.buffers[key][name], self.shapes[key][name]
         out = {}
-        for slot in self.slots():
+        for slot in self.slots(shape):
             pieces = {p: self.storage.read(b.current[p], s, dtype)
                       for p, (s, dtype) in self._pieces(slot, shape).items()}
             if slot == "param" or self.state_format == "fp32":
@@ -562,6 +641,22 @@ class PendingUpdate(PendingFetch):
         return self._when_ready(landed)
 
 
+def check_delay_compensation(compensation: str, config: OptimConfig, name: str, memory: str) -> None:
+    """A delay compensation this engine can run: computed on the host, for a rule it predicts."""
+    if compensation not in golden.DELAY_COMPENSATIONS:
+        raise ValueError(f"unknown delay_compensation {compensation!r}; choose one of "
+                         f"{', '.join(golden.DELAY_COMPENSATIONS)}")
+    if compensation == "none":
+        return
+    if memory != "host":
+        raise ValueError(f"delay_compensation={compensation!r} is computed on the host from the EPS's state; the "
+                         f"{name} EPS keeps it in {memory} memory and its kernel does not predict: use the cpu or "
+                         "golden EPS")
+    problem = golden.prediction_problem(config)
+    if problem:
+        raise ValueError(f"delay_compensation={compensation!r} {problem}")
+
+
 def check_formats(state: str, working_dtype: str) -> None:
     """The optimizer state format and the working copy's dtype are ones the engine keeps."""
     if state not in golden.STATE_FORMATS:
@@ -578,6 +673,28 @@ def _viewed(buffers: dict[str, Buffer], view) -> dict:
 
 def _what(key: str, name: str) -> str:
     return f"EPS group {key!r} tensor {name!r}"
+
+
+_CANONICAL_NAN = torch.tensor(golden.CANONICAL_NAN32, dtype=torch.int32).view(torch.float32)
+_CANONICAL_NANS = {torch.float32: _CANONICAL_NAN,  # torch's own conversions keep or set other NaN bits
+                   torch.bfloat16: torch.tensor(golden.CANONICAL_NAN_BF16, dtype=torch.int16).view(torch.bfloat16),
+                   torch.float16: torch.tensor(golden.CANONICAL_NAN_FP16, dtype=torch.int16).view(torch.float16)}
+
+
+def _sqrt32(x: torch.Tensor) -> torch.Tensor:
+    """The float32 square root correctly rounded, as the rule's (torch's own float32 sqrt on the CPU is
+    not: 1 ulp off in ~15% of values); a float64 root rounded once to float32 is exact."""
+    return torch.sqrt(x.double()).float()
+
+
+def _decoded(dst: dict[str, torch.Tensor], state: str, slot: str) -> torch.Tensor:
+    """m or v of a kernel run's destinations as float32 (shaped as param), decoded as golden.decode_state."""
+    if state == "fp32":
+        return dst[slot].reshape(dst["param"].shape)
+    if state == "bf16":
+        return dst[slot].reshape(dst["param"].shape).float()  # exact
+    stored = golden.state_arrays({piece: dst[piece].reshape(-1) for piece in (slot, f"{slot}_scale")})
+    return torch.from_numpy(golden.decode_state(stored, state, slot)).reshape(dst["param"].shape)
 
 
 def _encoded(values: torch.Tensor, state: str, slot: str) -> dict[str, torch.Tensor]:

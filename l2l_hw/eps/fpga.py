@@ -46,8 +46,10 @@ def check_rule(name: str, config: OptimConfig, state: str) -> None:
     """Refuse an optimizer or a state format the RTL lacks, before any transport is built (LAMB
     and LARS need a norm pass it does not have)."""
     if config.optimizer not in regs.MODE_OPTIMIZER_VALUES:
+        lacks = "no matrix unit for Muon's Newton-Schulz iterations" if config.optimizer == "muon" else \
+            "no trust-ratio pass"
         raise ValueError(f"the {name} EPS runs optimizer {', '.join(regs.MODE_OPTIMIZER_VALUES)} only (the RTL "
-                         f"kernel has no trust-ratio pass), not optimizer={config.optimizer!r}; use the cpu or "
+                         f"kernel has {lacks}), not optimizer={config.optimizer!r}; use the cpu or "
                          f"golden EPS for it")
     if state not in STATE_FORMATS:
         raise ValueError(f"the {name} EPS supports optimizer state {', '.join(STATE_FORMATS)} only "

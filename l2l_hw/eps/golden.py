@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from l2l_hw.eps.base import LAYERWISE, MOMENTUM_OPTIMIZERS, OptimConfig
+from l2l_hw.eps.base import LAYERWISE, MOMENTUM_OPTIMIZERS, OptimConfig, tensor_rule
 from l2l_hw.hw import regs
 
 CANONICAL_NAN32 = 0x7FC00000
@@ -62,10 +62,17 @@ class StepScalars:
     exact_weight_decay: float = 0.0
     trust_coefficient: float = 0.0
     trust: float = 1.0
+    # Muon (its matrices): the weight of torch's buf.lerp_(grad, 1 - momentum), f32(1 - momentum);
+    # the Newton-Schulz iterations; and f32(lr x the matrix's shape adjustment), set per tensor
+    # by tensor_scalars (0 until then)
+    one_minus_momentum: float = 0.0
+    ns_steps: int = 0
+    matrix_lr: float = 0.0
 
 
 # The scalars only LAMB and LARS read (the host kernel's, not the RTL's: its registers are the rest).
 LAYERWISE_SCALARS = ("bias_correction1", "exact_lr", "exact_weight_decay", "trust_coefficient", "trust")
+MUON_SCALARS = ("one_minus_momentum", "ns_steps", "matrix_lr")  # only Muon's matrices read them
 
 
 def step_scalars(cfg: OptimConfig, step: int, inv_scale: float = 1.0) -> StepScalars:
@@ -92,7 +99,17 @@ def step_scalars(cfg: OptimConfig, step: int, inv_scale: float = 1.0) -> StepSca
         exact_lr=lr,
         exact_weight_decay=cfg.weight_decay,
         trust_coefficient=cfg.trust_coefficient,
+        one_minus_momentum=f32(1.0 - cfg.momentum),
+        ns_steps=cfg.ns_steps,
     )
+
+
+def tensor_scalars(cfg: OptimConfig, s: StepScalars, shape) -> StepScalars:
+    """The scalars of one tensor of `shape`: a Muon matrix's with its matrix_lr, f32(lr x
+    muon_lr_ratio) from the float64 lr as torch.optim.Muon computes it; any other tensor's as they are."""
+    if tensor_rule(cfg.optimizer, shape) != "muon":
+        return s
+    return dataclasses.replace(s, matrix_lr=f32(s.exact_lr * muon_lr_ratio(cfg.adjust_lr_fn, shape)))
 
 
 def without_weight_decay(s: StepScalars) -> StepScalars:
@@ -119,6 +136,9 @@ def apply_rule(optimizer: str, s: StepScalars, p, m, v, g, sqrt):
     if optimizer == "lamb":
         u, m, v = lamb_update(s, p, m, v, g, sqrt)
         return p - u * s.trust, m, v
+    if optimizer == "muon":  # a matrix: p, m, g 2-D
+        p, m = muon_update(s, p, m, g)
+        return p, m, v
     if optimizer == "adam" and s.weight_decay != 0:
         g = g + p * s.weight_decay
     if optimizer == "adamw" and s.weight_decay != 0:
@@ -143,6 +163,49 @@ def lamb_update(s: StepScalars, p, m, v, g, sqrt):
     if s.weight_decay != 0:
         u = u + p * s.weight_decay
     return u, m, v
+
+
+# ---------------------------------------------------------------------------- delay compensation
+# PipeDream-2BW computes step t+1's gradient on the weights one commit back. "predict" (weight
+# prediction: SpecTrain, Chen et al., arXiv 1809.02839; PipeMare, Yang et al., arXiv 1910.05124;
+# for Adam, XPipe, Guan et al., arXiv 1911.04610) makes the working copy an update writes the
+# weights the next step is predicted to reach, so the stale step computes about where a
+# synchronous one would. Those papers predict from the moments alone; here the prediction is the
+# optimizer's own next step with this step's gradient taken again (its moments move as they
+# will), which in the one-dimensional model of a one-step delay (AdamW as momentum 0.9 on a
+# quadratic) keeps the update stable up to lr x curvature 5.0, the moments-only prediction 2.7,
+# no prediction 1.0 (a synchronous step: 38); on the reference GPT at lr 1e-3 (seed 1337) it
+# recovered 66% of 2BW's loss gap (`l2l bench convergence`) where the moments-only one recovered
+# 39% (a plain-PyTorch run of the same recipe, 2026-12-07); over 3 seeds, docs/BENCHMARKS.md.
+# The master weights, the moments and the rule are untouched: only what the device reads.
+DELAY_COMPENSATIONS = ("none", "predict")
+PREDICTED = ("adamw", "adam", "sgd")  # the element-wise rules: a prediction of one element needs only its own state
+
+
+def prediction_problem(cfg: OptimConfig) -> str | None:
+    """Why `cfg`'s updates cannot be predicted (None: they can)."""
+    if cfg.optimizer not in PREDICTED:
+        whole = "its matrices' Newton-Schulz iterations" if cfg.optimizer == "muon" else "a trust ratio of its norms"
+        return (f"predicts the next step element by element, for {', '.join(PREDICTED)}; {cfg.optimizer}'s step "
+                f"reads whole tensors ({whole}) and is not predicted")
+    return None
+
+
+def predict_rule(optimizer: str, s: StepScalars, p, m, v, g, sqrt):
+    """The weights predicted after the next step: apply_rule with the NEXT step's scalars `s` on
+    param and the moments this step wrote, and this step's gradient `g` (raw, as pushed) again.
+    The same statements and roundings as the rule; the new moments are dropped."""
+    return apply_rule(optimizer, s, p, m, v, g, sqrt)[0]
+
+
+def predicted_working(optimizer: str, s: StepScalars, p: np.ndarray, stored: dict[str, np.ndarray], g: np.ndarray,
+                      state: str, working_dtype: str) -> torch.Tensor:
+    """The working copy under "predict": predict_rule on param, the decoded state and the
+    gradient (numpy float32), canonical NaNs, rounded to the working dtype as working_copy rounds."""
+    m, v = (decode_state(stored, state, slot) if slot in stored else None for slot in ("m", "v"))
+    with np.errstate(all="ignore"):
+        q = predict_rule(optimizer, s, np.asarray(p, np.float32), m, v, g, np.sqrt)
+    return working_copy(canonicalize_nan(np.array(q, dtype=np.float32)), working_dtype)
 
 
 # ---------------------------------------------------------------------------- LAMB and LARS
@@ -209,6 +272,85 @@ def with_trust(optimizer: str, s: StepScalars, p_squares: float, x_squares: floa
     ratio = trust_ratio(optimizer, s, p_squares, x_squares)
     with np.errstate(over="ignore"):  # a ratio beyond float32 is Inf, as the rule would make it
         return dataclasses.replace(s, trust=f32(s.exact_lr * ratio if optimizer == "lamb" else ratio))
+
+
+# ---------------------------------------------------------------------------- Muon
+# Muon (Keller Jordan, https://kellerjordan.github.io/posts/muon/; torch.optim.Muon) steps a matrix
+# by its momentum orthogonalised by Newton-Schulz iterations. Its statements are torch.optim.Muon's
+# and so are their roundings: torch's lerp_ and add_(alpha=) round each multiply-add once (its CPU
+# kernels fuse them), and the iterations start from the update rounded to bf16, where a momentum
+# one ulp off flips a bf16 rounding that the iterations spread over the whole matrix. So Muon's
+# multiply-adds are fused here (fma32, exact), unlike every other rule's, and the iterations are
+# torch's own bf16 matrix products (`orthogonalize`), which the CPU EPS runs too (docs/NUMERICS.md, "Muon").
+MUON_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's (a, b, c), from Keller Jordan's post
+MUON_NS_EPS = 1e-7  # torch.optim.Muon's eps: the least norm the iterations' first division takes
+
+
+def muon_lr_ratio(adjust_lr_fn: str | None, shape) -> float:
+    """torch.optim.Muon's _adjust_lr factor for a (rows, cols) matrix: None or "original",
+    sqrt(max(1, rows / cols)) (Keller Jordan's); "match_rms_adamw", 0.2 sqrt(max(rows, cols))
+    (Moonshot's, arXiv 2502.16982: the update's RMS of AdamW's, so AdamW's lr carries over)."""
+    rows, cols = shape[:2]
+    if adjust_lr_fn == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    return math.sqrt(max(1, rows / cols))
+
+
+def orthogonalize(update: torch.Tensor, steps: int) -> torch.Tensor:
+    """The Newton-Schulz iterations of torch.optim.Muon (_zeropower_via_newtonschulz), op for op:
+    the float32 (rows, cols) update in bf16, as a wide matrix, divided by its norm, then `steps`
+    quintic iterations X <- a X + (b A + c A A) X with A = X X^T. Returns a bf16 matrix of the
+    update's shape, U S' V^T with S' about 1 where update = U S V^T."""
+    a, b, c = MUON_NS_COEFFICIENTS
+    x = update.bfloat16()
+    tall = update.size(0) > update.size(1)
+    if tall:
+        x = x.T  # (cols, rows): the Gram matrix below is the smaller one
+    x.div_(x.norm().clamp(min=MUON_NS_EPS))
+    for _ in range(steps):
+        gram = x @ x.T  # (small, small)
+        gram_update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, gram_update, x, beta=a)
+    return x.T if tall else x
+
+
+def fma32(a, b, c) -> np.ndarray:
+    """a * b + c rounded once to float32 (IEEE fusedMultiplyAdd), for float32 arrays or scalars.
+    The product of two float32 is exact in float64; the float64 sum is rounded once more, which
+    can round twice only where it lands on a float32 tie that the exact sum is not: there it is
+    moved one float64 step towards the exact sum (its TwoSum error) before the rounding to float32."""
+    product = np.asarray(a, np.float64) * np.asarray(b, np.float64)
+    addend = np.asarray(c, np.float64)
+    with np.errstate(all="ignore"):  # Inf and NaN flow through as the fused operation gives them
+        total = product + addend
+        low = total - product
+        error = (product - (total - low)) + (addend - low)  # total + error == product + addend, exactly
+        near = total.astype(np.float32)
+        beside = np.nextafter(near, np.where(total > near, np.float32(np.inf), np.float32(-np.inf)))
+        tie = (total == (near.astype(np.float64) + beside.astype(np.float64)) / 2) & (error != 0) & np.isfinite(total)
+        total = np.where(tie, np.nextafter(total, np.where(error > 0, np.inf, -np.inf)), total)
+        return total.astype(np.float32)
+
+
+def lerp32(start, end, weight: float) -> np.ndarray:
+    """torch.lerp(start, end, weight) for float32 arrays and a float32 weight, as torch's CPU kernel
+    computes it: the difference end - start, then one fused multiply-add: start + weight x
+    difference where |weight| < 0.5, else end + (weight - 1) x difference."""
+    difference = end - start
+    if abs(weight) < 0.5:
+        return fma32(difference, weight, start)
+    return fma32(difference, np.float32(weight) - np.float32(1), end)
+
+
+def muon_update(s: StepScalars, p, m, g):
+    """One Muon step of a matrix (float32 (rows, cols) arrays, g unscaled already): new (p, m),
+    statement for statement torch.optim.Muon's (_single_tensor_muon)."""
+    m = lerp32(m, g, s.one_minus_momentum)  # buf.lerp_(grad, 1 - momentum)
+    u = lerp32(g, m, s.momentum) if s.nesterov else m  # grad.lerp(buf, momentum), or buf
+    with np.errstate(all="ignore"):
+        o = orthogonalize(torch.from_numpy(np.ascontiguousarray(u, np.float32)), s.ns_steps).float().numpy()
+        p = p * s.decay  # param.mul_(1 - lr * weight_decay)
+        return fma32(o, -s.matrix_lr, p), m  # param.add_(update, alpha=-adjusted_lr): bf16 widens exactly
 
 
 def canonicalize_nan(x: np.ndarray) -> np.ndarray:
@@ -427,11 +569,14 @@ def decode_state(stored: dict[str, np.ndarray], state: str, slot: str) -> np.nda
 
 
 def apply_rule_stored(optimizer: str, s: StepScalars, p: np.ndarray, stored: dict[str, np.ndarray],
-                      g: np.ndarray, state: str) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+                      g: np.ndarray, state: str, shape=None) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """One step with m and v kept in `state` format: decode, apply_rule, canonicalize NaNs,
-    encode. Returns the new fp32 param (canonical NaNs) and the new stored state."""
+    encode. Returns the new fp32 param (canonical NaNs) and the new stored state. Muon's matrices
+    need their `shape` (p, g and m may come flat)."""
     slots = [slot for slot in ("m", "v") if slot in stored]
     old = {slot: decode_state(stored, state, slot) for slot in slots}
+    if optimizer == "muon":
+        p, g, old["m"] = (x.reshape(shape) for x in (p, g, old["m"]))
     s = layerwise_scalars(optimizer, s, p, old.get("m"), old.get("v"), g)
     with np.errstate(all="ignore"):
         p, m, v = apply_rule(optimizer, s, p, old.get("m"), old.get("v"), g, np.sqrt)

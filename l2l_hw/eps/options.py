@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from l2l_hw.eps.base import LAYERWISE, OPTIMIZERS, SCHEDULES, OptimConfig
-from l2l_hw.eps.golden import STATE_FORMATS
+from l2l_hw.eps.base import MAX_NS_STEPS, MUON_MOMENTUM, OPTIMIZERS, SCHEDULES, WHOLE_TENSOR_RULES, OptimConfig
+from l2l_hw.eps.golden import DELAY_COMPENSATIONS, STATE_FORMATS, prediction_problem
 from l2l_hw.eps.registry import disk_tier_backends, known_backends
 from l2l_hw.options import OptionError, check_options, fail, option
 
@@ -59,6 +59,9 @@ class ScheduleOptions:
 OPTIMIZER_ARGUMENTS = {"optimizer": "optimizer", "lr": "lr", "weight_decay": "weight_decay",  # EpsOptions field
                        "momentum": "momentum", "adam_eps": "eps",  # -> the OptimConfig argument it is
                        "trust_coefficient": "trust_coefficient"}
+MUON_ARGUMENTS = {"muon_momentum": "momentum", "muon_nesterov": "nesterov", "muon_ns_steps": "ns_steps",
+                  "muon_adjust_lr": "adjust_lr_fn"}  # with --optimizer muon only
+MUON_ADJUST_LR = ("original", "match_rms_adamw")  # torch.optim.Muon's adjust_lr_fn (None is "original")
 
 
 # LAMB's base learning rate for the reference GPT at batch 32 (docs/BENCHMARKS.md, "LAMB (and LARS) at a 4x
@@ -74,7 +77,9 @@ class EpsOptions:
                               flag="--eps", aliases=("--eps-backend",))
     optimizer: str = option("adamw", "the update rule: adamw, adam, sgd as torch.optim's; lamb, lars: layer-wise "
                             "trust ratios for large batches (docs/NUMERICS.md), which want a larger --lr than AdamW's: 2e-2 trains "
-                            "the reference GPT at batch 32, x sqrt(k) at k times the batch (docs/BENCHMARKS.md)",
+                            "the reference GPT at batch 32, x sqrt(k) at k times the batch (docs/BENCHMARKS.md); "
+                            "muon: torch.optim.Muon on every 2-D weight (orthogonalised momentum, on the host), AdamW "
+                            "on the rest, one --lr and --weight-decay for both (--muon-*)",
                             kind="choice", choices=OPTIMIZERS)
     # lr, momentum, weight_decay: their ranges and rules are OptimConfig's (OPTIMIZER_ARGUMENTS)
     lr: float = option(2e-3, "peak learning rate", kind="float", command_defaults={"finetune": 5e-5})
@@ -86,8 +91,24 @@ class EpsOptions:
     adam_beta1: float = option(0.9, "Adam's beta1", kind="float", low=0.0, high=1.0, high_open=True)
     adam_beta2: float = option(0.999, "Adam's beta2", kind="float", low=0.0, high=1.0, high_open=True)
     adam_eps: float = option(1e-8, "Adam's epsilon, added to the square root of v", kind="float")
+    muon_momentum: float = option(MUON_MOMENTUM, "Muon's momentum, in [0, 1) (torch.optim.Muon's default)",
+                                  kind="float", low=0.0, high=1.0, high_open=True)
+    muon_nesterov: bool = option(True, "Muon: plain momentum instead of Nesterov's (which is torch.optim.Muon's "
+                                 "default)", kind="bool", flag="--no-muon-nesterov")
+    muon_ns_steps: int = option(5, "Muon's Newton-Schulz iterations per update (torch.optim.Muon's default)",
+                                kind="int", low=1, high=MAX_NS_STEPS)
+    muon_adjust_lr: str = option("match_rms_adamw", "how Muon scales --lr to a matrix's shape: match_rms_adamw, "
+                                 "0.2 sqrt(max(rows, cols)) (Moonshot's, so one --lr serves Muon and AdamW); "
+                                 "original, sqrt(max(1, rows/cols)) (torch.optim.Muon's default; wants ~10x "
+                                 "AdamW's lr)",
+                                 kind="choice", choices=MUON_ADJUST_LR)
     optimizer_state: str = option("fp32", "how the EPS keeps m and v: fp32, bf16 or block-wise 8bit", kind="choice",
                                   choices=STATE_FORMATS)
+    delay_compensation: str = option(
+        "none", "under PipeDream-2BW (--pipeline-schedule 2bw, --pipedream-2bw), whose steps compute on weights one "
+        "step stale: predict, the EPS writes the working copy at the weights the next step is predicted to reach "
+        "(weight prediction from the optimizer's own update, SpecTrain / PipeMare; docs/PIPELINE.md); none",
+        kind="choice", choices=DELAY_COMPENSATIONS)
     shard_state: bool = option(False, "under torchrun: each rank's EPS keeps 1/N of the optimizer state (ZeRO-style)",
                                kind="bool")
     overlay: str | None = option(None, "--eps fpga-pynq: the overlay to load (.bit with its .hwh, or .xclbin; "
@@ -104,8 +125,11 @@ class EpsOptions:
             OptimConfig(**self.optimizer_arguments())
         except OptionError as e:  # named as here
             fail(next(f for f, a in OPTIMIZER_ARGUMENTS.items() if a == e.field), e.value, e.rule)
-        if self.shard_state and self.optimizer in LAYERWISE:
-            fail("optimizer", self.optimizer, "needs each tensor's whole norms; shard_state keeps slices: drop "
+        self._check_muon()
+        self._check_delay_compensation()
+        if self.shard_state and self.optimizer in WHOLE_TENSOR_RULES:
+            needs = "each matrix whole" if self.optimizer == "muon" else "each tensor's whole norms"
+            fail("optimizer", self.optimizer, f"needs {needs}; shard_state keeps slices: drop "
                  "--shard-state or use adamw, adam or sgd")
         if self.shard_state and self.optimizer_state != "fp32":
             fail("optimizer_state", self.optimizer_state, "shard_state keeps fp32 optimizer state only; drop one "
@@ -122,10 +146,40 @@ class EpsOptions:
                      "beside it, or an xclbin; docs/BOARD.md)")
             fail("overlay", self.overlay, f"is for the fpga-pynq EPS, not {self.eps_backend}")
 
+    def _check_muon(self) -> None:
+        """Muon's options go with --optimizer muon, which runs on the host (cpu or golden EPS)."""
+        if self.optimizer != "muon":
+            given = [f for f in MUON_ARGUMENTS if getattr(self, f) != EpsOptions.__dataclass_fields__[f].default]
+            if given:
+                fail(given[0], getattr(self, given[0]), f"is Muon's; the {self.optimizer} optimizer takes none: "
+                     "give --optimizer muon or drop it")
+            return
+        if self.momentum:
+            fail("momentum", self.momentum, "is SGD's and LARS's; Muon's momentum is --muon-momentum "
+                 f"(default {MUON_MOMENTUM:g})")
+        if self.eps_backend not in disk_tier_backends():
+            fail("optimizer", self.optimizer, f"runs Newton-Schulz iterations, matrix work, on the host; the "
+                 f"{self.eps_backend} EPS's RTL kernel has none: use --eps {' or '.join(disk_tier_backends())}")
+
+    def _check_delay_compensation(self) -> None:
+        """A compensation runs in the update on the host, for a rule whose state predicts its next step."""
+        if self.delay_compensation == "none":
+            return
+        if self.eps_backend not in disk_tier_backends():
+            fail("delay_compensation", self.delay_compensation, f"is computed on the host from the EPS's state; the "
+                 f"{self.eps_backend} EPS keeps it in FPGA DRAM and its RTL kernel does not predict: use --eps "
+                 f"{' or '.join(disk_tier_backends())}")
+        problem = prediction_problem(OptimConfig(**self.optimizer_arguments()))
+        if problem:
+            fail("delay_compensation", self.delay_compensation, problem)
+
     def optimizer_arguments(self) -> dict:
-        """OptimConfig's arguments of these options (the schedule's aside)."""
-        return {**{argument: getattr(self, name) for name, argument in OPTIMIZER_ARGUMENTS.items()},
-                "betas": (self.adam_beta1, self.adam_beta2)}
+        """OptimConfig's arguments of these options (the schedule's aside); Muon's with --optimizer muon."""
+        arguments = {**{argument: getattr(self, name) for name, argument in OPTIMIZER_ARGUMENTS.items()},
+                     "betas": (self.adam_beta1, self.adam_beta2)}
+        if self.optimizer == "muon":
+            arguments.update({argument: getattr(self, name) for name, argument in MUON_ARGUMENTS.items()})
+        return arguments
 
     def make_eps_arguments(self, schedule: ScheduleOptions) -> dict:
         """make_eps's arguments for these options and `schedule` (by default cosine floors at lr/10, as
@@ -135,6 +189,8 @@ class EpsOptions:
             backend["state"] = self.optimizer_state
         if self.state_dir is not None:
             backend["state_dir"] = self.state_dir
+        if self.delay_compensation != "none":
+            backend["delay_compensation"] = self.delay_compensation
         return dict(name=self.eps_backend, **self.optimizer_arguments(), schedule=schedule.schedule,
                     warmup_steps=schedule.warmup_steps, total_steps=schedule.steps, min_lr=schedule.floor(self.lr),
                     shard_state=self.shard_state, **backend)

@@ -14,7 +14,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Callable
 
-from l2l_hw.eps.base import EPS, LAYERWISE, OptimConfig
+from l2l_hw.eps.base import EPS, WHOLE_TENSOR_RULES, OptimConfig
 from l2l_hw.eps.disk import GROUPS_IN_FLIGHT, RegionFiles
 from l2l_hw.eps.engine import Engine, Kernel, check_formats
 from l2l_hw.eps.sharded import ShardedEps
@@ -50,7 +50,7 @@ def disk_tier_backends() -> list[str]:
 
 def make_eps(name: str, working_dtype: str = "fp32", shard_state: bool = False, process_group=None,
              double_buffer: bool = False, state: str = "fp32", state_dir=None,
-             groups_in_flight: int | None = None, **options) -> EPS:
+             groups_in_flight: int | None = None, delay_compensation: str = "none", **options) -> EPS:
     """Build an EPS by backend name; the other options are those of OptimConfig or the backend's.
     `state="fp32" | "bf16" | "8bit"`: the format of m and v. `state_dir=PATH` (cpu, golden): the
     state in files under PATH, only `groups_in_flight` groups of it in memory (default 4; docs/DISK.md).
@@ -67,12 +67,18 @@ def make_eps(name: str, working_dtype: str = "fp32", shard_state: bool = False, 
         raise ValueError(f"state_dir keeps the state of the unsharded {' or '.join(disk_tier_backends())} EPS on "
                          f"disk, not of the {'sharded ' if shard_state else ''}{name} EPS"
                          + ("" if shard_state else " (its state is in its own memory)"))
+    if delay_compensation != "none" and backend.storage is not None:  # before a transport is built
+        raise ValueError(f"delay_compensation={delay_compensation!r} is computed on the host from the EPS's state; the "
+                         f"{name} EPS keeps it in its own memory and its kernel does not predict: use the "
+                         f"{' or '.join(disk_tier_backends())} EPS")
     if state_dir is None and groups_in_flight is not None:
         raise ValueError(f"groups_in_flight={groups_in_flight!r} bounds the groups of a state_dir in memory; give "
                          "state_dir too, or drop it")
-    if shard_state and options.get("optimizer") in LAYERWISE:
-        raise ValueError(f"optimizer={options['optimizer']!r} needs each tensor's whole norms (its trust ratio); "
-                         "shard_state=True keeps slices: use an unsharded EPS or adamw, adam or sgd")
+    if shard_state and options.get("optimizer") in WHOLE_TENSOR_RULES:
+        needs = "each matrix whole (its Newton-Schulz iterations)" if options["optimizer"] == "muon" else \
+            "each tensor's whole norms (its trust ratio)"
+        raise ValueError(f"optimizer={options['optimizer']!r} needs {needs}; shard_state=True keeps slices: use an "
+                         "unsharded EPS or adamw, adam or sgd")
     if shard_state and state != "fp32":
         raise ValueError(f"shard_state=True keeps fp32 optimizer state only, not state={state!r} "
                          f"(its checkpoints gather fp32 tensors); use an unsharded EPS for bf16 or 8-bit state")
@@ -95,7 +101,7 @@ def make_eps(name: str, working_dtype: str = "fp32", shard_state: bool = False, 
         else:
             storage = HostMemory() if state_dir is None else RegionFiles(state_dir, groups_in_flight or GROUPS_IN_FLIGHT)
         eps = Engine(config, kernel, storage, working_dtype=working_dtype, double_buffer=double_buffer, state=state,
-                     name=name)
+                     name=name, delay_compensation=delay_compensation)
     except BaseException:
         if storage is not None:
             storage.close()

@@ -82,6 +82,7 @@ class ShardedEps(EPS):
     step = property(lambda self: self.inner.step)
     working_dtype = property(lambda self: self.inner.working_dtype)
     double_buffer = property(lambda self: self.inner.double_buffer)
+    delay_compensation = property(lambda self: self.inner.delay_compensation)
 
     def configure(self, working_dtype=None, double_buffer=None, defer_updates=None, device=None, threads=None,
                   inline=None) -> None:
@@ -196,6 +197,10 @@ class ShardedEps(EPS):
                 whole = self._gather(key, self.inner.fetch(key, previous=True), root=0)
                 if whole is not None:
                     out.update({f"{key}/{n}/previous": t.to("cpu", torch.float32, copy=True) for n, t in whole.items()})
+            if self.delay_compensation == "predict":  # the newest version's predicted working copy, as the engine's
+                whole = self._gather(key, self.inner.fetch(key), root=0)
+                if whole is not None:
+                    out.update({f"{key}/{n}/predicted": t.to("cpu", torch.float32, copy=True) for n, t in whole.items()})
         return out
 
     def state_entries(self) -> dict[str, StateEntry]:

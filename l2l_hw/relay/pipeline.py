@@ -20,7 +20,7 @@
                  right after the layer's backward on the last micro-batch (the update runs
                  while the earlier layers' backward goes on); then the stage commits
 
-Schedules ("flush" and "2bw") differ in the weights a step computes on:
+Schedules ("flush", the default, and "2bw", chosen by name) differ in the weights a step computes on:
 
     flush   every micro-batch of step t on W(t-1), the step's updates committed before the
             next step's first forward: ordinary minibatch training, equal to the
@@ -28,7 +28,9 @@ Schedules ("flush" and "2bw") differ in the weights a step computes on:
     2bw     PipeDream-2BW (Narayanan et al., arXiv 2006.09503): step t computes on the version
             one commit back, W(t+1) = W(t) - lr * grad(W(t-1)), from the EPS's double buffer;
             the commit does not wait for the updates. Equal to the single-process relay with
-            pipedream_2bw=True, whatever the split
+            pipedream_2bw=True, whatever the split. The staleness costs loss (MEASURED_2BW_COST);
+            an EPS with delay_compensation="predict" serves each version's working copy at the
+            weights the next step is predicted to reach (l2l_hw/eps/golden.py, predict_rule)
 
 Dropout: the single process draws its random numbers layer-major (layer 0 on every
 micro-batch, then layer 1, ...). Every stage traces the random ops of the whole model once
@@ -112,10 +114,19 @@ class OneFOneB:
 
 SCHEDULES = {"flush": OneFOneB("flush", pipedream_2bw=False), "2bw": OneFOneB("2bw", pipedream_2bw=True)}
 
+# What one-step-stale weights cost the reference GPT (`l2l train`'s defaults, AdamW, 200 steps): the final
+# validation loss minus flush's (2.405), mean over seeds 1337-1339, nats per byte, by delay compensation
+# (`l2l bench convergence` on 2 CPU stages, docs/BENCHMARKS.md, 2026-12-07).
+MEASURED_2BW_COST = {"none": 0.698, "predict": 0.474}
 
-def even_split(n_layers: int, stages: int) -> list[int]:
-    """Boundaries [0, b_1, ..., L] of `stages` contiguous stages with layer counts differing by at most one."""
-    return [round(s * n_layers / stages) for s in range(stages + 1)]
+
+def staleness_trade(compensation: str, exact: str = "--pipeline-schedule flush") -> str:
+    """The start banner's line on what PipeDream-2BW trades, with its measured cost; `exact`: what trains exactly."""
+    cost = MEASURED_2BW_COST.get(compensation)
+    measured = (f"; on the reference GPT (AdamW, 200 steps) that cost {cost:+.3f} nats of validation loss against "
+                f"flush, mean of 3 seeds (l2l bench convergence, docs/BENCHMARKS.md)" if cost is not None else "")
+    return (f"schedule 2bw (PipeDream-2BW): no step waits for an update, but each computes on the weights one step "
+            f"stale, delay compensation {compensation}{measured}; {exact} trains exactly")
 
 
 # -- the random ops of the model, traced on the meta device ------------------------------------
@@ -474,24 +485,14 @@ class PipelineRelay:
                 raise ValueError(f"the pipeline does not support {what} yet")
         self.layers = list(layers)
         L = len(self.layers)
-        if L < self.stages:
-            raise ValueError(f"{self.stages} stages need at least {self.stages} layers; the model has {L}")
-        # Every stage draws the whole model's layers for a step, from the step alone: the same ones.
-        self.drop = LayerDrop(options.layer_drop, L, droppable=droppable, seed=layer_drop_seed)
-        self.plan = plan  # the planner's (l2l_hw/relay/planner.py), where the caller planned
-        bounds = list(boundaries) if boundaries is not None else plan.bounds if plan is not None else pipeline.split()
+        bounds = list(boundaries) if boundaries is not None else plan.bounds if plan is not None else None
         if bounds is None and pipeline.boundaries == "auto":
             raise ValueError("boundaries 'auto' are the planner's: give plan=planner.plan_on_ranks(layers, loss_fn, "
                              "inputs, targets, stages, micro_batches) (every rank, before the pipeline takes the layers)")
-        if bounds is None:
-            self.bounds = even_split(L, self.stages)
-        else:
-            self.bounds = [0, *bounds, L] if len(bounds) == self.stages - 1 else list(bounds)
-            ok = (len(self.bounds) == self.stages + 1 and self.bounds[0] == 0 and self.bounds[-1] == L
-                  and all(a < b for a, b in zip(self.bounds, self.bounds[1:])))
-            if not ok:
-                raise ValueError(f"boundaries {list(bounds)} do not split {L} layers into {self.stages} non-empty "
-                                    f"contiguous stages (give the first layer of stages 1..{self.stages - 1})")
+        self.bounds = pipeline.bounds(L, bounds)
+        # Every stage draws the whole model's layers for a step, from the step alone: the same ones.
+        self.drop = LayerDrop(options.layer_drop, L, droppable=droppable, seed=layer_drop_seed)
+        self.plan = plan  # the planner's (l2l_hw/relay/planner.py), where the caller planned
         self.first, self.end = self.bounds[self.stage], self.bounds[self.stage + 1]
         self._check_no_shared_parameters()
         self._groups = []  # made here, destroyed by close()

@@ -221,6 +221,11 @@ class LayerStage:
         # PipeDream-2BW: step t+1 computes on the weights without step t's update (the EPS's
         # previous buffer), so no layer waits for its update: W(t+1) = W(t) - lr * grad(W(t-1)).
         self.pipedream_2bw = options.pipedream_2bw
+        if eps.delay_compensation != "none" and not self.pipedream_2bw:  # before any weight loads
+            raise ValueError(f"the EPS's delay_compensation={eps.delay_compensation!r} corrects the weights "
+                             "PipeDream-2BW computes on, one step stale; this relay computes on the newest (a flush "
+                             "pipeline, or pipedream_2bw=False): give schedule '2bw' (pipedream_2bw=True) or an EPS "
+                             "without it")
         # A step with a non-finite gradient is discarded whole: always for fp16 (the loss scale
         # overflowed), on request otherwise (torch.optim lets non-finite values propagate).
         self.skip_nonfinite = self.scaler is not None or options.skip_nonfinite
