@@ -178,7 +178,8 @@ def test_a_limit_below_what_even_the_disk_tier_needs_is_refused_in_one_line_befo
 def test_a_dir_without_room_for_the_state_and_a_limit_that_cannot_be_set_are_refused_before_anything_is_written(
         tmp_path, monkeypatch, capsys):
     (tmp_path / "kept").write_text("an earlier file")
-    args = type("Args", (), {"dir": str(tmp_path), "memory_limit": 1 << 30, "rounds": 1, "json": False})
+    # a limit the disk tier's needs (this process's RSS among them) stay well under, so --dir is what refuses
+    args = type("Args", (), {"dir": str(tmp_path), "memory_limit": 3 << 30, "rounds": 1, "json": False})
     free = estimate.free_disk_bytes(tmp_path)
     monkeypatch.setattr(estimate, "free_disk_bytes", lambda path: 2 << 30)  # a filesystem with 2 GiB free
     assert disk_limit.run_from_args(args) == 2
