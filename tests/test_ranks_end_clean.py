@@ -203,7 +203,7 @@ def test_more_pipeline_stages_than_layers_is_refused_in_one_line_naming_the_laye
 
 
 def launched(argv: list[str]) -> subprocess.Popen:
-    """`l2l ARGV --nproc-per-node 2` in a session of its own, as a terminal starts it."""
+    """`l2l ARGV --nproc-per-node 2` as a terminal starts it: its own process group (setsid), Ctrl-C reaching all."""
     return subprocess.Popen([sys.executable, "-m", "l2l_hw.cli", *argv, "--nproc-per-node", "2"], cwd=ROOT,
                             env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)), text=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
