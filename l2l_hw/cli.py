@@ -278,7 +278,7 @@ def add_option_flags(p: argparse.ArgumentParser, command: str):
     for group, fields in taken:
         for f in fields:
             meta, name = spec(f), f.name
-            default = meta["command_defaults"].get(command, FIELDS[name].default)
+            default = defaults_of(name, command)
             text = help_for(meta, command).replace("%", "%%")  # argparse formats help with %
             if command == "estimate" and meta["command_defaults"]:  # the estimated command's own: cmd_estimate
                 text += " (default the estimated command's: " + ", ".join(

@@ -621,8 +621,7 @@ def eps_oracle(cfg):
 def _double_buffered(cfg) -> bool:
     """As the relay decides: a step can be discarded whole (fp16, skip_nonfinite) or the previous
     version is read (PipeDream-2BW, a 2bw pipeline)."""
-    two_bw = cfg.pipedream_2bw or (cfg.pipeline_stages > 1 and cfg.pipeline_schedule == "2bw")
-    return cfg.precision == "fp16" or cfg.skip_nonfinite or two_bw
+    return cfg.precision == "fp16" or cfg.skip_nonfinite or cfg.stale_weights
 
 
 def _nbytes(shape, dtype) -> int:
