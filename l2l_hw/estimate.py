@@ -49,6 +49,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from l2l_hw.relay.device_share import DEVICE_BYTES_PER_PARAMETER
 from l2l_hw.relay.stage import flatten, layer_output, to_float
 from l2l_hw.relay.recompute import KeepGraphs, SelectiveRecompute, grad_leaf, save_matmuls_and_attention
 from l2l_hw.relay.stash import ActivationStash
@@ -985,7 +986,14 @@ def figures(cfg, baseline: int) -> Estimate:
                      for policies in layer_policies(cfg, sub)]
             steps.append(replay_evaluate(sub, on_host))  # a validation minibatch: every micro-batch's output at once
             step = StepMemory(*(max(getattr(st, f.name) for st in steps) for f in dataclasses.fields(StepMemory)))
-        eps = eps_bytes(cfg, sub.shapes)
+        shared = [f"layer{i}" for i in range(cfg.device_update_layers or 0)]  # the device share's groups
+        eps = eps_bytes(cfg, {k: v for k, v in sub.shapes.items() if k not in shared})
+        shared_bytes = DEVICE_BYTES_PER_PARAMETER * sum(math.prod(s) for k in shared
+                                                         for s in sub.shapes.get(k, {}).values())
+        if on_host:  # the device is this host: the share's state lives as long as the EPS's
+            eps = EpsBytes(eps.memory + shared_bytes, eps.fetched, eps.disk)
+        else:
+            step = dataclasses.replace(step, peak=step.peak + shared_bytes)
         if cfg.shard_state and replicas > 1:
             eps = EpsBytes(eps.memory // replicas, eps.fetched, eps.disk)
         state_dir += eps.disk * replicas  # state_dir/rankR for each rank

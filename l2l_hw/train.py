@@ -53,13 +53,16 @@ from l2l_hw.eps import make_eps
 from l2l_hw.eps.base import STATE_SLOTS
 from l2l_hw.eps.disk_store import held_state, remove_state, state_bytes
 from l2l_hw.eps.options import LAMB_LR, EpsOptions, ScheduleOptions
-from l2l_hw.estimate import check_fits, eps_bytes_per_parameter
+from l2l_hw.estimate import check_fits, eps_bytes_per_parameter, measure_step
 from l2l_hw.models import Corpus, GPTConfig, build_gpt, generate, lm_loss
 from l2l_hw.models.gpt import build_gpt_meta
 from l2l_hw.models.gpt import ModelOptions
 from l2l_hw.options import OptionError, check_options, fail, option, pick, with_default
 from l2l_hw.relay import Relay, RelayOptions, init_from_state
+from l2l_hw.relay.device_share import (SharePlan, device_free_bytes, plan_device_share, share_problem,
+                                       time_device_update)
 from l2l_hw.relay.schedule import Schedule
+from l2l_hw.relay.stage import registered_groups
 from l2l_hw.relay.options import PipelineConfig, PipelineOptions
 
 CHECKPOINT, METRICS, PLOT, TENSORBOARD = "checkpoint.safetensors", "metrics.jsonl", "loss.png", "tensorboard"
@@ -74,8 +77,9 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 REPEAT_S = 1.0
 SAMPLE_PROMPT, SAMPLE_BYTES = b"def ", 200
 # What --resume may change: the step target (a longer one also stretches a cosine schedule)
-# and where the run happens. Every other field of the run is the checkpoint's.
-RESUME_MAY_CHANGE = ("steps", "device", "eps_backend", "shard_state", "model")
+# and where the run happens (the device share of the update among it: its state is checkpointed
+# alike). Every other field of the run is the checkpoint's.
+RESUME_MAY_CHANGE = ("steps", "device", "eps_backend", "shard_state", "model", "device_update_layers")
 
 
 class ConfigError(OptionError):
@@ -388,11 +392,32 @@ def build_relay(cfg: TrainConfig, layers=None, loss_fn: Callable | None = None, 
                                  cfg.micro_batches, threads=cfg.threads or 1)
         return PipelineRelay(layers, loss_fn, eps or build_eps(cfg, shard_state, replicas), relay_options(cfg, device),
                              pipeline=cfg.pipeline_config(), group=group, replicas=replicas, init=init, plan=plan)
-    relay = Relay(layers, loss_fn, eps=eps or build_eps(cfg, shard_state), options=relay_options(cfg, device),
-                  init=init)
+    options = relay_options(cfg, device)
+    eps = eps or build_eps(cfg, shard_state)
+    share = device_share_plan(cfg, options, eps, layers)
+    relay = Relay(layers, loss_fn, eps=eps, options=dataclasses.replace(options, device_update_layers=share.layers),
+                  init=init, plan=share)
     if drawn is not None:
         drawn.finish()  # torch's RNG where build_gpt leaves it
     return relay
+
+
+def device_share_plan(cfg: TrainConfig, options: RelayOptions, eps, layers) -> SharePlan:
+    """How many of the first layers the relay updates on the device: --device-update-layers, else
+    the planner's choice from the measured host update and device compute (CUDA only: on the CPU
+    the device's cores are the host's)."""
+    if cfg.device_update_layers is not None:
+        return SharePlan(cfg.device_update_layers, "--device-update-layers")
+    device = torch.device("cpu" if options.device == "cpu-async" else options.device)
+    if device.type != "cuda":
+        return SharePlan(0, "the device is this machine's CPU: an update there takes the cores the host's would")
+    problem = share_problem(eps, len(layers), 1)
+    if problem:
+        return SharePlan(0, f"a device share {problem.removesuffix(' (give 0)')}")
+    _, measured = measure_step(cfg)
+    params = [sum(math.prod(s) for s in group.values()) for group in registered_groups(layers).values()]
+    return plan_device_share(params, measured["compute_s"], measured["update_s"] / sum(params),
+                             time_device_update(device), device_free_bytes(device))
 
 
 class OutputError(OSError):

@@ -42,7 +42,8 @@ def main(cfg: dict) -> None:
                          clip_grad_norm=cfg.get("clip_grad_norm"), clip_mode=cfg.get("clip_mode", "layer"),
                          pipedream_2bw=cfg.get("pipedream_2bw", False), device=cfg.get("device", "cpu"),
                          grad_compression=cfg.get("grad_compression", "none"),
-                         powersgd_rank=cfg.get("powersgd_rank", 4))
+                         powersgd_rank=cfg.get("powersgd_rank", 4),
+                         device_update_layers=cfg.get("device_update_layers", 0))
     if cfg.get("load"):
         relay.load_state_dict(safetensors.torch.load_file(cfg["load"]))
     pushed = {}

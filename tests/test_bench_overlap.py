@@ -49,6 +49,9 @@ def test_figures_are_computed_from_the_medians_as_defined(report):
         assert row["efficiency"] == pytest.approx((inline - step) / min(compute, update))
         assert row["vs_bound"] == pytest.approx(step / max(compute, update))
         assert row["device_wait"] == pytest.approx(max(0.0, step - compute) / step)
+        # the planned device share: a count of the model's layers, with the planner's reason
+        assert 0 <= row["shared_layers"] <= 4 and "predicted device wait" in row["shared_plan"]
+        assert 0.0 <= row["shared_wait"] < 1.0
     assert "updates on" in overlap.format_report(report)
 
 

@@ -73,6 +73,16 @@ def test_two_ranks_equal_one_process_on_the_whole_minibatch(tmp_path, model, opt
         assert held == [numel, numel]
 
 
+def test_two_ranks_with_a_device_share_equal_one_process(tmp_path):
+    # each rank updates its own copy of the shared layers on its device with the averaged gradients
+    steps = 4
+    got = run_ok(2, model="gpt", optimizer="adamw", steps=steps, batch=12, device="cpu-async",
+                 device_update_layers=2, out=str(tmp_path / "out.safetensors"))
+    want, losses = plain("gpt", "adamw", steps, 12)
+    assert_params_close(got, want, f"gpt after {steps} steps on 2 ranks, 2 layers updated on the device")
+    assert torch.allclose(got["losses"], torch.tensor(losses, dtype=torch.float64), rtol=TOL)
+
+
 @pytest.mark.parametrize("clip_mode", ["layer", "global"])
 def test_clipping_on_sharded_state_uses_the_norm_over_all_ranks(tmp_path, clip_mode):
     # each rank holds slices of the averaged gradients: a norm of its own slices alone would be wrong

@@ -25,8 +25,9 @@ in each side's process).
 
 `--parts` also takes: llama_8b (`l2l finetune --device cuda` on the 8.03 B folder, the user's
 command, with the most exact optimizer state the host holds), llama_largest (the deepest
-Llama-3-8B-shaped model the relay trains with 8-bit state), and the first campaign's
-memory_by_depth, trace, syncs, eps (gpu_extras).
+Llama-3-8B-shaped model the relay trains with 8-bit state), the first campaign's
+memory_by_depth, trace, syncs, eps (gpu_extras), and overlap (`l2l bench overlap` on the GPU: the
+host update under the compute at 1, 2, 4 and 8 micro-batches, with the planned device share).
 
 A part fails when it raises or when what it measured breaks its rule (a CUDA test fails, a NaN
 or inf anywhere, a loss outside its bound, a peer that cannot run for another reason than
@@ -490,6 +491,11 @@ class Campaign:
 
         return gpu_extras.eps(self)
 
+    def overlap(self) -> dict:
+        from l2l_hw.bench import gpu_extras
+
+        return gpu_extras.overlap(self)
+
 
 def _mem_available() -> int:
     for line in Path("/proc/meminfo").read_text().splitlines():
@@ -517,7 +523,7 @@ def _share(x) -> str:
 
 
 PARTS = ("tests", "matmul_peak", "regime_a", "loss", "regime_b", "regime_c", "capacity")
-EXTRA_PARTS = ("llama_8b", "llama_largest", "memory_by_depth", "trace", "syncs", "eps")
+EXTRA_PARTS = ("llama_8b", "llama_largest", "memory_by_depth", "trace", "syncs", "eps", "overlap")
 
 
 def run(out: str, dry_run: bool = False, parts: tuple[str, ...] = PARTS, work: str | None = None,

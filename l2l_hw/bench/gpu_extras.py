@@ -141,6 +141,16 @@ def eps(c) -> dict:
     return eps_bench.run(n=EPS_ELEMENTS[c.dry_run], repeats=3, deepspeed=with_deepspeed)
 
 
+def overlap(c) -> dict:
+    """`l2l bench overlap` on the device (the twin in the dry run): the host update under the
+    compute at 1, 2, 4 and 8 micro-batches, and the planned device share's wait (issue 57)."""
+    from l2l_hw.bench import overlap as overlap_bench
+
+    if c.dry_run:
+        return overlap_bench.run(layers=4, params=100_000, micro_batches=(1, 2), compute_ratio=5.0, steps=2, warmup=1)
+    return overlap_bench.run(device="cuda")
+
+
 def compute_idle_fraction(events: list[dict]) -> dict:
     """The fraction of the profiled window in which the compute stream runs nothing: CUDA
     kernels on the stream with the most kernel time; without kernels (the dry run), the

@@ -20,6 +20,9 @@ median of its --steps timed rounds after --warmup, with its [min, max]:
     inline    the same relay with every update run on the caller's thread as it is pushed
               (eps.configure(inline=True) after the relay is built): compute plus update,
               nothing hidden. The bench checks which thread ran each update's kernel.
+    shared    the step with the device share the planner picks (l2l_hw/relay/device_share.py:
+              the first k layers updated by PyTorch's fused AdamW on the device), from this
+              row's compute alone (timed first), the update alone and the device's own AdamW
 
 A step and an inline step are timed as in training: each right after an untimed step of its
 own relay, so it begins with its predecessor's updates under way (none where commit_step is a
@@ -31,6 +34,8 @@ the medians:
                  the overlap hid (1: all of it, 0: none)
     vs_bound     step / max(compute, update): 1 is the best a step can do
     device_wait  max(0, step - compute) / step: the share of the step the device waited
+    shared_wait  the same of the shared step, its k layers' device updates counted as compute
+                 (the fused AdamW timed alone)
 
 On the twin, the relay's per-element work besides the update (the weights' copies up, the
 gradients' copies down, the twin's poisoning of every destination and of every staging buffer
@@ -55,6 +60,7 @@ from torch import nn
 import l2l_hw
 from l2l_hw.bench import print_report
 from l2l_hw.bench.timer import round_robin
+from l2l_hw.relay.device_share import device_free_bytes, plan_device_share, time_device_update
 
 LAYERS, PARAMS = 16, 1_500_000
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -69,7 +75,7 @@ TIMER_SLACK_NS = 1  # Linux wakes a sleeper up to its timer slack late (50 us by
                     # here, ~35 us with 1 ns): a kernel on a device ends when it ends
 GRAD = 1e-3  # every element of every gradient: AdamW's steps stay small
 LR, SEED = 1e-3, 0
-VARIANTS = ("update", "compute", "step", "inline")
+VARIANTS = ("update", "compute", "step", "inline", "shared")
 
 
 class Clock:
@@ -148,11 +154,12 @@ def precise_sleeps():
         prctl(pr_set_timerslack, previous, 0, 0, 0)
 
 
-def _relay(layers: int, params: int, micro_batches: int, clock: Clock, device: str) -> l2l_hw.Relay:
+def _relay(layers: int, params: int, micro_batches: int, clock: Clock, device: str, share: int = 0) -> l2l_hw.Relay:
     eps = l2l_hw.make_eps("cpu", optimizer="adamw", lr=LR)
     try:
         model = [SleepLayer(params, clock, micro_batches) for _ in range(layers)]
-        return l2l_hw.Relay(model, mean_loss, eps=eps, device=device, micro_batches=micro_batches)
+        return l2l_hw.Relay(model, mean_loss, eps=eps, device=device, micro_batches=micro_batches,
+                            device_update_layers=share)
     except BaseException:
         eps.close()
         raise
@@ -267,11 +274,26 @@ def _measure(u: int, layers: int, params: int, clock: Clock, device: str, steps:
         fns = {"update": update, "compute": _timed_step(relays["compute"], x, y),
                "step": _timed_step(relays["step"], x, y, drains, steady=True),
                "inline": _timed_step(relays["inline"], x, y, steady=True)}
+        plan, device_update_s = _plan_share(fns["compute"], update, layers, params, device)
+        relays["shared"] = stack.enter_context(_relay(layers, params, u, clock, device, plan.layers))
+        fns["shared"] = _timed_step(relays["shared"], x, y, steady=True)
         times = round_robin(fns, steps, warmup, self_timed=True)
         if threads["inline"] != {"caller"}:
             raise RuntimeError(f"l2l bench overlap: eps.configure(inline=True) left the updates on "
                                f"{sorted(threads['inline'])} threads, not only the caller's")
-        return _row(u, times, drains[-steps:], threads)
+        return _row(u, times, drains[-steps:], threads, plan, plan.layers * params * device_update_s)
+
+
+def _plan_share(compute, update, layers: int, params: int, device: str):
+    """The planner's device share for this row, from the compute alone and the update alone (medians
+    of a few, timed here) and the device's fused AdamW per parameter; with that per parameter."""
+    compute_s = statistics.median(compute() for _ in range(CALIBRATION_REPEATS))
+    update_s = statistics.median(update() for _ in range(CALIBRATION_REPEATS))
+    dev = torch.device("cpu" if device == "cpu-async" else device)
+    per_parameter = time_device_update(dev)
+    plan = plan_device_share([params] * layers, compute_s, update_s / (layers * params), per_parameter,
+                             device_free_bytes(dev))
+    return plan, per_parameter
 
 
 def _calibrate(clock: Clock, update, layers: int, reference: int, ratio: float, device: str) -> dict:
@@ -312,7 +334,8 @@ def _calibrate(clock: Clock, update, layers: int, reference: int, ratio: float, 
             "points": [list(p) for p in points]}
 
 
-def _row(u: int, times: dict[str, list[float]], drains: list[float], threads: dict[str, set[str]]) -> dict:
+def _row(u: int, times: dict[str, list[float]], drains: list[float], threads: dict[str, set[str]], plan,
+         device_update_s: float) -> dict:
     m = {name: statistics.median(times[name]) for name in VARIANTS}
     return {"micro_batches": u, **{f"{name}_s": m[name] for name in VARIANTS},
             "step_drain_s": statistics.median(drains),
@@ -320,6 +343,8 @@ def _row(u: int, times: dict[str, list[float]], drains: list[float], threads: di
             "efficiency": (m["inline"] - m["step"]) / min(m["compute"], m["update"]),
             "vs_bound": m["step"] / max(m["compute"], m["update"]),
             "device_wait": max(0.0, m["step"] - m["compute"]) / m["step"],
+            "shared_layers": plan.layers, "shared_plan": plan.reason,
+            "shared_wait": max(0.0, m["shared"] - m["compute"] - device_update_s) / m["shared"],
             "update_threads": {name: sorted(seen) for name, seen in threads.items()}}
 
 
@@ -332,12 +357,13 @@ def format_report(r: dict) -> str:
              + ("" if c["reached"] else f": not reached, {c['compute_s'] * 1e3:.1f} ms at the shortest sleeps")
              + f"); ms, median of {r['steps']} steps [min - max]",
              f"  {'u':>3}" + "".join(f"{v:>20}" for v in VARIANTS) + f"{'effic.':>8}{'vs bound':>9}{'dev wait':>9}"
-             "  updates on"]
+             f"{'k':>4}{'wait k':>8}  updates on"]
     for row in r["rows"]:
         low, high = ({v: row["spread_s"][v][k] * 1e3 for v in VARIANTS} for k in (0, 1))
         cells = "".join(f"{row[f'{v}_s'] * 1e3:>8.1f} [{low[v]:.1f}-{high[v]:.1f}]".rjust(20) for v in VARIANTS)
         lines.append(f"  {row['micro_batches']:>3}{cells}{row['efficiency']:>8.2f}{row['vs_bound']:>9.2f}"
-                     f"{row['device_wait']:>9.2f}  step: {'+'.join(row['update_threads']['step'])}, "
+                     f"{row['device_wait']:>9.2f}{row['shared_layers']:>4}{row['shared_wait']:>8.2f}"
+                     f"  step: {'+'.join(row['update_threads']['step'])}, "
                      f"inline: {'+'.join(row['update_threads']['inline'])}")
     return "\n".join(lines)
 

@@ -348,6 +348,11 @@ class EPS(ABC):
     def lr_at(self, step: int) -> float:
         return self.config.lr_at(step)
 
+    def on_device(self, key: str) -> bool:
+        """Whether group `key` lives on the relay's device (its fetch gives device tensors, its
+        gradients stay there: l2l_hw/relay/device_share.py); a host EPS's never do."""
+        return False
+
     @abstractmethod
     def state_entries(self) -> dict[str, StateEntry]:
         """Master weights and optimizer state as `{key}/{name}/{slot}` entries (plus `step`),

@@ -24,6 +24,7 @@ once, after its last use in the backward sweep.
 """
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Callable, Sequence
 
@@ -31,10 +32,11 @@ import torch
 from torch import nn
 
 from l2l_hw.eps.base import EPS
+from l2l_hw.relay.device_share import DEVICE_BYTES_PER_PARAMETER, DeviceShare, device_free_bytes, share_problem
 from l2l_hw.relay.layer_drop import LayerDrop
 from l2l_hw.relay.options import RelayOptions
 from l2l_hw.relay.recompute import grad_leaf
-from l2l_hw.relay.stage import LayerStage, flatten, to_float
+from l2l_hw.relay.stage import LayerStage, flatten, registered_groups, to_float
 
 
 class Relay(LayerStage):
@@ -45,17 +47,38 @@ class Relay(LayerStage):
                  options: RelayOptions | None = None, *, droppable: Sequence[int] | None = None,
                  layer_drop_seed: int = 0, process_group=None,
                  init: Callable[[int, nn.Module], dict[str, torch.Tensor]] | None = None,
-                 no_decay: Callable[[int, str], bool] | None = None, **option_values):
+                 no_decay: Callable[[int, str], bool] | None = None, plan=None, **option_values):
         """The stage's options (LayerStage), and layer drop: options.layer_drop (a probability,
         or a function of the step) over the `droppable` layers (default: all but the first and
-        the last), drawn from a generator keyed by `layer_drop_seed` and the step."""
+        the last), drawn from a generator keyed by `layer_drop_seed` and the step. `plan`: how
+        the run chose an option (device_share.SharePlan: the device share's k), for describe()."""
         p = option_values.get("layer_drop", (options or RelayOptions()).layer_drop)
         self.drop = LayerDrop(p, len(layers), droppable=droppable, seed=layer_drop_seed)  # checked before the EPS
         super().__init__(layers, loss_fn, eps, options, process_group=process_group, init=init,
                          no_decay=no_decay, **option_values)
+        self.plan = plan
 
     streams = False  # train_steps runs each minibatch as a step of its own
-    plan = None  # boundaries are a pipeline's (relay.schedule.Schedule)
+
+    def share_update(self, eps: EPS, options: RelayOptions) -> EPS:
+        """`eps`, or, with options.device_update_layers = k > 0, `eps` with the groups of layers
+        0..k-1 kept and updated on the device (l2l_hw/relay/device_share.py); a k the EPS, the
+        schedule or the device's free memory cannot give is one ValueError, before any weight loads."""
+        k = options.device_update_layers or 0
+        problem = share_problem(eps, len(self.layers), k, stale=options.pipedream_2bw)
+        if problem:
+            raise ValueError(f"device_update_layers={k} {problem}")
+        if k == 0:
+            return eps
+        device = torch.device("cpu" if options.device == "cpu-async" else options.device)
+        groups = registered_groups(self.layers[:k])
+        need = sum(math.prod(s) for shapes in groups.values() for s in shapes.values()) * DEVICE_BYTES_PER_PARAMETER
+        free = device_free_bytes(device)
+        if free is not None and need > free:
+            raise ValueError(f"device_update_layers={k} keeps {need / 2**30:.2f} GiB of weights and AdamW state on "
+                             f"{device}, which has {free / 2**30:.2f} GiB free: give fewer layers (0 keeps every "
+                             "update on the host)")
+        return DeviceShare(eps, set(groups), device)
 
     def train_steps(self, batches) -> list[float]:
         """An optimizer step on each `(inputs, targets)` of `batches` in turn; their mean losses."""

@@ -32,7 +32,11 @@ class WeightStream:
         update thread). A fetch still under way (a sharded EPS's all-gather) goes up when it
         is waited for."""
         for key in keys:
-            if key not in self._inflight:
+            if key in self._inflight:
+                continue
+            if self.eps.on_device(key):  # the device share's: no copy
+                self._inflight[key] = _Resident(self.eps.fetch(key), self.transport)
+            else:
                 self._inflight[key] = _Arrival(self.eps.fetch_async(key, previous=self.previous), self._up)
 
     def _up(self, host: dict[str, torch.Tensor]) -> tuple[list[str], Transfer]:
@@ -95,3 +99,16 @@ class _Arrival:
     def held(self) -> list[torch.Tensor]:
         moving = self.moving
         return moving[1].tensors if moving is not None else self.pending.held()
+
+
+class _Resident:
+    """A group that lives on the device (the device share): its tensors as they are."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], transport: Transport):
+        self.moving = (list(tensors), Transfer(list(tensors.values()), None, transport))
+
+    def wait(self) -> tuple[list[str], Transfer]:
+        return self.moving
+
+    def held(self) -> list[torch.Tensor]:
+        return []  # kept on the device for the whole run, not in flight

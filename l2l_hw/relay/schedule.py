@@ -14,7 +14,8 @@ from torch import nn
 class Schedule(Protocol):
     layers: list[nn.Module]  # the whole model's layers (structure; the EPS holds the weights)
     streams: bool  # train_steps runs several minibatches as one schedule (a 2BW pipeline)
-    plan: object | None  # the pipeline planner's plan, where it chose the boundaries (describe())
+    plan: object | None  # a planner's choice, where one was made (describe()): the pipeline's boundaries, the
+    # relay's device share of the update
 
     @property
     def step(self) -> int: ...  # optimizer steps committed

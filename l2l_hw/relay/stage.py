@@ -200,7 +200,7 @@ class LayerStage:
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be a callable loss_fn(output, targets), got {type(loss_fn).__name__}")
         self.loss_fn = loss_fn
-        self.eps = eps
+        self.eps = eps = self.share_update(eps, options)
         self.transport = Transport(options.device)  # every host <-> device movement
         self.device = self.transport.device
         self.micro_batches = options.micro_batches
@@ -242,6 +242,14 @@ class LayerStage:
         self.groups = sorted({key for plan in self.plans for key in plan.groups})
 
     # -- set-up ---------------------------------------------------------------
+    def share_update(self, eps: EPS, options: RelayOptions) -> EPS:
+        """The EPS this stage updates through: a pipeline's stages keep every update on the host
+        (the Relay's may keep its first layers' on the device: l2l_hw/relay/device_share.py)."""
+        if options.device_update_layers:
+            raise ValueError(f"device_update_layers={options.device_update_layers} is the relay's: a pipeline's "
+                             "stages keep every update on the host; give 0")
+        return eps
+
     def _thread_policy(self, threads: int | None) -> int | None:
         """Never more busy threads than cores: on the CPU the layers compute on `threads` of torch's
         and the EPS updates run between layers on as many of the host kernel's (an update beside
@@ -510,8 +518,11 @@ class LayerStage:
 
     def push_group(self, key: str, grads: dict[str, torch.Tensor]) -> None:
         """Group `key`'s gradients, summed over the micro-batches (and reduced across ranks),
-        clipped, sent down and handed to the EPS's update."""
-        self.eps.push_grads(key, self._to_host(self._clip(grads)), inv_scale=1.0 / self.loss_scale)
+        clipped, sent down and handed to the EPS's update (a group of the device share's keeps
+        them on the device)."""
+        grads = self._clip(grads)
+        grads = self.grad_sums.rounded(grads) if self.eps.on_device(key) else self._to_host(grads)
+        self.eps.push_grads(key, grads, inv_scale=1.0 / self.loss_scale)
 
     def _to_host(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A group's gradients on their way down, right after its backward (and its reduction
