@@ -13,7 +13,10 @@ point writing or reading a file whole with one `pwrite` / `pread` of a page-lock
             ds_io's warm-up loop writes its file: every timed write overwrites, as the tier's
             write-back does; O_DIRECT (the handle always opens with it), so no page cache
   buffer    page-locked by the handle (`new_cpu_locked_tensor`): a buffer it did not lock costs
-            a locked bounce buffer and a copy per call, which ds_io never pays
+            a locked bounce buffer and a copy per call, which ds_io never pays; then made of
+            2 MiB pages (MADV_HUGEPAGE + MADV_COLLAPSE), as the tier's images are: on a virtio
+            disk (254 pieces a request) 4 KiB pages cut each request under 1 MiB, and aio in
+            DeepSpeed's own 4 KiB pages moved 0.6-0.7x the bytes a second (docs/DISK.md)
   checked   every read pass starts from a zeroed buffer and must end with the written bytes
             (crc32): a point that moved nothing cannot win
 
@@ -24,6 +27,7 @@ round robin (bench/timer.py), and the setting is the finalist with the highest m
 """
 from __future__ import annotations
 
+import ctypes
 import itertools
 import logging
 import os
@@ -37,6 +41,7 @@ import torch
 
 from l2l_hw.bench.timer import round_robin
 
+HUGE_PAGE, MADV_HUGEPAGE, MADV_COLLAPSE = 2 << 20, 14, 25  # <sys/mman.h>; MADV_COLLAPSE: Linux >= 6.1
 FINALISTS = 3  # re-timed per direction; the sweep's ranks beyond the top few are within its noise
 DIRECTIONS = ("write", "read")
 
@@ -79,6 +84,19 @@ def load_op():
         return f"unavailable: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
+def huge_pages(buffer: torch.Tensor) -> bool:
+    """Back the 2 MiB-aligned part of `buffer`'s memory with 2 MiB pages, its bytes kept
+    (MADV_COLLAPSE works on pages already there, locked ones included); False where the kernel
+    refuses (no transparent huge pages, Linux < 6.1): the buffer stays as it was."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    start = -(-buffer.data_ptr() // HUGE_PAGE) * HUGE_PAGE
+    end = (buffer.data_ptr() + buffer.numel() * buffer.element_size()) // HUGE_PAGE * HUGE_PAGE
+    if end <= start:
+        return False
+    return all(libc.madvise(start, end - start, advice) == 0 for advice in (MADV_HUGEPAGE, MADV_COLLAPSE))
+
+
 class AioFiles:
     """`count` files of `file_bytes` under `folder`, pre-allocated and written once, that aio
     handles write and read whole from one page-locked buffer holding a fixed pattern."""
@@ -95,6 +113,7 @@ class AioFiles:
                 os.close(fd)
         self._owner = op.aio_handle()  # the page-locked buffer's owner; any handle uses it unbounced
         self.buffer = self._owner.new_cpu_locked_tensor(file_bytes, torch.empty(0, dtype=torch.uint8))
+        self.huge_pages = huge_pages(self.buffer)  # its best: the tier's images are of 2 MiB pages too
         words = self.buffer.view(torch.int64)  # each 8 bytes their own index: a block out of place shows
         torch.arange(words.numel(), out=words)
         self.crc = zlib.crc32(self.buffer.numpy())
@@ -162,7 +181,8 @@ def sweep(op, folder: Path, count: int, file_bytes: int, rounds: int, grid: tupl
     return {"points": [{**p, "setting": asdict(p["setting"])} for p in points], "finalists": finals,
             "best": {rw: asdict(s) for rw, s in best.items()},
             "best_named": {rw: s.describe() for rw, s in best.items()},
-            "file_bytes": file_bytes, "files": count, "seconds": time.perf_counter() - t0}
+            "file_bytes": file_bytes, "files": count, "huge_pages": files.huge_pages,
+            "seconds": time.perf_counter() - t0}
 
 
 def at_best(op, best: dict[str, dict], folder: Path, count: int, file_bytes: int) -> dict:

@@ -108,17 +108,21 @@ def tier(folder: Path, nbytes: int, region_bytes: int) -> dict:
     for key in keys:
         store.add_region(key, {"bytes": [region_bytes]}, {"fetched": 0, "state": region_bytes}, rule={})
 
-    def write_all() -> float:
+    def write_all(fill: bool) -> float:
         t0 = time.perf_counter()
-        for key in keys:
-            with store.use(key, (), replaces=("state",)):
-                pass  # the bytes that are there stand for what an update wrote
-            store.write_back(key)
+        for i, key in enumerate(keys):
+            with store.use(key, (), replaces=("state",)) as image:
+                if fill:  # what an update writes, as aio's buffer holds its pattern: each 8 bytes their index
+                    words = image.buffer[:region_bytes].view(torch.int64)
+                    torch.arange(i * words.numel(), (i + 1) * words.numel(), out=words)
+            store.write_back(key)  # timed: the bytes that are there stand for what an update wrote
         store.flush()
         return time.perf_counter() - t0
 
-    write_all()  # untimed: the image buffers' first use (page faults), as in a run's first step
-    write = write_all()
+    # untimed: the images' first use, as in a run's first step (their pages written, so faulted in:
+    # never written, a write would send the kernel's zero page and the first read fault them in)
+    write_all(fill=True)
+    write = write_all(fill=False)
     store.evict()
     t0 = time.perf_counter()
     for i, key in enumerate(keys):
