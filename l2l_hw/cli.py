@@ -242,6 +242,8 @@ BENCHES = {
     "overlap": ("whether the EPS's update hides under the device's compute (sleeping layers)", "l2l_hw.bench.overlap"),
     "convergence": ("PipeDream-2BW's loss against flush, with and without delay compensation, 2 stages",
                     "l2l_hw.bench.convergence"),
+    "llama-here": ("Llama-3-8B's shape fine-tuned on this machine: the estimate, then the run's peak memory",
+                   "l2l_hw.bench.llama_here"),
 }
 
 

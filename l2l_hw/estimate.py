@@ -855,7 +855,9 @@ def host_parts(cfg, run: RunModel, model: ModelTrace, eps: EpsBytes, step: StepM
     else:
         parts["data"] = token_bytes(cfg)
         parts["tokenizer"] = tokenizer_bytes(run.folder)
-        build = max(weights_files(run.folder, whole_model // 4)) + largest_layer
+        # a layer read from its shard (the largest one mapped), or drawn from the config and copied in
+        build = (max(weights_files(run.folder, whole_model // 4)) + largest_layer if cfg.weights == "pretrained"
+                 else 2 * largest_layer)
     if on_host:  # the device is this host: the step's own bytes (not the EPS's) and what the allocator keeps
         stepping, kept = int(step.own_peak * (1 + ALLOCATOR_SLACK)) + step.host_stash, step.own_peak
     else:  # pinned: the gradients' staging buffers (two groups in flight), the stash sent down

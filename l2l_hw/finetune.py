@@ -22,7 +22,7 @@ from l2l_hw.distributed import Ranks, join_torchrun, rank_body
 from l2l_hw.estimate import check_fits
 from l2l_hw.inputs import path_kind
 from l2l_hw.train import (MODEL, ConfigError, OutputError, TrainConfig, TrainResult, agree_to_start, as_config_error,
-                          build_eps, check_out, check_state_dir, leave_together, relay_options, sharded, train)
+                          build_eps, check_out, check_state_dir, leave_together, planned_options, sharded, train)
 
 TOKEN_CACHE = "tokens"  # in out: the tokenized data (finetune_data's cache), one folder per role (train, val)
 
@@ -53,6 +53,8 @@ def _finetune(cfg: TrainConfig, ranks: Ranks, callbacks: Iterable[Callable[[dict
         if cfg.prompt is not None and hf.masked_lm(hf.load_config(cfg.model)):
             raise ConfigError(f"a sample continues a causal LM's text, and {cfg.model} holds a masked LM", "prompt",
                               cfg.prompt)
+        if cfg.weights == "pretrained":  # a folder without weights, found before the data is tokenized
+            hf.weights_file(hf.model_folder(cfg.model))
         for name in ("data", "val_data"):
             if getattr(cfg, name) is not None and path_kind(getattr(cfg, name)) == "missing":
                 raise ConfigError("does not exist", name, getattr(cfg, name))
@@ -84,7 +86,8 @@ def _finetune(cfg: TrainConfig, ranks: Ranks, callbacks: Iterable[Callable[[dict
         say(f"{cfg.epochs} epoch(s) of {len(fit)} minibatches: {cfg.steps} steps")
     eps = build_eps(cfg, sharded(cfg, ranks))
     owned.append(eps)  # closed by rank_body on failure (and where the group ends here); else by the caller
-    relay = hf.from_pretrained(cfg.model, eps=eps, options=relay_options(cfg, ranks.device))
+    options, share = planned_options(cfg, eps, ranks.device)
+    relay = hf.from_pretrained(cfg.model, eps=eps, weights=cfg.weights, options=options, plan=share)
     owned.append(relay)  # its caller closes TrainResult.relay
     tokenizer = hf.load_tokenizer(cfg.model) if cfg.prompt is not None and cfg.verbose else None
     saved_step = None

@@ -49,7 +49,7 @@ import torch
 
 from l2l_hw.checkpoint import remove_stale_temporaries, temporary_beside
 from l2l_hw.hf import (IGNORE_INDEX, TOKENIZER_FILES, TokenLoss, batch, first_line, load_config, load_tokenizer,
-                       masked_lm, max_positions, model_folder, weights_file)
+                       masked_lm, max_positions, model_folder)
 from l2l_hw.inputs import path_kind, regular_file
 
 TOKENIZER_STATE = (*TOKENIZER_FILES, "merges.txt", "special_tokens_map.json", "added_tokens.json",
@@ -427,7 +427,6 @@ def finetune_batches(path, data_file, batch_size: int, seq_len: int, seed: int =
     folder = model_folder(path)
     config = load_config(folder)
     masked = masked_lm(config)
-    weights_file(folder)
     tokenizer = load_tokenizer(folder)
     if batch_size < 1 or seq_len < 2:
         raise ValueError(f"batch_size must be >= 1 and seq_len >= 2, got {batch_size} and {seq_len}")

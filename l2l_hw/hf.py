@@ -343,7 +343,8 @@ def weights_file(folder: Path) -> Path:
         if (folder / name).is_file():
             return folder / name
     raise FileNotFoundError(f"{folder} has no weights: expected {WEIGHTS_FILE} or {INDEX_FILE} "
-                            "(safetensors, as transformers' save_pretrained writes them)")
+                            "(safetensors, as transformers' save_pretrained writes them; l2l finetune --weights "
+                            "random draws them from config.json)")
 
 
 def shard_map(index: Path) -> dict[str, Path]:
@@ -516,6 +517,33 @@ class LayerInit:
         return out
 
 
+class RandomInit:
+    """`init(i, layer)` for a folder whose weights are not wanted or not there (finetune --weights
+    random): layer i's tensors drawn as transformers initializes a new model from its config (the
+    model's own `_init_weights`, module by module, from torch's generator), one layer at a time,
+    so that nothing holds more than a layer of the model."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.given: set[int] = set()
+
+    def __call__(self, i: int, module: nn.Module) -> dict[str, torch.Tensor]:
+        drawn = copy.deepcopy(module).to_empty(device="cpu")
+        with torch.no_grad():
+            for sub in drawn.modules():
+                self.model._init_weights(sub)
+        values = dict((*drawn.named_parameters(), *drawn.named_buffers()))
+        out = {}
+        for name, t in (*module.named_parameters(), *module.named_buffers()):
+            if t.is_meta and id(t) not in self.given:
+                out[name] = values[name].detach()
+                self.given.add(id(t))
+        return out
+
+
+WEIGHTS = ("pretrained", "random")  # where a fine-tune's first weights come from
+
+
 def no_decay_rule(model: nn.Module, layers: list[nn.Module]):
     """`no_decay(i, name)` for the relay: the parameters transformers' Trainer updates without
     weight decay (its own get_decay_parameter_names: biases and norms), by relay layer and name."""
@@ -523,19 +551,23 @@ def no_decay_rule(model: nn.Module, layers: list[nn.Module]):
     return lambda i, name: name in layers[i].hf_keys and not decayed & set(layers[i].hf_keys[name])
 
 
-def from_pretrained(path, eps, exempt_from_decay: bool = True, **relay_options):
+def from_pretrained(path, eps, exempt_from_decay: bool = True, weights: str = "pretrained", **relay_options):
     """A Relay holding the model of a local transformers folder: the skeleton on the meta device,
     the safetensors streamed into `eps` layer by layer (this holds one layer and the shard it
-    reads). The relay's loss_fn is the model's `TokenLoss` (`batch()` gives exact HF losses).
+    reads); weights="random": drawn from the config instead, layer by layer (RandomInit). The
+    relay's loss_fn is the model's `TokenLoss` (`batch()` gives exact HF losses).
     exempt_from_decay: biases and norms are updated without weight decay, as transformers'
     Trainer does (False: every parameter decays, as torch.optim over model.parameters())."""
     from l2l_hw.relay import Relay
 
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights={weights!r}: must be one of {', '.join(WEIGHTS)}")
     folder = model_folder(path)
     model = skeleton(folder)
     layers, loss_fn = split(model)
-    return Relay(layers, loss_fn, eps=eps, init=LayerInit(folder, model, layers), no_decay=no_decay_rule(model, layers) if exempt_from_decay else None,
-                 **relay_options)
+    init = LayerInit(folder, model, layers) if weights == "pretrained" else RandomInit(model)
+    return Relay(layers, loss_fn, eps=eps, init=init,
+                 no_decay=no_decay_rule(model, layers) if exempt_from_decay else None, **relay_options)
 
 
 # ---------------------------------------------------------------------------- saving

@@ -53,7 +53,7 @@ from l2l_hw.eps import make_eps
 from l2l_hw.eps.base import STATE_SLOTS
 from l2l_hw.eps.disk_store import held_state, remove_state, state_bytes
 from l2l_hw.eps.options import LAMB_LR, EpsOptions, ScheduleOptions
-from l2l_hw.estimate import check_fits, eps_bytes_per_parameter, measure_step
+from l2l_hw.estimate import check_fits, eps_bytes_per_parameter, measure_step, run_model
 from l2l_hw.models import Corpus, GPTConfig, build_gpt, generate, lm_loss
 from l2l_hw.models.gpt import build_gpt_meta
 from l2l_hw.models.gpt import ModelOptions
@@ -142,6 +142,10 @@ class RunOptions:
                                     kind="int", low=1)
     model: str | None = option(None, "the Hugging Face model folder (config, safetensors, tokenizer)", kind="path",
                                metavar="DIR", commands=("finetune",), required_in=("finetune",))
+    weights: str = option("pretrained", "where the model's weights start: pretrained (--model's safetensors), or "
+                          "random (drawn from its config.json as transformers initializes a new model, one layer at a "
+                          "time: a folder without weights, to try a model's shape on this machine)", kind="choice",
+                          choices=hf.WEIGHTS, commands=("finetune",))
     out: str | None = option("runs/latest", "output folder (Python: None writes nothing)", kind="path",
                              optional=True, command_defaults={"finetune": "runs/finetune"})
     resume: bool = option(False, "continue exactly from --out's checkpoint and metrics", kind="bool")
@@ -392,32 +396,38 @@ def build_relay(cfg: TrainConfig, layers=None, loss_fn: Callable | None = None, 
                                  cfg.micro_batches, threads=cfg.threads or 1)
         return PipelineRelay(layers, loss_fn, eps or build_eps(cfg, shard_state, replicas), relay_options(cfg, device),
                              pipeline=cfg.pipeline_config(), group=group, replicas=replicas, init=init, plan=plan)
-    options = relay_options(cfg, device)
     eps = eps or build_eps(cfg, shard_state)
-    share = device_share_plan(cfg, options, eps, layers)
-    relay = Relay(layers, loss_fn, eps=eps, options=dataclasses.replace(options, device_update_layers=share.layers),
-                  init=init, plan=share)
+    options, share = planned_options(cfg, eps, device)
+    relay = Relay(layers, loss_fn, eps=eps, options=options, init=init, plan=share)
     if drawn is not None:
         drawn.finish()  # torch's RNG where build_gpt leaves it
     return relay
 
 
-def device_share_plan(cfg: TrainConfig, options: RelayOptions, eps, layers) -> SharePlan:
+def device_share_plan(cfg: TrainConfig, options: RelayOptions, eps) -> SharePlan:
     """How many of the first layers the relay updates on the device: --device-update-layers, else
     the planner's choice from the measured host update and device compute (CUDA only: on the CPU
-    the device's cores are the host's)."""
+    the device's cores are the host's); a pipeline's stages keep every update on the host."""
     if cfg.device_update_layers is not None:
         return SharePlan(cfg.device_update_layers, "--device-update-layers")
     device = torch.device("cpu" if options.device == "cpu-async" else options.device)
     if device.type != "cuda":
         return SharePlan(0, "the device is this machine's CPU: an update there takes the cores the host's would")
-    problem = share_problem(eps, len(layers), 1)
+    layers = run_model(cfg).layers
+    problem = share_problem(eps, len(layers), 1, stale=options.pipedream_2bw)
     if problem:
         return SharePlan(0, f"a device share {problem.removesuffix(' (give 0)')}")
     _, measured = measure_step(cfg)
     params = [sum(math.prod(s) for s in group.values()) for group in registered_groups(layers).values()]
     return plan_device_share(params, measured["compute_s"], measured["update_s"] / sum(params),
                              time_device_update(device), device_free_bytes(device))
+
+
+def planned_options(cfg: TrainConfig, eps, device: str | None = None) -> tuple[RelayOptions, SharePlan]:
+    """The relay's options of `cfg` with the device share decided, and how it was."""
+    options = relay_options(cfg, device)
+    share = device_share_plan(cfg, options, eps)
+    return dataclasses.replace(options, device_update_layers=share.layers), share
 
 
 class OutputError(OSError):

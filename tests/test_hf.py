@@ -7,6 +7,7 @@ torch.optim.AdamW. Per-step losses and final parameters agree to 1e-5; parameter
 exact gradient is zero are compared as docs/NUMERICS.md says ("Hugging Face models").
 """
 import json
+import math
 
 import pytest
 import torch
@@ -332,10 +333,7 @@ def test_bad_folders_and_architectures_say_what_is_wrong_and_what_is_supported(l
         f.rename(tmp_path / f.name)
     with pytest.raises(FileNotFoundError) as e:
         hf.from_pretrained(llama_folder, eps=eps)
-    one_line_error(e, "no weights", hf.WEIGHTS_FILE)
-    with pytest.raises(FileNotFoundError) as e:
-        finetune_data.finetune_batches(llama_folder, tmp_path / "data.txt", 2, 4)
-    one_line_error(e, "no weights")
+    one_line_error(e, "no weights", hf.WEIGHTS_FILE, "--weights random")
     for f in tmp_path.glob("*.safetensors"):
         f.rename(llama_folder / f.name)
     for f in llama_folder.glob("tokenizer*"):
@@ -395,3 +393,37 @@ def test_l2l_finetune_end_to_end_resumes_and_saves_what_transformers_loads(llama
                  "--out", str(tmp_path / "bad")]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "does not exist" in err and "Traceback" not in err
+
+
+def test_random_weights_are_drawn_as_transformers_initializes_the_config_layer_by_layer(llama_folder, tmp_path, capsys):
+    """`--weights random`: a folder with config.json and a tokenizer (no safetensors) fine-tunes;
+    each layer is drawn by the model's own initialization (Linear and Embedding weights of the
+    config's initializer_range, norms 1, biases 0, as transformers builds the model from its config),
+    the same for the same seed; without it the folder's missing weights are refused in one line."""
+    from l2l_hw.cli import main
+    from l2l_hw.train import read_metrics
+
+    for f in llama_folder.glob("*.safetensors"):
+        f.unlink()
+    config = transformers.AutoConfig.from_pretrained(llama_folder)
+    config.initializer_range = 0.5  # far from the tiny model's defaults: a draw of another scale shows
+    config.save_pretrained(llama_folder)
+    argv = ["finetune", "--model", str(llama_folder), "--data", str(tmp_path / "data.txt"), "--steps", "2",
+            "--batch-size", "2", "--micro-batches", "2", "--context", "6", "--eval-every", "2", "--seed", "0"]
+    assert main(argv + ["--out", str(tmp_path / "no")]) == 2
+    assert "no weights" in capsys.readouterr().err
+    torch.manual_seed(3)
+    drawn = [hf.from_pretrained(llama_folder, eps=l2l_hw.make_eps("cpu"), weights="random").materialize()
+             for _ in range(2)]
+    reference = AutoModelForCausalLM.from_config(config)  # transformers' own draw of the same config
+    for (name, a), b, want in zip(drawn[0].named_parameters(), drawn[1].parameters(), reference.parameters()):
+        assert a.shape == want.shape, name
+        if want.dim() >= 2:  # drawn, N(0, initializer_range): the same law, other values
+            sigma = config.initializer_range  # a sample's std is within 5 of its standard errors of it
+            assert abs(a.std().item() - sigma) < 5 * sigma / math.sqrt(2 * a.numel()), name
+            assert not torch.equal(a, b), f"{name}: two draws are equal"
+        else:  # norms' ones, biases' zeros
+            assert torch.equal(a, want), name
+    assert main(argv + ["--weights", "random", "--out", str(tmp_path / "run")]) == 0
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
