@@ -1,6 +1,7 @@
 """Data-parallel relay on torch.distributed (gloo, CPU): N ranks on shards of the
 minibatch equal one process on the whole minibatch; resume across world sizes; a dead
 rank makes the others fail, never hang. Every rank is a real process (tests/dp_worker.py)."""
+import json
 import os
 import signal
 import subprocess
@@ -93,14 +94,20 @@ def test_clipping_on_sharded_state_uses_the_norm_over_all_ranks(tmp_path, clip_m
 
 
 @pytest.mark.parametrize("first,second", [(2, 1), (1, 2)], ids=["2-then-1", "1-then-2"])
-def test_resume_across_world_sizes(tmp_path, first, second):
-    # 3 steps on `first` ranks, state saved, 2 more on `second` ranks: the whole run equals
-    # 5 steps of one process (the 2-rank side with the sharded EPS: a checkpoint of whole tensors)
-    ckpt, out = tmp_path / "state.safetensors", tmp_path / "out.safetensors"
-    run_ok(first, model="gpt", optimizer="adamw", batch=12, steps=3, shard_state=first > 1, save=str(ckpt))
+def test_resume_across_world_sizes_continues_the_losses_and_weights_of_plain_pytorch(tmp_path, first, second):
+    # 3 steps on `first` ranks, state saved, 2 more on `second` ranks: every step's loss, the
+    # two after the resume included, and the final weights equal 5 steps of plain PyTorch on one
+    # process, at TOL (the 2-rank side with the sharded EPS: a checkpoint of whole tensors). A
+    # resume that loses the optimizer's moments or step count shows in the loss of step 5.
+    ckpt = tmp_path / "state.safetensors"
+    before = run_ok(first, model="gpt", optimizer="adamw", batch=12, steps=3, shard_state=first > 1, save=str(ckpt),
+                    out=str(tmp_path / "before.safetensors"))
     got = run_ok(second, model="gpt", optimizer="adamw", batch=12, steps=5, start=3, shard_state=second > 1,
-                 load=str(ckpt), out=str(out))
-    want, _ = plain("gpt", "adamw", 5, 12)
+                 load=str(ckpt), out=str(tmp_path / "after.safetensors"))
+    want, losses = plain("gpt", "adamw", 5, 12)
+    resumed = torch.cat([before["losses"], got["losses"]])
+    assert len(got["losses"]) == 2 and torch.allclose(resumed, torch.tensor(losses, dtype=torch.float64), rtol=TOL), \
+        (resumed.tolist(), losses)
     assert_params_close(got, want, f"{first} rank(s) for 3 steps, then {second} for 2")
 
 
@@ -171,6 +178,12 @@ def test_l2l_train_under_torchrun_resumes_across_world_sizes(tmp_path, first, se
     want, _ = load_checkpoint(tmp_path / "straight" / "checkpoint.safetensors")
     got, meta = load_checkpoint(split / "checkpoint.safetensors")
     assert meta["step"] == 4 and "final val loss" in straight.stdout
+    # the losses of every step, the two after the resume included, are the uninterrupted run's
+    losses = {run: {r["step"]: r["loss"] for r in map(json.loads, (where / "metrics.jsonl").read_text().splitlines())}
+              for run, where in (("straight", tmp_path / "straight"), ("split", split))}
+    assert sorted(losses["split"]) == sorted(losses["straight"]) == [1, 2, 3, 4], losses
+    for step, loss in losses["straight"].items():
+        assert losses["split"][step] == pytest.approx(loss, rel=TOL), (step, losses)
     for name, w in want.items():
         if name.startswith("relay.eps/") and w.is_floating_point():
             assert rel_diff(got[name], w) <= TOL, f"{name} differs by {rel_diff(got[name], w):.2e}"

@@ -6,9 +6,11 @@ finetune` refusing, in one line and before anything loads, a run the estimate sa
     python -m tests.test_estimate      the estimate-vs-peak table of every family and size"""
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -209,19 +211,113 @@ def test_the_largest_context_found_fits_and_one_more_token_does_not(one_thread):
     assert largest["optimizer_state"] == "fp32"
 
 
-def test_measure_gives_a_step_time_made_of_the_layers_and_the_updates(one_thread):
-    cfg = TrainConfig(layers=2, width=64, heads=2, context=32, batch_size=4, out=None)
-    seconds, profile = est.measure_step(cfg)
-    assert seconds == pytest.approx(profile["compute_s"] + profile["update_s"]) and profile["layer_kinds"] == 3
+# The step time of `l2l estimate --measure` (measure_step) against real relay steps of the same
+# config, timed here. Three shapes: a one-block model (a layer counted twice doubles its estimate),
+# the same with 4x the blocks, and with 3x the micro-batches of the same size.
+STEP_SHAPES = {"1 block": dict(layers=1, batch_size=16, micro_batches=4),
+               "4 blocks": dict(layers=4, batch_size=16, micro_batches=4),
+               "3x micro-batches": dict(layers=1, batch_size=48, micro_batches=12)}
+# Measured on the 2 shared cores of the dev machine: estimate / step 0.84 to 0.90 (the relay's own
+# work beside the layers), the scaling ratios 1.00 to 1.03; with 3 such jobs at once 0.5 to 1.1 and
+# 0.6 to 2.0 in one attempt. A layer or micro-batches miscounted moves them 2x or more, every time.
+STEP_FACTOR = 1.5  # estimate / measured step
+SCALING_FACTOR = 1.4  # (the estimate's ratio of two shapes) / (the measured ratio)
+STEP_ATTEMPTS = 3  # a busy spell can spoil an attempt; a wrong estimate fails them all
 
 
-def test_a_pipeline_is_estimated_per_stage_and_per_rank(one_thread):
-    cfg = TrainConfig(layers=6, width=64, heads=2, context=32, batch_size=8, out=None, pipeline_stages=3,
-                      pipeline_schedule="flush")
-    e = est.estimate(cfg)
-    assert [s["layers"] for s in e.stages] == [[0, 3], [3, 5], [5, 8]]  # PipelineRelay's even split of 8 layers
-    assert e.ranks == 3 and e.host_bytes > 3 * e.host["baseline"]  # a process per stage, each with its baseline
-    assert e.device_bytes == max(s["device_bytes"] for s in e.stages)
+class TimedRelaySteps:
+    """A Relay of cfg (the reference GPT, its micro-batches, recompute and optimizer) after one
+    warm-up step: each call times one more train_step (seconds, wall clock)."""
+
+    def __init__(self, cfg: TrainConfig):
+        torch.manual_seed(cfg.seed)
+        self.relay = l2l_hw.Relay(build_gpt(cfg.model_config()), lm_loss,
+                                  eps=l2l_hw.make_eps("cpu", optimizer=cfg.optimizer),
+                                  micro_batches=cfg.micro_batches, recompute=cfg.recompute)
+        x = torch.randint(0, 256, (cfg.batch_size, cfg.context), generator=torch.Generator().manual_seed(cfg.seed))
+        self.batch = (x, torch.roll(x, -1, 1))
+        self.relay.train_step(*self.batch)
+
+    def __call__(self) -> float:
+        start = time.perf_counter()
+        self.relay.train_step(*self.batch)
+        return time.perf_counter() - start
+
+
+def step_time_misfits(cfgs: dict, relays: dict, rounds: int = 2) -> list[str]:
+    """What disagrees between the estimate and the measured steps: each the fastest of `rounds`
+    (estimate) and 2 x `rounds` (relay) runs, interleaved so that a busy spell hits both."""
+    estimated, measured = dict.fromkeys(cfgs, math.inf), dict.fromkeys(cfgs, math.inf)
+    for _ in range(rounds):
+        for name, cfg in cfgs.items():
+            estimated[name] = min(estimated[name], est.measure_step(cfg)[0])
+            measured[name] = min(measured[name], relays[name](), relays[name]())
+    table = {n: f"{estimated[n]:.4f} s estimated, {measured[n]:.4f} s measured" for n in cfgs}
+    misfits = [f"{n}: {table[n]}" for n in cfgs if not 1 / STEP_FACTOR <= estimated[n] / measured[n] <= STEP_FACTOR]
+    base = next(iter(cfgs))
+    for name in list(cfgs)[1:]:
+        ratio = (estimated[name] / estimated[base]) / (measured[name] / measured[base])
+        if not 1 / SCALING_FACTOR <= ratio <= SCALING_FACTOR:
+            misfits.append(f"{name} / {base}: the estimate scales {ratio:.2f}x what measured steps do ({table})")
+    return misfits
+
+
+def test_the_measured_step_time_is_a_real_relay_step_s_and_scales_with_the_blocks_and_micro_batches(one_thread):
+    # Fails when a layer or its micro-batches are counted twice, or not at all (a 4-block model
+    # estimated as its 3 layer kinds; the micro-batches' count or size ignored): each moves the
+    # estimate 2x or more from the relay's step, or its scaling from the measured scaling. Not
+    # seen: the EPS update's share (1 to 2% of these steps).
+    cfgs = {name: TrainConfig(width=128, heads=4, context=64, out=None, **shape) for name, shape in STEP_SHAPES.items()}
+    relays = {name: TimedRelaySteps(cfg) for name, cfg in cfgs.items()}
+    try:
+        for _ in range(STEP_ATTEMPTS):
+            misfits = step_time_misfits(cfgs, relays)
+            if not misfits:
+                break
+        assert not misfits, misfits
+    finally:
+        for timed in relays.values():
+            timed.relay.close()
+
+
+STAGE = """
+import json, sys
+import torch, torch.distributed as dist
+from l2l_hw.train import TrainConfig, build_relay
+cfg = TrainConfig(**json.loads(sys.argv[1]), account_memory=True)
+dist.init_process_group("gloo")
+x = torch.randint(0, 256, (cfg.batch_size, cfg.context), generator=torch.Generator().manual_seed(cfg.seed))
+with build_relay(cfg) as relay:  # the run's relay (l2l train's): this rank's stage
+    for _ in range(cfg.steps):
+        relay.train_step(x, torch.roll(x, -1, 1))
+    print(json.dumps({"layers": [relay.first, relay.end], "device_bytes": relay.memory_report()["peak_bytes"]}))
+dist.destroy_process_group()
+"""
+# The 1F1B model of a stage (estimate.pipeline_step) against the stage's own accounting: below it
+# on every stage measured, by 3 to 12% at 2 to 4 micro-batches (this case: 9% and 5%) and by 11 to
+# 22% at 8 (the run holds more in flight than the model counts, growing with the micro-batches):
+# hence not TOLERANCE until the estimate replays the schedule (issue 58, point 3).
+PIPELINE_TOLERANCE = 0.15
+
+
+def test_a_pipeline_is_estimated_per_stage_as_a_real_two_stage_run_splits_and_holds_it(one_thread):
+    # 5 blocks + the embedding and the head: 7 layers relayed by 2 ranks, the stages as PipelineRelay
+    # splits them in the run (whole layers, in order, 4 + 3) and each stage's device peak as its
+    # accounting reports it after two steps
+    from l2l_hw.distributed import run_local_ranks
+
+    options = dict(layers=5, width=64, heads=2, context=32, batch_size=8, micro_batches=4, steps=2, out=None,
+                   pipeline_stages=2, pipeline_schedule="flush")
+    ranks = run_local_ranks(["-c", STAGE, json.dumps(options)], 2, timeout_s=180, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert all(r.returncode == 0 for r in ranks), [r.stderr[-2000:] for r in ranks]
+    measured = [json.loads(r.stdout.strip().splitlines()[-1]) for r in ranks]
+    e = est.estimate(TrainConfig(**options))
+    assert [s["layers"] for s in e.stages] == [m["layers"] for m in measured] == [[0, 4], [4, 7]]
+    for s, m in zip(e.stages, measured):
+        assert abs(s["device_bytes"] / m["device_bytes"] - 1) <= PIPELINE_TOLERANCE, (e.stages, measured)
+    assert abs(e.device_bytes / max(m["device_bytes"] for m in measured) - 1) <= PIPELINE_TOLERANCE
+    assert e.ranks == len(ranks) and e.host_bytes > 2 * e.host["baseline"]  # a process per stage, each its baseline
 
 
 def test_a_replicated_pipeline_holds_a_replicas_shard_of_the_activations_on_each_rank(one_thread, monkeypatch):
