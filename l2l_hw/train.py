@@ -59,8 +59,8 @@ from l2l_hw.models.gpt import build_gpt_meta
 from l2l_hw.models.gpt import ModelOptions
 from l2l_hw.options import OptionError, check_options, fail, option, pick, with_default
 from l2l_hw.relay import Relay, RelayOptions, init_from_state
-from l2l_hw.relay.device_share import (SharePlan, device_free_bytes, plan_device_share, share_problem,
-                                       time_device_update)
+from l2l_hw.relay.device_share import (DEVICE_BYTES_PER_PARAMETER, SharePlan, device_free_bytes,
+                                       plan_device_share, share_problem, time_device_update)
 from l2l_hw.relay.schedule import Schedule
 from l2l_hw.relay.stage import registered_groups
 from l2l_hw.relay.options import PipelineConfig, PipelineOptions
@@ -212,6 +212,9 @@ class TrainConfig(RunOptions, PipelineOptions, RelayOptions, EpsOptions, Schedul
                 fail("delay_compensation", self.delay_compensation, "corrects the weights PipeDream-2BW computes on, "
                      "one step stale; this run computes on the newest (flush, or no pipeline): give --pipeline-stages 2 "
                      "or more with --pipeline-schedule 2bw (or --pipedream-2bw), or drop it")
+            if self.device_update_layers and (self.pipeline_stages > 1 or self.stale_weights):
+                fail("device_update_layers", self.device_update_layers, "is the relay's, on the newest weights: a "
+                     "pipeline's stages and PipeDream-2BW keep every update on the host; give 0 or drop it")
             if self.pipeline_stages > 1 and self.grad_compression != "none":
                 fail("grad_compression", self.grad_compression, "compresses the gradient all-reduce of data "
                      f"parallelism, and a pipeline (pipeline_stages {self.pipeline_stages}) has none: drop it")
@@ -813,9 +816,13 @@ def _banner(cfg: TrainConfig, relay, ranks: Ranks, corpus: Corpus | None, stages
         optimizer += (f" (a low lr for lamb: its trust ratio scales each layer's step to lr x the layer's norm; "
                       f"{LAMB_LR:g} trains the reference GPT at batch 32, docs/BENCHMARKS.md)")
     per_parameter = eps_bytes_per_parameter(cfg)
+    on_device = sum(math.prod(s) for key, names in relay.eps.shapes.items() if relay.eps.on_device(key)
+                    for s in names.values())  # the device share's
     eps = (f"EPS {cfg.eps_backend}{' (state sharded)' if sharded(cfg, ranks) else ''}: about "
-           f"{_size(trained * per_parameter)} of host memory ({per_parameter:.3g} B a trained parameter"
-           f"{', 1/N a rank' if sharded(cfg, ranks) else ''}), device {ranks.device or cfg.device}")
+           f"{_size((trained - on_device) * per_parameter)} of host memory ({per_parameter:.3g} B a trained parameter"
+           f"{', 1/N a rank' if sharded(cfg, ranks) else ''}), device {ranks.device or cfg.device}"
+           + (f" ({on_device:,} parameters' weights and state on it, {_size(on_device * DEVICE_BYTES_PER_PARAMETER)})"
+              if on_device else ""))
     if cfg.state_dir is not None:  # the state is in files; host memory holds the groups in flight
         storage = relay.eps.storage
         eps = (f"EPS {cfg.eps_backend}: state in {cfg.state_dir}, {_size(storage.disk_bytes())} on disk, at most "

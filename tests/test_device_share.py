@@ -209,4 +209,15 @@ def test_the_planner_moves_the_first_layers_to_the_device_where_the_host_is_slow
 def test_l2l_train_says_its_device_share_and_why_in_the_banner(tmp_path, capsys, flag, line):
     assert main(["train", *TINY, "--steps", "1", "--device", "cpu-async", "--no-save", "--out", str(tmp_path),
                  *flag]) == 0
-    assert line in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert line in out
+    assert ("weights and state on it" in out) == bool(flag)  # the EPS line counts what the device holds
+
+
+@pytest.mark.parametrize("flags", [["--pipeline-stages", "2"], ["--pipedream-2bw"]])
+def test_l2l_train_refuses_a_share_beside_a_pipeline_or_stale_weights_in_one_line(tmp_path, capsys, flags):
+    assert main(["train", *TINY, "--steps", "1", "--device-update-layers", "1", *flags,
+                 "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--device-update-layers" in err and "keep every update on the host" in err
+    assert not any(tmp_path.iterdir())  # nothing written

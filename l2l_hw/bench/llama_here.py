@@ -5,7 +5,8 @@ memory against the estimate's.
 The model folder is made here: Llama-3-8B's config.json (8.03 B parameters, 32 layers of
 width 4096), a byte-level BPE tokenizer trained on a few hundred kB of this Python's own
 sources (Llama's vocabulary keeps its 128256 rows; the tokenizer uses the first of them), and
-that text as the data. No weights are written: `--weights random` draws each layer from the
+that text as the data (2 kB more of it to validate on: each validation minibatch reads every
+layer from the disk). No weights are written: `--weights random` draws each layer from the
 config as transformers initializes a new model, one layer at a time. The run keeps its 8-bit
 optimizer state and fp32 masters on disk (`--state-dir`), computes in bf16 and saves nothing
 (`--no-save`: the state alone fills most of a 77 GB disk). Both commands run as child
@@ -30,12 +31,13 @@ LLAMA_3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hid
               "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
               "rope_theta": 500000.0, "torch_dtype": "bfloat16", "tie_word_embeddings": False}
 TEXT_BYTES = 400_000  # of the stdlib's sources: the tokenizer's training text and the data
+VAL_BYTES = 2_000  # the validation text: a minibatch or two (each reads every layer's weights from the disk)
 VOCAB = 2000  # the tokenizer's own vocabulary (the model keeps Llama's rows)
 RUN_FLAGS = ("--weights", "random", "--optimizer-state", "8bit", "--precision", "bf16", "--no-save")
 
 
 def make_folder(folder: Path, config: dict) -> Path:
-    """config.json, a byte-level BPE tokenizer and the data text (returned) in `folder`."""
+    """config.json, a byte-level BPE tokenizer, the data text (returned) and val.txt in `folder`."""
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -47,6 +49,7 @@ def make_folder(folder: Path, config: dict) -> Path:
             break
     data = folder / "text.txt"
     data.write_text("".join(text)[:TEXT_BYTES], encoding="utf-8")
+    (folder / "val.txt").write_text("".join(text)[TEXT_BYTES:TEXT_BYTES + VAL_BYTES], encoding="utf-8")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -72,7 +75,8 @@ def run(work: str, layers: int | None = None, context: int = 128, batch_size: in
     for stale in (state, out):
         shutil.rmtree(stale, ignore_errors=True)
     data = make_folder(folder, config)
-    shape = ["--model", str(folder), "--data", str(data), "--context", str(context), "--batch-size", str(batch_size),
+    shape = ["--model", str(folder), "--data", str(data), "--val-data", str(folder / "val.txt"),
+             "--context", str(context), "--batch-size", str(batch_size),
              "--micro-batches", str(micro_batches), "--state-dir", str(state), *RUN_FLAGS]
     asked = subprocess.run(_l2l("estimate", *shape, "--out", str(out), "--json"), capture_output=True, text=True)
     if asked.returncode != 0:
@@ -107,8 +111,10 @@ def format_report(r: dict) -> str:
     return "\n".join([
         f"{r['model']}: {r['parameters'] / 1e9:.2f} B parameters, context {r['context']}, batch {r['batch_size']} in "
         f"{r['micro_batches']} micro-batches, {r['steps']} steps, {' '.join(r['flags'])}",
-        f"  l2l estimate: host {r['estimated_host_bytes'] / gib:.2f} GiB, disk {r['estimated_disk_bytes'] / gib:.2f} GiB",
-        f"  l2l finetune: peak RSS {r['peak_rss_bytes'] / gib:.2f} GiB = {r['peak_over_estimate']:.3f} of the estimate; "
+        f"  l2l estimate: host {r['estimated_host_bytes'] / gib:.2f} GiB, "
+        f"disk {r['estimated_disk_bytes'] / gib:.2f} GiB",
+        f"  l2l finetune: peak RSS {r['peak_rss_bytes'] / gib:.2f} GiB = {r['peak_over_estimate']:.3f} of the "
+        "estimate; "
         f"losses {', '.join(f'{x:.4f}' for x in r['losses'])}; {r['seconds']:.0f} s in all (elapsed at each step: "
         f"{', '.join(f'{s:.0f}' for s in r['step_s'])} s)"])
 

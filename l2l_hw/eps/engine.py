@@ -391,12 +391,24 @@ class Engine(LocalEps):
             p = self.storage.read(b.current["param"], shape, torch.float32)
             self.storage.write(b.current["working"], torch.where(torch.isnan(p), _CANONICAL_NAN, p))
             return
+        zero = step_scalars(OptimConfig(optimizer="sgd", lr=0.0), 1)
+        if self.kernel.slices:  # a chunk at a time: no scratch or zero gradient of the tensor's size beside it
+            with self.storage.hold(key) as view:
+                held = _viewed({"param": b.current["param"], "working": b.current["working"]}, view)
+                param, working = held["param"].reshape(-1), held["working"].reshape(-1)
+                size = min(shape.numel(), UPDATE_CHUNK)
+                scratch, grad = torch.empty(size), torch.zeros(size)
+                for start in range(0, shape.numel(), UPDATE_CHUNK):
+                    end = min(shape.numel(), start + UPDATE_CHUNK)
+                    self.kernel.run(_what(key, name), self._rule("sgd"), zero, grad[:end - start],
+                                    {"param": param[start:end]},
+                                    {"param": scratch[:end - start], "working": working[start:end]})
+            return
         scratch = b.spare.get("param")
         temporary = scratch is None
         if temporary:
             scratch = self.storage.scratch(shape, torch.float32)
         try:
-            zero = step_scalars(OptimConfig(optimizer="sgd", lr=0.0), 1)
             with self.storage.hold(key) as view:
                 self.kernel.run(_what(key, name), self._rule("sgd"), zero, torch.zeros(shape),
                                 _viewed({"param": b.current["param"]}, view),
