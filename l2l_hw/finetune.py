@@ -87,7 +87,7 @@ def _finetune(cfg: TrainConfig, ranks: Ranks, callbacks: Iterable[Callable[[dict
     eps = build_eps(cfg, sharded(cfg, ranks))
     owned.append(eps)  # closed by rank_body on failure (and where the group ends here); else by the caller
     options, share = planned_options(cfg, eps, ranks.device)
-    relay = hf.from_pretrained(cfg.model, eps=eps, weights=cfg.weights, options=options, plan=share)
+    relay = hf.from_pretrained(cfg.model, eps=eps, weights=cfg.weights, seed=cfg.seed, options=options, plan=share)
     owned.append(relay)  # its caller closes TrainResult.relay
     tokenizer = hf.load_tokenizer(cfg.model) if cfg.prompt is not None and cfg.verbose else None
     saved_step = None

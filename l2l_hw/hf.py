@@ -519,25 +519,30 @@ class LayerInit:
 
 class RandomInit:
     """`init(i, layer)` for a folder whose weights are not wanted or not there (finetune --weights
-    random): layer i's tensors drawn as transformers initializes a new model from its config (the
-    model's own `_init_weights`, module by module, from torch's generator), one layer at a time,
-    so that nothing holds more than a layer of the model."""
+    random): layer i's tensors drawn from a generator seeded with `seed`, as transformers'
+    `_init_weights` draws a new model of the config's families: every matrix (Linear, Embedding)
+    from N(0, config.initializer_range), biases 0, norm scales 1. One layer at a time, so
+    nothing holds more than a layer of the model."""
 
-    def __init__(self, model: nn.Module):
-        self.model = model
+    def __init__(self, model: nn.Module, seed: int = 0):
+        self.std = getattr(model.config, "initializer_range", 0.02)
+        self.generator = torch.Generator().manual_seed(seed)
         self.given: set[int] = set()
 
     def __call__(self, i: int, module: nn.Module) -> dict[str, torch.Tensor]:
-        drawn = copy.deepcopy(module).to_empty(device="cpu")
-        with torch.no_grad():
-            for sub in drawn.modules():
-                self.model._init_weights(sub)
-        values = dict((*drawn.named_parameters(), *drawn.named_buffers()))
         out = {}
-        for name, t in (*module.named_parameters(), *module.named_buffers()):
-            if t.is_meta and id(t) not in self.given:
-                out[name] = values[name].detach()
-                self.given.add(id(t))
+        for name, t in module.named_parameters():
+            if not t.is_meta or id(t) in self.given:
+                continue
+            if t.dim() >= 2:
+                out[name] = torch.empty(t.shape).normal_(0.0, self.std, generator=self.generator).to(t.dtype)
+            else:  # a bias, or a norm's scale
+                out[name] = (torch.zeros if name.endswith("bias") else torch.ones)(t.shape, dtype=t.dtype)
+            self.given.add(id(t))
+        meta = [name for name, b in module.named_buffers() if b.is_meta]
+        if meta:
+            raise ValueError(f"layer {i}'s buffer {meta[0]} is saved with the weights, and --weights random draws "
+                             "parameters only: use --weights pretrained")
         return out
 
 
@@ -551,10 +556,11 @@ def no_decay_rule(model: nn.Module, layers: list[nn.Module]):
     return lambda i, name: name in layers[i].hf_keys and not decayed & set(layers[i].hf_keys[name])
 
 
-def from_pretrained(path, eps, exempt_from_decay: bool = True, weights: str = "pretrained", **relay_options):
+def from_pretrained(path, eps, exempt_from_decay: bool = True, weights: str = "pretrained", seed: int = 0,
+                    **relay_options):
     """A Relay holding the model of a local transformers folder: the skeleton on the meta device,
     the safetensors streamed into `eps` layer by layer (this holds one layer and the shard it
-    reads); weights="random": drawn from the config instead, layer by layer (RandomInit). The
+    reads); weights="random": drawn instead, layer by layer (RandomInit, from `seed`). The
     relay's loss_fn is the model's `TokenLoss` (`batch()` gives exact HF losses).
     exempt_from_decay: biases and norms are updated without weight decay, as transformers'
     Trainer does (False: every parameter decays, as torch.optim over model.parameters())."""
@@ -565,7 +571,7 @@ def from_pretrained(path, eps, exempt_from_decay: bool = True, weights: str = "p
     folder = model_folder(path)
     model = skeleton(folder)
     layers, loss_fn = split(model)
-    init = LayerInit(folder, model, layers) if weights == "pretrained" else RandomInit(model)
+    init = LayerInit(folder, model, layers) if weights == "pretrained" else RandomInit(model, seed)
     return Relay(layers, loss_fn, eps=eps, init=init,
                  no_decay=no_decay_rule(model, layers) if exempt_from_decay else None, **relay_options)
 

@@ -393,9 +393,10 @@ def test_nothing_is_counted_that_the_run_will_not_do_and_the_run_gathers_nothing
 
 
 def test_a_run_that_does_not_fit_names_the_flags_that_would_make_it_fit(tmp_path, capsys, one_thread):
-    argv = ["--layers", "4", "--width", "256", "--heads", "4", "--out", str(tmp_path / "run")]
-    exact = est.estimate(TrainConfig(layers=4, width=256, heads=4, out=str(tmp_path / "run")))
-    small = est.estimate(TrainConfig(layers=4, width=256, heads=4, out=str(tmp_path / "run"), optimizer_state="8bit"))
+    # width 1024: 8-bit state saves ~0.4 GB, far more than this process's RSS moves between estimates
+    argv = ["--layers", "4", "--width", "1024", "--heads", "4", "--out", str(tmp_path / "run")]
+    exact = est.estimate(TrainConfig(layers=4, width=1024, heads=4, out=str(tmp_path / "run")))
+    small = est.estimate(TrainConfig(layers=4, width=1024, heads=4, out=str(tmp_path / "run"), optimizer_state="8bit"))
     between = (exact.host_bytes + small.host_bytes) // 2  # a machine that holds the 8-bit run, not the exact one
     rc, text, _ = cli(capsys, "estimate", *argv, "--host-memory", str(between), "--json")
     figures = json.loads(text)

@@ -397,9 +397,9 @@ def test_l2l_finetune_end_to_end_resumes_and_saves_what_transformers_loads(llama
 
 def test_random_weights_are_drawn_as_transformers_initializes_the_config_layer_by_layer(llama_folder, tmp_path, capsys):
     """`--weights random`: a folder with config.json and a tokenizer (no safetensors) fine-tunes;
-    each layer is drawn by the model's own initialization (Linear and Embedding weights of the
-    config's initializer_range, norms 1, biases 0, as transformers builds the model from its config),
-    the same for the same seed; without it the folder's missing weights are refused in one line."""
+    each layer is drawn as transformers initializes the config's model (matrices from N(0, the
+    config's initializer_range), norms 1, biases 0: checked against transformers' own draw), the
+    same for the same seed; without it the folder's missing weights are refused in one line."""
     from l2l_hw.cli import main
     from l2l_hw.train import read_metrics
 
@@ -412,9 +412,10 @@ def test_random_weights_are_drawn_as_transformers_initializes_the_config_layer_b
             "--batch-size", "2", "--micro-batches", "2", "--context", "6", "--eval-every", "2", "--seed", "0"]
     assert main(argv + ["--out", str(tmp_path / "no")]) == 2
     assert "no weights" in capsys.readouterr().err
-    torch.manual_seed(3)
-    drawn = [hf.from_pretrained(llama_folder, eps=l2l_hw.make_eps("cpu"), weights="random").materialize()
-             for _ in range(2)]
+    drawn = [hf.from_pretrained(llama_folder, eps=l2l_hw.make_eps("cpu"), weights="random", seed=seed).materialize()
+             for seed in (3, 4, 3)]
+    for a, b in zip(drawn[0].parameters(), drawn[2].parameters()):
+        assert torch.equal(a, b)  # the same seed, the same draw
     reference = AutoModelForCausalLM.from_config(config)  # transformers' own draw of the same config
     for (name, a), b, want in zip(drawn[0].named_parameters(), drawn[1].parameters(), reference.parameters()):
         assert a.shape == want.shape, name
