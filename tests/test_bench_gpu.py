@@ -25,6 +25,7 @@ from l2l_hw.models import GPTConfig, build_gpt, count_parameters, lm_loss
 ADAMW = {"lr": 1e-5, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
 
 
+@pytest.mark.slow  # 1.5-3 min of CI's 30; docs/GPU_CAMPAIGN.md runs it before each device call
 def test_dry_run_covers_the_three_regimes_and_every_peers_config(tmp_path):
     out = tmp_path / "gpu"
     done = subprocess.run([sys.executable, "-m", "l2l_hw.cli", "bench", "gpu", "--dry-run", "--out", str(out),
