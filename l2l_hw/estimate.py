@@ -860,6 +860,8 @@ def host_parts(cfg, run: RunModel, model: ModelTrace, eps: EpsBytes, step: StepM
                  else 2 * largest_layer)
     if on_host:  # the device is this host: the step's own bytes (not the EPS's) and what the allocator keeps
         stepping, kept = int(step.own_peak * (1 + ALLOCATOR_SLACK)) + step.host_stash, step.own_peak
+        if cfg.state_dir is not None:  # the disk tier's fetch copies the working copy out of its image
+            stepping += step.peak - step.own_peak
     else:  # pinned: the gradients' staging buffers (two groups in flight), the stash sent down
         stepping = kept = 2 * max(model.group_bytes.values()) + step.host_stash
     if run.folder is None:  # the reference GPT: the report gathers the model for its sample

@@ -311,3 +311,20 @@ def test_grad_sums_compute_opt_in_pushes_exactly_pytorchs_bf16_grad_accumulation
     for i, layer in enumerate(model):
         for name, p in layer.named_parameters():
             assert torch.equal(pushed[f"layer{i}"][name], p.grad), f"layer{i}/{name}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_gradient_larger_than_the_widening_chunk_is_summed_in_fp32_exactly(monkeypatch, dtype):
+    # on the CPU a gradient past WIDEN_CHUNK elements is added to its fp32 sum a chunk at a time
+    # (no fp32 copy of all of it): the same sum, bit for bit, as the fp32 additions done whole
+    from l2l_hw.relay import precision
+
+    monkeypatch.setattr(precision, "WIDEN_CHUNK", 1000)
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(7, 613, generator=g).to(dtype) for _ in range(3)]  # 4291 elements: 5 chunks
+    sums = precision.GradSums(dtype)
+    leaf = sums.watch(torch.zeros(7, 613, dtype=dtype, requires_grad=True))
+    for grad in grads:
+        (leaf * grad).sum().backward()
+    want = grads[0].float() + grads[1].float() + grads[2].float()
+    assert torch.equal(sums.take({"w": leaf})["w"], want)

@@ -32,6 +32,11 @@ def compute_dtype(precision: str) -> torch.dtype:
     return COMPUTE_DTYPES[precision]
 
 
+# elements widened at once where a CPU gradient is added to its fp32 sum (torch's CPU add_ of a bf16
+# tensor into an fp32 one first makes an fp32 copy of all of it: 4 B a parameter more, at the peak)
+WIDEN_CHUNK = 1 << 22
+
+
 class _Sum:
     """One leaf's fp32 gradient sum, owned by the leaf's hook: it lives as long as the leaf."""
 
@@ -65,10 +70,14 @@ class GradSums:
 
     @staticmethod
     def _add(cell: _Sum, leaf: torch.Tensor) -> None:
+        grad = leaf.grad
         if cell.total is None:
-            cell.total = leaf.grad.float()
-        else:
-            cell.total.add_(leaf.grad)  # bf16/fp16 widened exactly, added in fp32
+            cell.total = grad.float()
+        elif grad.is_cuda or grad.numel() <= WIDEN_CHUNK:
+            cell.total.add_(grad)  # bf16/fp16 widened exactly, added in fp32
+        else:  # on the CPU a mixed-dtype add_ widens the whole gradient first: a chunk at a time instead
+            for total, part in zip(cell.total.view(-1).split(WIDEN_CHUNK), grad.reshape(-1).split(WIDEN_CHUNK)):
+                total.add_(part)
         leaf.grad = None
 
     def take(self, leaves: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
