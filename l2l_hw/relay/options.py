@@ -77,8 +77,9 @@ class RelayOptions(DataParallelOptions):
                                   "non-finite loss stops the run, keeping the last checkpoint)", kind="bool")
     device_update_layers: int | None = option(
         None, "the first N layers keep their weights and AdamW state on the device and are updated there (they are "
-        "pushed last and needed first); 0 keeps every update on the host (default: l2l train plans N from the measured "
-        "host update and device compute; the Relay alone uses 0)", kind="int", low=0, optional=True, metavar="N")
+        "pushed last and needed first); 0 keeps every update on the host (default: on CUDA, planned at start-up from "
+        "the measured host update and device compute; 0 on the CPU and for a Relay built from Python)", kind="int",
+        low=0, optional=True, metavar="N")
     account_memory: bool = option(False, "on the CPU, count the bytes the relay holds as device tensors (weights, "
                                   "stash, graphs, what autograd saves) for memory_report(), at a cost of 1-2% of a "
                                   "CPU step (on CUDA the allocator counts them, always)", kind="bool")
