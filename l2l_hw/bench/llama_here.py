@@ -45,7 +45,7 @@ def make_folder(folder: Path, config: dict) -> Path:
     text, stdlib = [], Path(sysconfig.get_paths()["stdlib"])
     for path in sorted(stdlib.glob("*.py")):
         text.append(path.read_text(encoding="utf-8", errors="replace"))
-        if sum(map(len, text)) >= TEXT_BYTES:
+        if sum(map(len, text)) >= TEXT_BYTES + VAL_BYTES:
             break
     data = folder / "text.txt"
     data.write_text("".join(text)[:TEXT_BYTES], encoding="utf-8")
