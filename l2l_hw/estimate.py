@@ -49,11 +49,11 @@ from typing import Callable
 import torch
 from torch import nn
 
-from l2l_hw.relay.device_share import DEVICE_BYTES_PER_PARAMETER
+from l2l_hw.relay.device_share import DEVICE_BYTES_PER_PARAMETER, device_free_bytes
 from l2l_hw.relay.stage import flatten, layer_output, to_float
 from l2l_hw.relay.recompute import KeepGraphs, SelectiveRecompute, grad_leaf, save_matmuls_and_attention
 from l2l_hw.relay.stash import ActivationStash
-from l2l_hw.relay.transport import Transport
+from l2l_hw.relay.transport import Transport, torch_device
 
 
 # ---------------------------------------------------------------------------- layer traces
@@ -727,8 +727,7 @@ def device_memory_bytes(device: str) -> int | None:
     where a fraction is set elsewhere); None for the CPU (the device is host memory)."""
     if not device.startswith("cuda") or not torch.cuda.is_available():
         return None
-    free, _ = torch.cuda.mem_get_info(torch.device(device))
-    return free
+    return device_free_bytes(torch.device(device))
 
 
 # ---------------------------------------------------------------------------- host memory
@@ -1229,7 +1228,7 @@ def measure_step(cfg) -> tuple[float, dict]:
     from l2l_hw.relay.precision import compute_dtype
 
     run = run_model(cfg)
-    device = torch.device("cpu" if cfg.device == "cpu-async" else cfg.device)
+    device = torch_device(cfg.device)
     dtype = compute_dtype(cfg.precision)
     sizes = micro_sizes(cfg.batch_size, cfg.micro_batches)
     m = max(sizes)

@@ -63,6 +63,7 @@ from l2l_hw.relay.device_share import (DEVICE_BYTES_PER_PARAMETER, SharePlan, de
                                        plan_device_share, share_problem, time_device_update)
 from l2l_hw.relay.schedule import Schedule
 from l2l_hw.relay.stage import registered_groups
+from l2l_hw.relay.transport import torch_device
 from l2l_hw.relay.options import PipelineConfig, PipelineOptions
 
 CHECKPOINT, METRICS, PLOT, TENSORBOARD = "checkpoint.safetensors", "metrics.jsonl", "loss.png", "tensorboard"
@@ -413,7 +414,7 @@ def device_share_plan(cfg: TrainConfig, options: RelayOptions, eps) -> SharePlan
     the device's cores are the host's); a pipeline's stages keep every update on the host."""
     if cfg.device_update_layers is not None:
         return SharePlan(cfg.device_update_layers, "--device-update-layers")
-    device = torch.device("cpu" if options.device == "cpu-async" else options.device)
+    device = torch_device(options.device)
     if device.type != "cuda":
         return SharePlan(0, "the device is this machine's CPU: an update there takes the cores the host's would")
     layers = run_model(cfg).layers

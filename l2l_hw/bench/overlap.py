@@ -61,6 +61,7 @@ import l2l_hw
 from l2l_hw.bench import print_report
 from l2l_hw.bench.timer import round_robin
 from l2l_hw.relay.device_share import device_free_bytes, plan_device_share, time_device_update
+from l2l_hw.relay.transport import torch_device
 
 LAYERS, PARAMS = 16, 1_500_000
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -289,7 +290,7 @@ def _plan_share(compute, update, layers: int, params: int, device: str):
     of a few, timed here) and the device's fused AdamW per parameter; with that per parameter."""
     compute_s = statistics.median(compute() for _ in range(CALIBRATION_REPEATS))
     update_s = statistics.median(update() for _ in range(CALIBRATION_REPEATS))
-    dev = torch.device("cpu" if device == "cpu-async" else device)
+    dev = torch_device(device)
     per_parameter = time_device_update(dev)
     plan = plan_device_share([params] * layers, compute_s, update_s / (layers * params), per_parameter,
                              device_free_bytes(dev))

@@ -37,6 +37,7 @@ from l2l_hw.relay.layer_drop import LayerDrop
 from l2l_hw.relay.options import RelayOptions
 from l2l_hw.relay.recompute import grad_leaf
 from l2l_hw.relay.stage import LayerStage, flatten, registered_groups, to_float
+from l2l_hw.relay.transport import torch_device
 
 
 class Relay(LayerStage):
@@ -70,7 +71,7 @@ class Relay(LayerStage):
             raise ValueError(f"device_update_layers={k} {problem}")
         if k == 0:
             return eps
-        device = torch.device("cpu" if options.device == "cpu-async" else options.device)
+        device = torch_device(options.device)
         groups = registered_groups(self.layers[:k])
         need = sum(math.prod(s) for shapes in groups.values() for s in shapes.values()) * DEVICE_BYTES_PER_PARAMETER
         free = device_free_bytes(device)

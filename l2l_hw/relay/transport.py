@@ -197,6 +197,11 @@ class _TwinStream:
             done._done.set()
 
 
+def torch_device(name: str | torch.device) -> torch.device:
+    """The torch device a relay's `device` computes on: the CPU for cpu-async (the twin)."""
+    return torch.device("cpu") if str(name) == "cpu-async" else torch.device(name)
+
+
 class Transport:
     """Host <-> device movement for one relay (see the module docstring)."""
 
@@ -205,7 +210,7 @@ class Transport:
         self.kind = "cpu-async" if name == "cpu-async" else torch.device(name).type
         if self.kind not in KINDS:
             raise ValueError(f"the relay runs on {', '.join(KINDS)} (or cuda:N), not {name!r}")
-        self.device = torch.device("cpu") if self.kind == "cpu-async" else torch.device(name)
+        self.device = torch_device(name)
         self.owner = threading.current_thread()  # the relay's thread: its waits are counted
         self.blocking = 0
         self.grad_pool = StagingPool(pinned=self.kind == "cuda", poison_returned=self.kind == "cpu-async")
