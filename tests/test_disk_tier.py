@@ -18,7 +18,7 @@ import torch
 
 import l2l_hw
 from l2l_hw.checkpoint import open_checkpoint, save_checkpoint
-from l2l_hw.eps import disk_store
+from l2l_hw.eps import disk_io, disk_store
 from l2l_hw.eps.disk_store import StateDirError
 from l2l_hw.models import GPTConfig, build_gpt
 from l2l_hw.models.gpt import lm_loss
@@ -334,9 +334,9 @@ def test_a_failed_or_short_write_back_stops_training_naming_the_region(fault, tm
     def failing(fd, buffers, offset):
         if fault == "error":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real(fd, buffers, offset) - disk_store.ALIGN
+        return real(fd, buffers, offset) - disk_io.ALIGN
 
-    monkeypatch.setattr(disk_store.os, "pwritev", failing)
+    monkeypatch.setattr(disk_io.os, "pwritev", failing)
     with pytest.raises(StateDirError, match=r"region \d+ \(group \S+, \d+\.region\)") as e:
         for x, y in gpt_batches(2):
             relay.train_step(x, y)
@@ -359,6 +359,129 @@ def test_a_changed_region_file_is_a_checksum_mismatch_naming_the_region(tmp_path
         f.write(bytes([byte[0] ^ 0x40]))
     with pytest.raises(StateDirError, match=rf"checksum mismatch in region {region.index} \(group {key}"):
         eps.fetch(key)
+    eps.close()
+
+
+@pytest.mark.parametrize("how", ["demand", "read_ahead"])
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_a_flipped_byte_fails_its_read_before_the_block_runs_however_late_its_checksum(where, how, tmp_path,
+                                                                                       monkeypatch):
+    """A read's checksums are computed off the I/O threads, as its requests land: a byte flipped
+    on disk in any request of a section, read on demand or ahead, raises StateDirError naming
+    the region and the bytes, and the block that would use the section never runs, even when
+    the checksum of that request is the last to finish. The store then stops: every later call
+    raises the same error, a healthy region's too."""
+    import threading
+
+    monkeypatch.setattr(disk_store, "CHUNK_BYTES", 64 << 10)  # 8 requests a section
+    store = disk_store.RegionStore(tmp_path / "state", groups_in_flight=2)
+    size = 8 * disk_store.CHUNK_BYTES
+    for key in ("a", "b"):
+        store.add_region(key, {"x": [size]}, {"fetched": 0, "state": size}, rule={})
+        with store.use(key, replaces=("state",)) as image:
+            image.buffer[:size].fill_(7)
+        store.write_back(key)
+    store.evict()
+    chunk = {"first": 0, "middle": 3, "last": 7}[where]
+    flipped = chunk * disk_store.CHUNK_BYTES + 12345
+    with open(store.regions["a"].path, "r+b") as f:
+        f.seek(flipped)
+        f.write(b"\x06")
+    real, late = disk_io.crc32, threading.Event()
+
+    def slow(data, *value):  # the corrupted request's checksum finishes after all the others
+        if data.nbytes == disk_store.CHUNK_BYTES and bytes(data[12345:12346]) != b"\x07":
+            late.wait(0.2)
+        return real(data, *value)
+
+    monkeypatch.setattr(disk_io, "crc32", slow)
+    if how == "read_ahead":
+        store.read_ahead("a", ("state",))
+    message = (rf"checksum mismatch in region 0 \(group a, 00000\.region\), state section, bytes "
+               rf"{chunk * disk_store.CHUNK_BYTES:,} to {(chunk + 1) * disk_store.CHUNK_BYTES:,}")
+    for key in ("a", "b"):
+        ran = False
+        with pytest.raises(StateDirError, match=message):
+            with store.use(key, ("state",)):
+                ran = True
+        assert not ran, key
+    store.close()
+
+
+def test_a_read_waited_on_is_served_before_the_read_aheads_asked_before_it(tmp_path, monkeypatch):
+    """The I/O threads take the requests of a section a caller waits on before those of the
+    read-aheads asked earlier (a pool in the order asked would read those first): with one I/O
+    thread, busy with a read-ahead's first request when the demand comes, the demanded region's
+    requests are the next ones read, then the read-aheads' in the order asked."""
+    import threading
+
+    monkeypatch.setattr(disk_store, "CHUNK_BYTES", 64 << 10)
+    monkeypatch.setattr(disk_store, "IO_THREADS", 1)
+    store = disk_store.RegionStore(tmp_path / "state", groups_in_flight=3)
+    size = 4 * disk_store.CHUNK_BYTES
+    for key in "abc":
+        store.add_region(key, {"x": [size]}, {"fetched": 0, "state": size}, rule={})
+        with store.use(key, replaces=("state",)) as image:
+            image.buffer[:size].fill_(ord(key))
+        store.write_back(key)
+    store.evict()
+    keys = {store.regions[k].fd: k for k in "abc"}
+    real, entered, gate, read = os.preadv, threading.Event(), threading.Event(), []
+
+    def preadv(fd, buffers, offset):
+        if not read:
+            entered.set()
+            gate.wait(10)  # the first request holds the only I/O thread until the demand is queued
+        read.append((keys[fd], offset // disk_store.CHUNK_BYTES))
+        return real(fd, buffers, offset)
+
+    def use(key):
+        with store.use(key, ("state",)) as image:
+            assert bool((image.buffer[:size] == ord(key)).all()), key
+
+    monkeypatch.setattr(disk_io.os, "preadv", preadv)
+    store.read_ahead("a", ("state",))
+    assert entered.wait(10)
+    store.read_ahead("b", ("state",))
+    demand = threading.Thread(target=use, args=("c",))
+    demand.start()
+    deadline = time.monotonic() + 10
+    while store.io.queued() != ["c", "a", "b"] and time.monotonic() < deadline:  # c waited on: first
+        time.sleep(0.001)
+    gate.set()
+    demand.join()
+    use("a")
+    use("b")
+    assert read == [("a", 0), *[("c", i) for i in range(4)], *[("a", i) for i in range(1, 4)],
+                    *[("b", i) for i in range(4)]]
+    store.close()
+
+
+def test_a_flipped_state_byte_stops_training_before_its_update_writes(tmp_path):
+    """On the update's path: a byte flipped in a group's state section on disk raises
+    StateDirError naming the region when the update reads it, and no update wrote over it."""
+    eps = disk_eps(tmp_path / "state")
+    relay, _ = train(eps, steps=1)
+    eps.wait()
+    store = eps.storage.store
+    store.flush()
+    flipped = {}
+    for key in [k for k in eps.shapes if k not in store.images]:  # on disk only: an update reads the file
+        region = store.regions[key]
+        with open(region.path, "r+b") as f:
+            f.seek(region.start("state") + 100)
+            flipped[key] = bytes([f.read(1)[0] ^ 0x40])
+            f.seek(region.start("state") + 100)
+            f.write(flipped[key])
+    with pytest.raises(StateDirError, match=r"checksum mismatch in region \d+ \(group \S+, \d+\.region\), state "
+                                            r"section"):
+        for x, y in gpt_batches(2):
+            relay.train_step(x, y)
+    for key, byte in flipped.items():  # still the flipped byte: nothing computed from it was written back
+        region = store.regions[key]
+        with open(region.path, "rb") as f:
+            f.seek(region.start("state") + 100)
+            assert f.read(1) == byte, key
     eps.close()
 
 
@@ -621,7 +744,7 @@ def test_large_images_are_huge_page_aligned_mappings_and_come_back_exact(tmp_pat
     def change(key, value):
         with store.use(key, ("state",), writes=("state",)) as image:
             address = image.buffer.data_ptr()
-            assert address % (disk_store.HUGE_PAGE if sizes[key] >= disk_store.HUGE_PAGE else disk_store.ALIGN) == 0
+            assert address % (disk_io.HUGE_PAGE if sizes[key] >= disk_io.HUGE_PAGE else disk_io.ALIGN) == 0
             image.buffer[:sizes[key]].view(torch.int64).fill_(value)
         final[key] = value
         store.write_back(key)
@@ -641,5 +764,5 @@ def test_large_images_are_huge_page_aligned_mappings_and_come_back_exact(tmp_pat
         with store.use(key, ("state",)) as image:
             assert torch.equal(image.buffer[:sizes[key]].view(torch.int64),
                                torch.full((sizes[key] // 8,), final[key], dtype=torch.int64)), key
-    assert disk_store.aligned_buffer(5 << 20)[-1:].add_(1).item() == 1  # a view past the tensor's start, usable
+    assert disk_io.aligned_buffer(5 << 20)[-1:].add_(1).item() == 1  # a view past the tensor's start, usable
     store.close()

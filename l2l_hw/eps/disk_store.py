@@ -15,15 +15,20 @@ groups they will use next (loaded in the background if an image is free, skipped
 otherwise: a read-ahead never waits), and `write_back()` a group they changed (written
 in the background; the image stays until it is evicted, clean). Evicting a changed image
 first waits for its write. The crc32 of every request of every section is kept for what
-was last written and checked on every read; an I/O error, a short transfer or a checksum mismatch raises
-StateDirError naming the region.
+was last written and checked on every read before the section counts as loaded (no
+`use()` block runs on bytes that failed); an I/O error, a short transfer or a checksum
+mismatch raises StateDirError naming the region, to the caller waiting on it and then,
+as a failed write does, to every later call.
 
-I/O: os.preadv/os.pwritev on a file opened with O_DIRECT (no page cache: the images are
-the only copy in memory and the disk's real speed is what is measured), each section
-cut into CHUNK_BYTES requests run by IO_THREADS threads (512 MiB in flight, as much as
-DeepSpeed's aio at its best keeps), from images in 2 MiB pages (aligned_buffer: with
-4 KiB pages a virtio disk's request is cut under 1 MiB). Measured on this machine
-(docs/DISK.md): about the disk's speed, 0.9-1.0x DeepSpeed's aio at its best.
+I/O (l2l_hw/eps/disk_io.py): os.preadv/os.pwritev on a file opened with O_DIRECT (no page
+cache: the images are the only copy in memory and the disk's real speed is what is
+measured), each section cut into CHUNK_BYTES requests run by IO_THREADS threads (512 MiB in
+flight), from images in 2 MiB pages (aligned_buffer: with 4 KiB pages a virtio disk's
+request is cut under 1 MiB). The threads take the requests in the order the sections are
+needed (a read a caller waits on first, then the order asked: the read-aheads asked before
+a demand do not go first); each request's crc32 is computed on its section's thread as it
+lands, never on an I/O thread (DirectIo.transfer). Measured: docs/BENCHMARKS.md,
+`l2l bench disk`.
 
 The folder also holds `manifest.json` (what the folder holds: the rule, every group's
 key, tensors and section sizes; written atomically) and `lock` (flock'd by the process
@@ -36,22 +41,19 @@ import contextlib
 import errno
 import fcntl
 import json
-import mmap
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from zlib_ng.zlib_ng import crc32  # zlib's crc32, the same values, ~10x the speed
 
+from l2l_hw.eps.disk_io import ALIGN, DirectIo, Transfer, aligned_buffer
 from l2l_hw.eps.worker import UpdateError
 
-# O_DIRECT: offsets, lengths and buffer addresses a multiple of the logical block (512 here, 4096 on 4Kn disks)
-ALIGN = 4096
-HUGE_PAGE = 2 << 20  # an image's buffer starts at one (aligned_buffer)
 PIECE_ALIGN = 64  # a tensor's start inside a section: a cache line, more than any element needs
 CHUNK_BYTES = 16 << 20  # one request; 1 MiB requests reached 2.3 GB/s read on one thread, 16 MiB 2.9
 IO_THREADS = 32  # requests in flight: 512 MiB, about what aio at its best keeps in flight (docs/DISK.md)
@@ -80,25 +82,6 @@ def filesystem_type(path: Path) -> str | None:
 
 def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
-
-
-def aligned_buffer(nbytes: int) -> torch.Tensor:
-    """A uint8 host tensor of `nbytes` whose address is a multiple of ALIGN: from its own anonymous
-    mapping, in 2 MiB pages where the kernel has them (MADV_HUGEPAGE; transparent huge pages are
-    "madvise" by default). A direct request then names a few physically contiguous pieces, not one
-    per 4 KiB page: a virtio disk takes 254 pieces a request, so 4 KiB pages cut every request to
-    under 1 MiB (docs/DISK.md: 1.9x the write and 1.7x the read of the same requests).
-    Freed, the mapping goes back to the system, not to the allocator's arenas."""
-    if nbytes < HUGE_PAGE:
-        raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
-        start = -raw.data_ptr() % ALIGN
-        return raw[start:start + nbytes]
-    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with contextlib.suppress(AttributeError, OSError):  # no THP here: 4 KiB pages, the same bytes
-        mapping.madvise(mmap.MADV_HUGEPAGE)
-    raw = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping until the last view goes
-    start = -raw.data_ptr() % HUGE_PAGE
-    return raw[start:start + nbytes]
 
 
 @dataclass(frozen=True)
@@ -163,6 +146,7 @@ class Image:
     loading: dict = field(default_factory=dict)  # section -> Future of its read
     dirty: set = field(default_factory=set)  # sections changed since their last write
     writing: Future | None = None
+    waiting: Counter = field(default_factory=Counter)  # section -> callers of use() waiting for its read
     pins: int = 0
     last_use: int = 0
 
@@ -201,8 +185,10 @@ class RegionStore:
         self.expected: list[dict] | None = None  # the whole model's groups, where expect() was told them
         self._made: list[Path] = []  # what this store created (folders, lock, manifest, regions), oldest first
         self._open()
-        self._io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="l2l-disk-io")
-        self._tasks = ThreadPoolExecutor(self.groups_in_flight, thread_name_prefix="l2l-disk-region")
+        self.io = DirectIo(IO_THREADS, CHUNK_BYTES, self._fail)
+        # one per transfer an image may have under way (a read per section, a write): none waits for a thread
+        self._tasks = ThreadPoolExecutor(self.groups_in_flight * (len(SECTIONS) + 1),
+                                         thread_name_prefix="l2l-disk-region")
 
     # -- the folder --------------------------------------------------------------------
     def _fail(self, what: str, e: OSError | None = None) -> StateDirError:
@@ -459,9 +445,11 @@ class RegionStore:
         region = image.region
         try:
             self._transfer(image, section, write=False)
-        except BaseException:
-            with self._cond:
-                self._cond.notify_all()  # the future keeps the error: every later use of the section raises it
+        except BaseException as e:
+            with self._cond:  # its image never becomes idle: a thread waiting for an image would wait forever
+                self.error = self.error or (e if isinstance(e, StateDirError) else StateDirError(
+                    f"state_dir {self.path}: reading {region.name()} failed: {e}"))
+                self._cond.notify_all()  # as a failed write: every later call raises it
             raise
         with self._cond:
             image.loaded.add(section)
@@ -469,36 +457,12 @@ class RegionStore:
             self._cond.notify_all()
 
     def _transfer(self, image: Image, section: str, write: bool) -> list[int]:
-        """One section between the image and the file, in CHUNK_BYTES requests on the I/O threads,
-        each with its checksum (computed after the request, on its I/O thread, overlapping the other
-        requests; checked against what was written for a read). The checksums of a write."""
-        region, data, base = image.region, image.bytes(section), image.region.start(section)
-        io = os.pwritev if write else os.preadv
-        wrote = region.crc[section]
-
-        def request(chunk: int) -> int:
-            offset = chunk * CHUNK_BYTES
-            part = data[offset:offset + CHUNK_BYTES]
-            try:
-                done = io(region.fd, [part], base + offset)
-            except OSError as e:
-                raise StateDirError(f"state_dir {self.path}: {'writing' if write else 'reading'} {region.name()} "
-                                    f"failed at byte {base + offset:,}: {e.strerror or e}") from None
-            if done != len(part):
-                raise StateDirError(f"state_dir {self.path}: short {'write' if write else 'read'} in "
-                                    f"{region.name()} at byte {base + offset:,}: {done:,} of {len(part):,} bytes")
-            # after the transfer: a write's request is at the disk while its checksum is computed (the
-            # bytes it sent, unless the section changed meanwhile: then it is dirty and written again)
-            crc = crc32(part)
-            if not write and crc != wrote[chunk]:
-                raise StateDirError(f"state_dir {self.path}: checksum mismatch in {region.name()}, {section} section, "
-                                    f"bytes {base + offset:,} to {base + offset + len(part):,}: the file changed "
-                                    "since it was written")
-            return crc
-
-        requests = [self._io.submit(request, chunk) for chunk in range(-(-len(data) // CHUNK_BYTES))]
-        wait(requests)  # all of them, even after an error: none may touch the buffer once it is reused
-        crcs = [f.result() for f in requests]
+        """One section between the image and the file (DirectIo.transfer: a read's bytes are here
+        only once every checksum matched). The checksums of a write."""
+        region, data = image.region, image.bytes(section)
+        crcs = self.io.transfer(Transfer(region.key, region.name(), section, region.fd, region.start(section), data,
+                                         write, None if write else region.crc[section],
+                                         waited_on=lambda: image.waiting[section] > 0))
         with self._cond:
             if write:
                 self.bytes_written += len(data)
@@ -551,12 +515,18 @@ class RegionStore:
                 image.loaded |= set(replaces)
             writes = {*writes, *replaces}
             pending = [f for f in (self._start_load(image, s) for s in sections) if f is not None]
+            waiting = [s for s in sections if s in image.loading]
+            image.waiting.update(waiting)  # their requests go before read-aheads' (Transfer.urgency)
         held = False
         try:
             if pending:
                 start = time.perf_counter()
-                for f in pending:
-                    f.result()
+                try:
+                    for f in pending:
+                        f.result()
+                finally:
+                    with self._cond:
+                        image.waiting.subtract(waiting)
                 self._waited(start)
             with self._cond:  # only once loaded: a write-back never writes bytes that are not here yet
                 image.dirty |= set(writes)
@@ -625,9 +595,10 @@ class RegionStore:
 
     def close(self) -> None:
         """Finish the I/O under way, close the files and release the folder (its files stay)."""
-        for pool in (getattr(self, "_tasks", None), getattr(self, "_io", None)):
-            if pool is not None:
-                pool.shutdown(wait=True)
+        if getattr(self, "_tasks", None) is not None:
+            self._tasks.shutdown(wait=True)
+        if getattr(self, "io", None) is not None:
+            self.io.close()
         for region in self.regions.values():
             with contextlib.suppress(OSError):
                 os.close(region.fd)
