@@ -154,7 +154,7 @@ def cmd_estimate(args) -> int:
         own = {k: defaults_of(k, command) for k in CONTROL_FIELDS if k in vars(args) and getattr(args, k) is None}
         cfg = train_config(argparse.Namespace(**{**vars(args), **own, "command": command}))
         e = estimate.estimate(cfg, measure=args.measure, search=True, host_memory=args.host_memory, disk=args.disk)
-        print(json.dumps(e.to_json(), indent=2) if args.json else estimate.describe(e, cfg))
+        print(json.dumps(e.to_json(), indent=2) if args.json else estimate.describe(e, cfg, explain=args.explain))
         fits.append(e.fits)
 
     code = run_command("estimate", body)
@@ -234,7 +234,7 @@ BENCHES = {
     "rtl": ("RTL optimizer kernel in Verilator: elements per clock vs the AXI bound", "l2l_hw.bench.rtl"),
     "capacity": ("host bytes per parameter of each EPS configuration; the largest GPT", "l2l_hw.bench.capacity"),
     "hf-load": ("peak host memory loading a Hugging Face checkpoint into the EPS", "l2l_hw.bench.hf"),
-    "gpu": ("the whole GPU campaign in one call (--dry-run: toy sizes on the CPU)", "l2l_hw.bench.gpu"),
+    "gpu": ("the whole GPU campaign in one call (--dry-run: toy sizes on the CPU)", "l2l_hw.bench.gpu.campaign"),
     "disk": ("the EPS's disk tier: GB/s against the raw disk, step time against the state in RAM",
              "l2l_hw.bench.disk"),
     "pipeline": ("the relay as a pipeline on CPU ranks vs one process and torch's 1F1B; the bubble",
@@ -399,6 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_option_flags(e, "estimate")
     e.add_argument("--json", action="store_true", help="print the figures as JSON (host_bytes, disk_bytes, "
                    "device_bytes, fits, ...)")
+    e.add_argument("--explain", action="store_true", help="also print the step's actions (each stage's), with the "
+                   "device memory after each")
     e.add_argument("--measure", action="store_true", help="also estimate the step time from a short measured "
                    "profile: one layer of each kind on real data, and the EPS's update")
     e.add_argument("--host-memory", type=size, metavar="SIZE", help="ask about a machine with this much host memory "

@@ -13,13 +13,13 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from l2l_hw import cli
-from l2l_hw.bench import gpu, gpu_checks, gpu_peers
-from l2l_hw.bench.gpu_capacity import search
-from l2l_hw.bench.gpu_extras import compute_idle_fraction, trim
-from l2l_hw.bench.gpu_figures import dense_bf16_peak, flops_per_token, rate_spread
-from l2l_hw.bench.gpu_llama import LLAMA_3_8B, layer_parameters, parameters
-from l2l_hw.bench.gpu_partners import GPTPartner
-from l2l_hw.bench.gpu_sides import Side, SideError
+from l2l_hw.bench.gpu import campaign, checks as gpu_checks, peers as gpu_peers
+from l2l_hw.bench.gpu.capacity import search
+from l2l_hw.bench.gpu.extras import compute_idle_fraction, trim
+from l2l_hw.bench.gpu.figures import dense_bf16_peak, flops_per_token, rate_spread
+from l2l_hw.bench.gpu.llama import LLAMA_3_8B, layer_parameters, parameters
+from l2l_hw.bench.gpu.partners import GPTPartner
+from l2l_hw.bench.gpu.sides import Side, SideError
 from l2l_hw.models import GPTConfig, build_gpt, count_parameters, lm_loss
 
 ADAMW = {"lr": 1e-5, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
@@ -32,13 +32,13 @@ def test_dry_run_covers_the_three_regimes_and_every_peers_config(tmp_path):
                            "--work", str(tmp_path / "work")], capture_output=True, text=True, timeout=900)
     summary = json.loads((out / "summary.json").read_text())
     assert done.returncode == 0, (summary["failed"], summary["cut"], done.stdout[-3000:], done.stderr[-3000:])
-    assert sorted(p.name for p in out.iterdir()) == sorted(gpu.FILES)
+    assert sorted(p.name for p in out.iterdir()) == sorted(campaign.FILES)
     parts = summary["parts"]
-    assert list(parts) == list(gpu.PARTS) and summary["failed"] == {} and summary["cut"] == {}
+    assert list(parts) == list(campaign.PARTS) and summary["failed"] == {} and summary["cut"] == {}
     assert summary["verdict"] == "passed" and "all 7 parts passed" in done.stdout
     assert parts["tests"]["returncode"] == 0 and "passed" in parts["tests"]["result"]
     peak = parts["matmul_peak"]  # the best of the sample, with its spread
-    assert peak["peak_tflops"] == peak["tflops"]["max"] and peak["tflops"]["runs"] == gpu.DRY.matmul_rounds
+    assert peak["peak_tflops"] == peak["tflops"]["max"] and peak["tflops"]["runs"] == campaign.DRY.matmul_rounds
     assert parts["loss"]["agree"] and parts["loss"]["bound_catches_twice_the_lr"]
     for name, regime in summary["regimes"].items():
         part = parts[name]
@@ -78,7 +78,7 @@ def test_a_nan_loss_fails_the_campaign_with_its_reason(tmp_path, monkeypatch, ca
             loss = super().step(x, y)
             return math.nan if self.steps == 3 else loss
 
-    monkeypatch.setattr(gpu, "GPTPartner", NaNAtTheThirdStep)
+    monkeypatch.setattr(campaign, "GPTPartner", NaNAtTheThirdStep)
     code = cli.main(["bench", "gpu", "--dry-run", "--parts", "loss", "--out", str(tmp_path / "o"),
                      "--work", str(tmp_path / "w")])
     summary = json.loads((tmp_path / "o" / "summary.json").read_text())
@@ -90,7 +90,7 @@ def test_a_nan_loss_fails_the_campaign_with_its_reason(tmp_path, monkeypatch, ca
 @pytest.mark.slow
 def test_a_nan_loss_in_a_side_fails_its_regime(tmp_path, monkeypatch):
     # a learning rate that overflows bf16: the relay's own losses become NaN in its process
-    monkeypatch.setattr(gpu, "ADAMW", {**gpu.ADAMW, "lr": 1e38})
+    monkeypatch.setattr(campaign, "ADAMW", {**campaign.ADAMW, "lr": 1e38})
     code = cli.main(["bench", "gpu", "--dry-run", "--parts", "regime_a", "--out", str(tmp_path / "o"),
                      "--work", str(tmp_path / "w")])
     summary = json.loads((tmp_path / "o" / "summary.json").read_text())
@@ -103,7 +103,7 @@ def test_a_cut_part_makes_the_campaign_exit_non_zero_and_says_so(tmp_path, monke
     def stuck(self):
         time.sleep(60)
 
-    monkeypatch.setattr(gpu.Campaign, "tests", stuck)
+    monkeypatch.setattr(campaign.Campaign, "tests", stuck)
     t0 = time.monotonic()
     code = cli.main(["bench", "gpu", "--dry-run", "--parts", "tests", "matmul_peak", "--time-limit", "2",
                      "--out", str(tmp_path / "o"), "--work", str(tmp_path / "w")])
@@ -142,7 +142,7 @@ def test_the_command_exits_non_zero_when_a_part_fails_and_the_others_still_run(t
     def broken(self):
         raise RuntimeError("a part that breaks")
 
-    monkeypatch.setattr(gpu.Campaign, "matmul_peak", broken)
+    monkeypatch.setattr(campaign.Campaign, "matmul_peak", broken)
     code = cli.main(["bench", "gpu", "--dry-run", "--parts", "matmul_peak", "loss", "--out", str(tmp_path / "o"),
                      "--work", str(tmp_path / "w")])
     summary = json.loads((tmp_path / "o" / "summary.json").read_text())
@@ -154,8 +154,8 @@ def test_the_command_exits_non_zero_when_a_part_fails_and_the_others_still_run(t
 def test_a_failing_test_fails_the_tests_part(tmp_path, monkeypatch):
     failing = tmp_path / "test_failing.py"
     failing.write_text("def test_twin_and_transport_break():\n    assert False\n")
-    monkeypatch.setattr(gpu, "TEST_FILES", (str(failing),))
-    summary = gpu.run(str(tmp_path / "o"), dry_run=True, parts=("tests",), work=str(tmp_path / "w"))
+    monkeypatch.setattr(campaign, "TEST_FILES", (str(failing),))
+    summary = campaign.run(str(tmp_path / "o"), dry_run=True, parts=("tests",), work=str(tmp_path / "w"))
     assert summary["parts"]["tests"]["returncode"] == 1
     assert "pytest exited 1" in summary["failed"]["tests"]
 

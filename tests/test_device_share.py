@@ -148,7 +148,7 @@ def test_a_share_the_relay_cannot_give_is_one_line_before_any_weight_loads(k, op
 
 
 def test_a_share_beyond_the_devices_free_memory_names_both(monkeypatch):
-    monkeypatch.setattr(l2l_hw.relay.executor, "device_free_bytes", lambda device: 1 << 10)
+    monkeypatch.setattr(l2l_hw.relay.stage, "device_free_bytes", lambda device: 1 << 10)
     eps = l2l_hw.make_eps("cpu", **ADAMW)
     with pytest.raises(ValueError, match=r"device_update_layers=2 keeps 0\.00 GiB .* which has 0\.00 GiB free"):
         relay(gpt(), 2, eps=eps)

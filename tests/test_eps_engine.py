@@ -145,6 +145,7 @@ def test_non_finite_gradient_propagates_as_in_torch_unless_steps_are_skipped():
 
 
 RELAY_SOURCES = ["l2l_hw/relay/executor.py", "l2l_hw/relay/stage.py", "l2l_hw/relay/pipeline.py",
+                 "l2l_hw/relay/interpreter.py", "l2l_hw/relay/actions.py", "l2l_hw/relay/links.py",
                  "l2l_hw/relay/prefetch.py", "l2l_hw/relay/data_parallel.py"]
 NAMES_AN_EPS = re.compile(r"\beps\b", re.IGNORECASE)  # eps, self.eps, own.eps: not steps
 

@@ -133,9 +133,15 @@ def test_the_device_figure_is_the_peak_the_relay_s_accounting_reports(options, o
     cfg = TrainConfig(layers=3, width=64, heads=2, context=32, batch_size=7, steps=2, out=None, verbose=False,
                       account_memory=True, **options)
     relay = l2l_hw.train(cfg).relay  # two steps and a validation
-    # A budget's plan weighs recompute times the relay measures; the estimate weighs bytes instead
-    exact = 1e-3 if cfg.activation_budget is None else TOLERANCE
-    assert est.estimate(cfg).device_bytes == pytest.approx(relay.memory_report()["peak_bytes"], rel=exact)
+    report, estimated = relay.memory_report(), est.estimate(cfg).device_bytes
+    if cfg.activation_budget is None:
+        assert estimated == pytest.approx(report["peak_bytes"], rel=1e-3)
+        return
+    # A budget's plan weighs the recompute times the relay measures in its first step, and so moves
+    # with the machine's load (on 2 loaded cores the same case kept 1 to 3 graphs); the estimate weighs
+    # bytes instead: it must never fall short of the run, and the run keeps within its budget
+    assert report["peak_bytes"] <= estimated * (1 + TOLERANCE)
+    assert report["kept_activation_peak_bytes"] <= cfg.activation_budget
 
 
 def test_the_checkpoint_and_the_state_dir_take_the_bytes_estimated(tmp_path, one_thread):
@@ -198,6 +204,28 @@ def test_l2l_estimate_prints_the_figures_and_json_with_the_same_numbers(tmp_path
     assert figures["host_bytes"] == sum(figures["host"].values())
     assert figures["largest"]["context"] >= 128 and figures["largest"]["micro_batches"] == 1
     assert not (tmp_path / "run").exists()  # an estimate writes nothing
+
+
+def test_explain_prints_each_stage_s_action_list_as_the_relay_runs_it_with_the_memory_after_each(tmp_path, capsys):
+    # the reference GPT of 2 blocks is 4 relayed layers (embedding, 2 blocks, head)
+    from l2l_hw.relay.actions import SCHEDULES, layer_major
+
+    argv = ["estimate", "--layers", "2", "--width", "64", "--heads", "2", "--micro-batches", "2",
+            "--out", str(tmp_path / "run"), "--explain"]
+    for stages, lists in ((1, [layer_major(range(4), 2)]),
+                          (2, [SCHEDULES["flush"].actions(s, 2, [layers], 2, 3) for s, layers in enumerate(([0, 1],
+                                                                                                             [2, 3]))])):
+        rc, text, _ = cli(capsys, *argv, "--pipeline-stages", str(stages))
+        blocks = text.split("action by action")[1:]
+        assert rc == 0 and len(blocks) == stages
+        mib = lambda value, unit: float(value.replace(",", "")) * (1024 if unit == "GiB" else 1)  # noqa: E731
+        device = [mib(*line.split()[1:3]) if line.startswith("device") else mib(*line.split()[2:4])
+                  for line in text.splitlines() if line.startswith(("device ", "stage ")) and "peak on" in line]
+        for block, actions, peak in zip(blocks, lists, device):
+            rows = [row for row in block.splitlines()[1:] if row.startswith("  ")]
+            assert [row[2:30].strip() for row in rows] == [str(a) for a in actions]
+            after = [mib(*row.split()[-2:]) for row in rows]
+            assert max(after) <= peak and after[-1] < max(after)  # the peak falls inside an action; the step ends lighter
 
 
 def test_the_largest_context_found_fits_and_one_more_token_does_not(one_thread):
@@ -293,21 +321,22 @@ with build_relay(cfg) as relay:  # the run's relay (l2l train's): this rank's st
     print(json.dumps({"layers": [relay.first, relay.end], "device_bytes": relay.memory_report()["peak_bytes"]}))
 dist.destroy_process_group()
 """
-# The 1F1B model of a stage (estimate.pipeline_step) against the stage's own accounting: below it
-# on every stage measured, by 3 to 12% at 2 to 4 micro-batches (this case: 9% and 5%) and by 11 to
-# 22% at 8 (the run holds more in flight than the model counts, growing with the micro-batches):
-# hence not TOLERANCE until the estimate replays the schedule (issue 58, point 3).
-PIPELINE_TOLERANCE = 0.15
+# A stage's estimate replays the action list the stage runs (estimate.pipeline_step), sampled where
+# its accounting samples: the accounting's own figure, as the relay's is (before the replay, a model of
+# the schedule was 3 to 22% below it).
+PIPELINE_TOLERANCE = 1e-3
 
 
-def test_a_pipeline_is_estimated_per_stage_as_a_real_two_stage_run_splits_and_holds_it(one_thread):
+@pytest.mark.parametrize("micro_batches", [pytest.param(2, marks=pytest.mark.slow), 4,
+                                           pytest.param(8, marks=pytest.mark.slow)])
+def test_a_pipeline_is_estimated_per_stage_as_a_real_two_stage_run_splits_and_holds_it(one_thread, micro_batches):
     # 5 blocks + the embedding and the head: 7 layers relayed by 2 ranks, the stages as PipelineRelay
     # splits them in the run (whole layers, in order, 4 + 3) and each stage's device peak as its
     # accounting reports it after two steps
     from l2l_hw.distributed import run_local_ranks
 
-    options = dict(layers=5, width=64, heads=2, context=32, batch_size=8, micro_batches=4, steps=2, out=None,
-                   pipeline_stages=2, pipeline_schedule="flush")
+    options = dict(layers=5, width=64, heads=2, context=32, batch_size=8, micro_batches=micro_batches, steps=2,
+                   out=None, pipeline_stages=2, pipeline_schedule="flush")
     ranks = run_local_ranks(["-c", STAGE, json.dumps(options)], 2, timeout_s=180, cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert all(r.returncode == 0 for r in ranks), [r.stderr[-2000:] for r in ranks]

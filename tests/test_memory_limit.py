@@ -181,12 +181,12 @@ def test_a_dir_without_room_for_the_state_and_a_limit_that_cannot_be_set_are_ref
     # a limit the disk tier's needs (this process's RSS among them) stay well under, so --dir is what refuses
     args = type("Args", (), {"dir": str(tmp_path), "memory_limit": 3 << 30, "rounds": 1, "json": False})
     free = estimate.free_disk_bytes(tmp_path)
-    monkeypatch.setattr(estimate, "free_disk_bytes", lambda path: 2 << 30)  # a filesystem with 2 GiB free
+    monkeypatch.setattr(estimate.machine, "free_disk_bytes", lambda path: 2 << 30)  # a filesystem with 2 GiB free
     assert disk_limit.run_from_args(args) == 2
     line, = capsys.readouterr().err.splitlines()
     assert line.startswith("l2l bench disk: --dir: no room for the disk tier's state: disk at ")
     assert line.endswith("2.00 GiB free (nothing was written)")
-    monkeypatch.setattr(estimate, "free_disk_bytes", lambda path: free)
+    monkeypatch.setattr(estimate.machine, "free_disk_bytes", lambda path: free)
     monkeypatch.setattr(memory_limit, "ROOT", tmp_path / "no-cgroups")  # a machine without a cgroup to write
     assert disk_limit.run_from_args(args) == 2
     line, = capsys.readouterr().err.splitlines()

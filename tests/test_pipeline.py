@@ -17,7 +17,7 @@ import l2l_hw
 from l2l_hw.distributed import run_local_ranks
 from l2l_hw.models.gpt import GPTConfig, build_gpt, lm_loss
 from l2l_hw.relay.options import even_split
-from l2l_hw.relay.pipeline import OneFOneB
+from l2l_hw.relay.actions import OneFOneB
 from tests.helpers import coherent_batches, coherent_layers, launch_ranks, mlp_layers, ranks_ok, rel_diff
 from tests.test_relay_equivalence import OPTIMIZERS, gpt_batches, mlp_batches
 
@@ -81,12 +81,12 @@ def test_1f1b_runs_each_micro_batch_forward_then_backward_once_with_at_most_s_mi
     for stages in (1, 2, 3, 4):
         for m in (1, 2, 3, 5, 8):
             for s in range(stages):
-                acts = OneFOneB("flush", False).actions(s, stages, m)
-                assert sorted(a for a in acts if a.kind == "F") == [("F", j) for j in range(m)]
-                assert [a for a in acts if a.kind == "B"] == [("B", j) for j in range(m)]
+                acts = OneFOneB.order(s, stages, m)
+                assert sorted(a for a in acts if a[0] == "F") == [("F", j) for j in range(m)]
+                assert [a for a in acts if a[0] == "B"] == [("B", j) for j in range(m)]
                 in_flight = peak = 0
-                for a in acts:
-                    in_flight += 1 if a.kind == "F" else -1
+                for kind, _ in acts:
+                    in_flight += 1 if kind == "F" else -1
                     peak = max(peak, in_flight)
                 assert peak == min(stages - s, m)
     assert even_split(7, 3) == [0, 2, 5, 7]

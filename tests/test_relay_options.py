@@ -33,9 +33,10 @@ def test_host_activations_bit_identical_to_device(device):
 @pytest.mark.parametrize("u", [1, 3])
 def test_memory_report_follows_the_arithmetic_of_a_linear_stack(u):
     # L bias-free Linear(W, W) layers, batch B, MSE loss. The peak is at the last
-    # layer: its weights (+ their gradient once a micro-batch has accumulated, u > 1),
-    # the next layer's weights in flight, 3 activations of the whole batch (the last
-    # layer's input, the targets, its output and the input gradients so far), plus
+    # layer, right after a micro-batch's backward: its weights and their gradient, the
+    # next layer's weights in flight, 3 activations of the whole batch (the last
+    # layer's input, the targets, its output and the earlier micro-batches' input
+    # gradients) and this micro-batch's input gradient (1 / u of the batch's), plus
     # the stash: every earlier layer's input ("device") or one layer's ("host").
     W, B = 64, 24
     weight, act = W * W * 4, B * W * 4
@@ -46,7 +47,7 @@ def test_memory_report_follows_the_arithmetic_of_a_linear_stack(u):
                                  eps=l2l_hw.make_eps("cpu"), micro_batches=u, activations=policy, account_memory=True)
             relay.train_step(torch.randn(B, W), torch.randn(B, W))
             stash = (L - 1) * act if policy == "device" else act
-            expected = (3 if u > 1 else 2) * weight + 3 * act + stash
+            expected = 3 * weight + 3 * act + act // u + stash
             assert relay.memory_report()["peak_bytes"] == expected, (policy, L)
 
 

@@ -190,7 +190,7 @@ def test_estimate_checks_the_disk_where_the_estimated_command_writes(tmp_path, m
                 num_key_value_heads=1, vocab_size=64, architectures=["LlamaForCausalLM"]).save_pretrained(folder)
     (folder / "model.safetensors").write_bytes(b"not read by an estimate")
     asked = []
-    monkeypatch.setattr(estimate, "free_disk_bytes", lambda path: asked.append(str(path)) or 1 << 50)
+    monkeypatch.setattr(estimate.machine, "free_disk_bytes", lambda path: asked.append(str(path)) or 1 << 50)
     monkeypatch.chdir(tmp_path)
     defaults = {c: build_parser().parse_args([c, "--model", "m", "--data", "d"] if c == "finetune" else [c]).out
                 for c in ("train", "finetune")}

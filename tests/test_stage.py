@@ -90,10 +90,12 @@ def test_the_relay_and_the_pipeline_are_each_a_schedule():
 
 
 def test_the_training_loop_reads_nothing_of_a_relay_outside_the_schedule():
-    """Every attribute train.py reads of a relay (`relay.x`, `self.relay.x`, `loop.relay.x`) is
-    the Schedule's: it trains a Relay or a pipeline alike (finetune.py builds Relays only)."""
+    """Every attribute the training loop (train.py and its parts in l2l_hw/training/) reads of a
+    relay (`relay.x`, `state.relay.x`, `result.relay.x`) is the Schedule's: it trains a Relay or a
+    pipeline alike (finetune.py builds Relays only)."""
     allowed, read = schedule_members() | {"bounds"}, set()  # bounds: the banner's, under a pipeline
-    for node in ast.walk(ast.parse((ROOT / "l2l_hw/train.py").read_text())):
+    loop = [ROOT / "l2l_hw/train.py", *sorted((ROOT / "l2l_hw/training").glob("*.py"))]
+    for node in (n for path in loop for n in ast.walk(ast.parse(path.read_text()))):
         if isinstance(node, ast.Attribute):
             owner = node.value
             if (isinstance(owner, ast.Name) and owner.id == "relay") or \

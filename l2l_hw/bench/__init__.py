@@ -1,7 +1,8 @@
 """Benchmarks behind `l2l bench`; each returns a JSON-able report.
 
 Every benchmark module has a docstring (its first paragraph is its `--help` description),
-`add_arguments(parser)` and `run_from_args(args)`; l2l_hw/cli.py lists them in BENCHES.
+`add_arguments(parser)` and `run_from_args(args)`; l2l_hw/cli.py lists them in BENCHES. The GPU
+campaign is a package of its own, l2l_hw/bench/gpu/ (its command: gpu/campaign.py).
 """
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ import torch
 
 from l2l_hw.bench import print_report
 from l2l_hw.distributed import run_local_ranks
-from l2l_hw.relay.pipeline import OneFOneB
+from l2l_hw.relay.actions import OneFOneB
 
 WARMUP = 2
 

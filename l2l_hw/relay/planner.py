@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from l2l_hw.relay.interpreter import backprop
 from l2l_hw.relay.stage import flatten, to_float, unflatten
 
 
@@ -98,11 +99,9 @@ def _measure(layer: nn.Module, x, loss_fn, target, repeats: int):
         t1 = time.perf_counter()
         if loss_fn is not None:
             loss = loss_fn(to_float(out), target)
-            loss.backward()
+            backprop([loss], [torch.ones_like(loss)])
         else:
-            outs = [o for o in flatten(out) if o.requires_grad]
-            if outs:
-                torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+            backprop(flatten(out), [torch.ones_like(o) for o in flatten(out)])
         t2 = time.perf_counter()
         fwd.append(t1 - t0)
         bwd.append(t2 - t1)

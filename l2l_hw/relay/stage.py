@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Mapping, NamedTuple, Sequence
@@ -35,13 +36,14 @@ from torch.func import functional_call
 
 from l2l_hw.eps.base import EPS, Landing, StateEntry, tensor_of
 from l2l_hw.relay.data_parallel import GradReducer, check_compression
+from l2l_hw.relay.device_share import DEVICE_BYTES_PER_PARAMETER, DeviceShare, device_free_bytes, share_problem
 from l2l_hw.relay.memory import DeviceMemory
 from l2l_hw.relay.options import RelayOptions
 from l2l_hw.relay.precision import GradSums, LossScaler, compute_dtype
 from l2l_hw.relay.prefetch import WeightStream
 from l2l_hw.relay.recompute import recompute_policy
 from l2l_hw.relay.stash import ActivationStash
-from l2l_hw.relay.transport import Transport
+from l2l_hw.relay.transport import Transport, torch_device
 
 # Beside a device, the threads that launch its kernels (the relay's and autograd's device
 # thread) keep a core each: the host kernel's threads beside them left the H200's compute
@@ -169,13 +171,15 @@ class LayerStage:
 
     def __init__(self, layers: nn.Sequential | Sequence[nn.Module], loss_fn: Callable, eps: EPS,
                  options: RelayOptions | None = None, *, first: int = 0, process_group=None,
-                 in_flight: int | None = None,
+                 in_flight: int | None = None, device_share: bool = False,
                  init: Callable[[int, nn.Module], dict[str, torch.Tensor]] | None = None,
                  no_decay: Callable[[int, str], bool] | None = None, **option_values):
         """`options` (RelayOptions), or its fields as keyword arguments (over `options` where
         both are given): device, micro_batches, recompute, activations, precision, grad_sums,
         pipedream_2bw, clip_grad_norm, clip_mode, skip_nonfinite (layer_drop is the Relay's).
         `init(i, module)` and `no_decay(i, name)` take the whole model's layer index i.
+        `device_share`: whether options.device_update_layers may keep the first layers' update on
+        the device (the Relay's stage; a pipeline's refuses it).
         `in_flight`: the micro-batches whose activations a layer keeps at once (a pipeline stage's
         under 1F1B; None: all of them, layer-major), what planned recompute budgets for.
         `no_decay(i, name)`: whether layer i's parameter `name` is updated without weight decay
@@ -200,7 +204,7 @@ class LayerStage:
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be a callable loss_fn(output, targets), got {type(loss_fn).__name__}")
         self.loss_fn = loss_fn
-        self.eps = eps = self.share_update(eps, options)
+        self.eps = eps = self._share_update(eps, options, device_share)
         self.transport = Transport(options.device)  # every host <-> device movement
         self.device = self.transport.device
         self.micro_batches = options.micro_batches
@@ -242,13 +246,30 @@ class LayerStage:
         self.groups = sorted({key for plan in self.plans for key in plan.groups})
 
     # -- set-up ---------------------------------------------------------------
-    def share_update(self, eps: EPS, options: RelayOptions) -> EPS:
-        """The EPS this stage updates through: a pipeline's stages keep every update on the host
-        (the Relay's may keep its first layers' on the device: l2l_hw/relay/device_share.py)."""
-        if options.device_update_layers:
-            raise ValueError(f"device_update_layers={options.device_update_layers} is the relay's: a pipeline's "
-                             "stages keep every update on the host; give 0")
-        return eps
+    def _share_update(self, eps: EPS, options: RelayOptions, allowed: bool) -> EPS:
+        """The EPS this stage updates through: `eps`, or, with options.device_update_layers = k > 0
+        where `allowed` (the Relay's stage, the whole model), `eps` with the groups of layers 0..k-1
+        kept and updated on the device (l2l_hw/relay/device_share.py); a pipeline's stages keep
+        every update on the host. A k the EPS, the schedule or the device's free memory cannot
+        give is one ValueError, before any weight loads."""
+        k = options.device_update_layers or 0
+        if not allowed and k:
+            raise ValueError(f"device_update_layers={k} is the relay's: a pipeline's stages keep every update on "
+                             "the host; give 0")
+        problem = share_problem(eps, len(self.layers), k, stale=options.pipedream_2bw)
+        if problem:
+            raise ValueError(f"device_update_layers={k} {problem}")
+        if k == 0:
+            return eps
+        device = torch_device(options.device)
+        groups = registered_groups(self.layers[:k])
+        need = sum(math.prod(s) for shapes in groups.values() for s in shapes.values()) * DEVICE_BYTES_PER_PARAMETER
+        free = device_free_bytes(device)
+        if free is not None and need > free:
+            raise ValueError(f"device_update_layers={k} keeps {need / 2**30:.2f} GiB of weights and AdamW state on "
+                             f"{device}, which has {free / 2**30:.2f} GiB free: give fewer layers (0 keeps every "
+                             "update on the host)")
+        return DeviceShare(eps, set(groups), device)
 
     def _thread_policy(self, threads: int | None) -> int | None:
         """Never more busy threads than cores: on the CPU the layers compute on `threads` of torch's

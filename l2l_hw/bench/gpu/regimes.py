@@ -10,7 +10,7 @@
     regime_c  the weights do not fit: Llama-3-8B's shape (8.03 B); DeepSpeed ZeRO-3 offload
               (parameters and optimizer on the host), FSDP2 CPU offload; 1.3x the strongest
 
-Every side runs in its own process under the same cap (gpu_sides), from the same saved model (a
+Every side runs in its own process under the same cap (sides.py), from the same saved model (a
 GPT state file; a Llama folder through from_pretrained), on the same minibatches, the same
 tokens a step, the same AdamW. A regime runs in five steps, recorded in the JSON as they end:
 
@@ -40,9 +40,9 @@ from dataclasses import dataclass
 
 import torch
 
-from l2l_hw.bench import gpu_checks, gpu_llama, gpu_peers
-from l2l_hw.bench.gpu_figures import ATTENTION, flops_per_token, fmt_spread, mfu
-from l2l_hw.bench.gpu_sides import SideDied, SideError
+from l2l_hw.bench.gpu import checks as gpu_checks, llama as gpu_llama, peers as gpu_peers
+from l2l_hw.bench.gpu.figures import ATTENTION, flops_per_token, fmt_spread, mfu
+from l2l_hw.bench.gpu.sides import SideDied, SideError
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ def regimes(dry_run: bool, width: int, heads: int, context: int) -> dict[str, Re
                                ("relay", "zero3_offload", "fsdp2_offload"), (1, 2), 1.3, grid_points=5,
                                grid_budget_s=120),
         }
-    return {  # toy sizes; stand-ins chosen so that each path runs (gpu.DRY, tests/test_bench_gpu.py)
+    return {  # toy sizes; stand-ins chosen so that each path runs (campaign.DRY, tests/test_bench_gpu.py)
         "regime_a": Regime("regime_a", "fits resident (toy)", "gpt", 2, 8, context, ("relay", "torch_compiled"),
                            (2, 4), 0.95, width=width, heads=heads, grid_points=3, window=1, host_bytes=8 * 2**30),
         "regime_b": Regime("regime_b", "optimizer state does not fit (toy)", "llama", 3, 4, 64,
@@ -94,7 +94,7 @@ def regimes(dry_run: bool, width: int, heads: int, context: int) -> dict[str, Re
 
 
 class Runner:
-    """One regime on a campaign `c` (gpu.Campaign): its model, sizes, grids, runs and checks."""
+    """One regime on a campaign `c` (campaign.Campaign): its model, sizes, grids, runs and checks."""
 
     def __init__(self, c, regime: Regime, result: dict):
         self.c, self.r, self.result = c, regime, result
@@ -135,7 +135,7 @@ class Runner:
                          bias=False)
 
     def per_token(self, layers: int) -> float:
-        """Model FLOPs a token, causal attention counted as computed (gpu_figures)."""
+        """Model FLOPs a token, causal attention counted as computed (figures.py)."""
         m = self.model(layers)
         tables = m.vocab * m.hidden if self.r.model == "llama" else (256 + self.r.context) * m.hidden
         return flops_per_token(m.parameters - tables, layers, m.hidden, self.r.context)
@@ -495,7 +495,7 @@ class Runner:
 
 
 class PartFailedHere(Exception):
-    """The regime's failures, one line; the part keeps what it measured (gpu.Campaign)."""
+    """The regime's failures, one line; the part keeps what it measured (campaign.Campaign)."""
 
 
 def _unload(side) -> None:

@@ -8,7 +8,7 @@ in each side's process).
     tests        the CUDA-parametrized relay tests (relay == PyTorch to 1e-5, TF32 off); their
                  exit code is the part's
     matmul_peak  the bf16 matmul (8192^3), 5 runs: the best of the sample is the measured peak
-                 (with the spread), beside the part's dense bf16 figure (gpu_figures): the two
+                 (with the spread), beside the part's dense bf16 figure (figures.py): the two
                  denominators of every MFU
     regime_a     fits resident: 1.21 B GPT; the relay against PyTorch compiled in its own recipe
     loss         50 steps of a 1.05 B GPT on the stdlib corpus: the relay against the same-recipe
@@ -18,15 +18,15 @@ in each side's process).
                  not tell such an error, and the part fails)
     regime_b     ~3 B (9 layers of Llama-3-8B's shape): ZeRO-2 offload, FSDP2 with its optimizer on
                  the host; PyTorch with checkpointing reported where it cannot hold it
-    regime_c     Llama-3-8B's shape: ZeRO-3 offload, FSDP2 CPU offload (gpu_regimes)
+    regime_c     Llama-3-8B's shape: ZeRO-3 offload, FSDP2 CPU offload (regimes.py)
     capacity     under the cap, the largest GPT of width 2048 each side trains, both searched in
-                 this part (gpu_capacity): PyTorch checkpointing every block with one-sequence
+                 this part (capacity.py): PyTorch checkpointing every block with one-sequence
                  micro-batches, the relay until the host's memory stops it
 
 `--parts` also takes: llama_8b (`l2l finetune --device cuda` on the 8.03 B folder, the user's
 command, with the most exact optimizer state the host holds), llama_largest (the deepest
 Llama-3-8B-shaped model the relay trains with 8-bit state), the first campaign's
-memory_by_depth, trace, syncs, eps (gpu_extras), and overlap (`l2l bench overlap` on the GPU: the
+memory_by_depth, trace, syncs, eps (extras.py), and overlap (`l2l bench overlap` on the GPU: the
 host update under the compute at 1, 2, 4 and 8 micro-batches, with the planned device share).
 
 A part fails when it raises or when what it measured breaks its rule (a CUDA test fails, a NaN
@@ -62,11 +62,12 @@ from pathlib import Path
 import torch
 
 import l2l_hw
-from l2l_hw.bench import gpu_capacity, gpu_checks, gpu_llama, gpu_peers, gpu_regimes
-from l2l_hw.bench.gpu_figures import dense_bf16_peak, flops_per_token, fmt_spread, mfu, rate_spread, spread
-from l2l_hw.bench.gpu_partners import GPTPartner, state_bytes_per_parameter
-from l2l_hw.bench.gpu_sides import Sides
-from l2l_hw.bench.gpu_watch import log_tail
+from l2l_hw.bench.gpu import (capacity as gpu_capacity, checks as gpu_checks, llama as gpu_llama, peers as gpu_peers,
+                               regimes as gpu_regimes)
+from l2l_hw.bench.gpu.figures import dense_bf16_peak, flops_per_token, fmt_spread, mfu, rate_spread, spread
+from l2l_hw.bench.gpu.partners import GPTPartner, state_bytes_per_parameter
+from l2l_hw.bench.gpu.sides import Sides
+from l2l_hw.bench.gpu.watch import log_tail
 from l2l_hw.models import Corpus, GPTConfig, count_parameters
 
 FILES = ("summary.json", "tests.txt", "log.txt", "trace.json")
@@ -92,7 +93,7 @@ class Sizes:
     width: int  # the reference GPT's width in regime_a, capacity, loss
     heads: int
     context: int
-    micro_batch: int  # sequences a micro-batch (gpu_extras)
+    micro_batch: int  # sequences a micro-batch (extras.py)
     resident_layers: int  # 1.21 B parameters at width 2048 (gpu_extras.trace: twice this)
     capacity_batch: int  # sequences a step under the cap
     capacity_micro_batches: int  # the relay's
@@ -287,12 +288,12 @@ class Campaign:
                 **mfu(rate["median"], per_token, self.peak["measured"], self.dense_peak())}
 
     def dense_peak(self) -> float | None:
-        """The part's dense bf16 FLOP/s (None for a part not in gpu_figures' table)."""
+        """The part's dense bf16 FLOP/s (None for a part not in figures.py's table)."""
         return self.peak["dense"]["tflops"] * 1e12 if self.peak["dense"]["tflops"] else None
 
     # -- the parts --------------------------------------------------------------------------
     def tests(self) -> dict:
-        root = Path(__file__).resolve().parents[2]
+        root = Path(__file__).resolve().parents[3]
         if not (root / "tests").is_dir():
             raise FileNotFoundError(f"no tests folder under {root} (an installed package): run from a checkout")
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", self.sizes.tests_k, *TEST_FILES]
@@ -470,29 +471,29 @@ class Campaign:
         self.say(f"llama_largest: {layers} layers from {_gib(host)} available at {bpp:.2f} B/parameter (8-bit state)")
         return {"host_available_bytes": host, "eps_bytes_per_parameter": bpp, **self.finetune(layers, "8bit")}
 
-    # -- the first campaign's parts (gpu_extras) --------------------------------------------
+    # -- the first campaign's parts (extras.py) ---------------------------------------------
     def memory_by_depth(self) -> dict:
-        from l2l_hw.bench import gpu_extras
+        from l2l_hw.bench.gpu import extras as gpu_extras
 
         return gpu_extras.memory_by_depth(self)
 
     def trace(self) -> dict:
-        from l2l_hw.bench import gpu_extras
+        from l2l_hw.bench.gpu import extras as gpu_extras
 
         return gpu_extras.trace(self)
 
     def syncs(self) -> dict:
-        from l2l_hw.bench import gpu_extras
+        from l2l_hw.bench.gpu import extras as gpu_extras
 
         return gpu_extras.syncs(self)
 
     def eps(self) -> dict:
-        from l2l_hw.bench import gpu_extras
+        from l2l_hw.bench.gpu import extras as gpu_extras
 
         return gpu_extras.eps(self)
 
     def overlap(self) -> dict:
-        from l2l_hw.bench import gpu_extras
+        from l2l_hw.bench.gpu import extras as gpu_extras
 
         return gpu_extras.overlap(self)
 

@@ -47,10 +47,10 @@ def dense_bf16_peak(device_name: str) -> dict:
     for name, tflops, source in DENSE_BF16_TFLOPS:
         if name in device_name:
             return {"tflops": tflops, "source": source}
-    return {"tflops": None, "source": f"{device_name!r} is not in l2l_hw/bench/gpu_figures.py's DENSE_BF16_TFLOPS"}
+    return {"tflops": None, "source": f"{device_name!r} is not in l2l_hw/bench/gpu/figures.py's DENSE_BF16_TFLOPS"}
 
 
-ATTENTION = "causal: half of the full T x T score matrix, 6 L H Q T a token (gpu_figures)"
+ATTENTION = "causal: half of the full T x T score matrix, 6 L H Q T a token (gpu/figures.py)"
 
 
 def flops_per_token(matmul_params: int, layers: int, width: int, context: int, causal: bool = True) -> float:

@@ -16,7 +16,7 @@ a tokenizer, made here from a config with no hub:
                run's minibatches and the tenth that `l2l finetune` holds out
 
 finetune() runs `python -m l2l_hw.cli finetune` (the `l2l finetune` a user runs) on such a
-folder under l2l_hw.bench.gpu_watch, and stops it once the timed steps are in.
+folder under l2l_hw.bench.gpu.watch, and stops it once the timed steps are in.
 """
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from l2l_hw.bench.gpu_figures import ATTENTION, flops_per_token, mfu, rate_spread, spread
-from l2l_hw.bench.gpu_watch import idle_share, log_tail, watch
+from l2l_hw.bench.gpu.figures import ATTENTION, flops_per_token, mfu, rate_spread, spread
+from l2l_hw.bench.gpu.watch import idle_share, log_tail, watch
 
 LLAMA_3_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                   intermediate_size=14336, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192,

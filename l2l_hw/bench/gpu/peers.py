@@ -9,7 +9,7 @@ batch / micro_batch micro-batches, the same tokens a step for all.
 
     relay              the relay (l2l_hw.Relay, or hf.from_pretrained as `l2l finetune` builds it),
                        the CPU EPS; knobs: micro_batch, recompute, activations
-    torch_compiled     (GPT) PyTorch resident in the relay's own recipe (gpu_partners "recipe"),
+    torch_compiled     (GPT) PyTorch resident in the relay's own recipe (partners.py's "recipe"),
                        every block compiled (Inductor); knobs: micro_batch, checkpointed
     torch_checkpointed (Llama) PyTorch resident: fp32 weights, bf16 autocast, fused AdamW,
                        transformers' activation checkpointing (non-reentrant); knob: micro_batch
@@ -52,11 +52,11 @@ from dataclasses import dataclass, field
 SIDES = ("relay", "torch_compiled", "torch_checkpointed", "zero2_offload", "zero3_offload", "fsdp2_offload")
 PEERS = SIDES[1:]
 FAMILY = {"relay": "relay", "torch_compiled": "torch", "torch_checkpointed": "torch", "zero2_offload": "deepspeed",
-          "zero3_offload": "deepspeed", "fsdp2_offload": "fsdp2"}  # one process per family (gpu_sides)
+          "zero3_offload": "deepspeed", "fsdp2_offload": "fsdp2"}  # one process per family (sides.py)
 PYTORCH = ("torch_compiled", "torch_checkpointed", "fsdp2_offload")  # the drift's reference: PyTorch itself
 DEEPSPEED_BUFFER_FACTOR = 1.5  # the additional_buffer_factor of DeepSpeed's own estimators
 FSDP2_HOST_BYTES_PER_PARAMETER = 16  # fp32 shard, its fp32 gradient, AdamW's m and v
-RESIDENT_DEVICE_BYTES_PER_PARAMETER = {"torch_checkpointed": 16, "torch_compiled": 18}  # gpu_partners
+RESIDENT_DEVICE_BYTES_PER_PARAMETER = {"torch_checkpointed": 16, "torch_compiled": 18}  # partners.py
 HOST_PROCESS_BYTES = 3 * 2**30  # a side's process outside its model: torch, CUDA's context, DeepSpeed's ops
 
 

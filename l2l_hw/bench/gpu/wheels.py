@@ -1,4 +1,4 @@
-"""`python -m l2l_hw.bench.gpu_wheels [DIR]`: the wheels the GPU campaign's peers need on the lent machine.
+"""`python -m l2l_hw.bench.gpu.wheels [DIR]`: the wheels the GPU campaign's peers need on the lent machine.
 
 The lent GPU machine (Python 3.12, a CUDA torch, transformers, ninja, psutil, msgpack,
 py-cpuinfo, einops, nvidia-ml-py; no network) lacks DeepSpeed and its pure-Python needs. This

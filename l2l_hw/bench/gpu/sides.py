@@ -17,7 +17,7 @@ talks to it one JSON line at a time on its stdin, and reads its answers on a pip
 A request that fails answers {"error": "...", "memory": true when memory ran out}, unloads, and
 the process serves the next request; a process that dies (the OOM killer, a CUDA error) is
 reported as such (SideDied) and started again at the next load. `python -m
-l2l_hw.bench.gpu_sides '{json}'` is the process.
+l2l_hw.bench.gpu.sides '{json}'` is the process.
 """
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ class Side:
         spec = {"family": self.family, "device": self.device, "cap_bytes": self.cap_bytes, "port": free_port(),
                 "answers_fd": write}
         with open(self.log, "ab") as log:
-            self.child = subprocess.Popen([sys.executable, "-m", "l2l_hw.bench.gpu_sides", json.dumps(spec)],
+            self.child = subprocess.Popen([sys.executable, "-m", "l2l_hw.bench.gpu.sides", json.dumps(spec)],
                                           stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
                                           env=self.env, pass_fds=(write,), start_new_session=True, text=True)
         os.close(write)
@@ -242,7 +242,7 @@ def build_torch(spec: dict, device) -> Trainer:
 
     knobs, u = spec["knobs"], spec["batch"] // spec["knobs"]["micro_batch"]
     if spec["kind"] == "torch_compiled":
-        from l2l_hw.bench.gpu_partners import GPTPartner
+        from l2l_hw.bench.gpu.partners import GPTPartner
 
         cfg, state, batches = _gpt_data(spec)
         torch.compiler.reset()  # compiled afresh at each load, as in a new process (no recompile limit reached)

@@ -1,7 +1,7 @@
 """The largest reference GPT each side trains under a device memory cap, searched by probes.
 
 A probe trains a GPT of a given depth for a few steps in a fresh process
-(`python -m l2l_hw.bench.gpu_capacity '{json}'`), so that what one probe leaves (the caching
+(`python -m l2l_hw.bench.gpu.capacity '{json}'`), so that what one probe leaves (the caching
 allocator's segments, pinned host buffers, tens of GB of EPS state) cannot help or hurt the
 next, and so that the kernel's OOM killer, when the host's memory runs out, ends the probe
 and not the campaign (a probe makes itself its first choice: oom_score_adj 1000).
@@ -70,7 +70,7 @@ def search(fits: Callable[[int], dict], start: int, resolution: float = 0.0) -> 
 def run_probe(spec: dict, timeout: float = PROBE_TIMEOUT_S) -> dict:
     """One probe in a fresh process: its result, with fits False where memory stopped it."""
     t0 = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "l2l_hw.bench.gpu_capacity", json.dumps(spec)],
+    done = subprocess.run([sys.executable, "-m", "l2l_hw.bench.gpu.capacity", json.dumps(spec)],
                           capture_output=True, text=True, timeout=timeout,
                           env=dict(os.environ, PYTHONUNBUFFERED="1"))
     if done.returncode == -signal.SIGKILL:
@@ -107,7 +107,7 @@ def _build(spec: dict):
     """The step function of the probe's side; the model built inside the cap."""
     import torch
 
-    from l2l_hw.bench.gpu_partners import GPTPartner
+    from l2l_hw.bench.gpu.partners import GPTPartner
     from l2l_hw.models import GPTConfig, build_gpt, lm_loss
 
     cfg = GPTConfig(n_layer=spec["layers"], n_embd=spec["width"], n_head=spec["heads"], block_size=spec["context"],
