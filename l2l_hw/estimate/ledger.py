@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from l2l_hw.estimate.trace import ModelTrace
-from l2l_hw.relay.actions import COMPUTE, SCHEDULES, evaluation, layer_major
+from l2l_hw.relay.actions import SCHEDULES, evaluation, layer_major, next_visits
 
 
 class _Ledger:
@@ -104,6 +104,10 @@ class _Replay:
         self.host = {"now": 0, "peak": 0}  # activations="host": the stash's bytes in host memory
         self.stashed: dict = {}  # activations="host": what went down, by stash key
         self.after: list[tuple] = []
+        self.users: dict[str, list[int]] = {}  # group -> the layers using it, ascending
+        for i, groups in enumerate(model.groups):
+            for key in groups:
+                self.users.setdefault(key, []).append(i)
 
     # -- references ----------------------------------------------------------------------------
     def act(self, i, j, k):  # input k of layer i, micro-batch j
@@ -173,7 +177,7 @@ class _Replay:
             book.put(("frozen", mbs, i), {("frozen", i): model.frozen[i]})
 
     def prefetch_next(self) -> None:  # the next visit's weights, and its stash (activations="host")
-        nxt = next((a for a in self.actions[self.at + 1:] if a.op in COMPUTE), None)
+        nxt = self.next_visit[self.at]
         if nxt is None:
             return
         for key in self.model.groups[nxt.layer]:
@@ -187,22 +191,19 @@ class _Replay:
         self.fetch(action.layer, action.mbs)
         self.prefetch_next()
 
-    def users(self, key) -> list[int]:
-        return [i for i, groups in enumerate(self.model.groups) if key in groups]
-
     def release_forward(self, i, mbs) -> None:
         kept = lambda u: self.policies[u] == "none"  # noqa: E731 (its graph holds its weights)
         if not kept(i):
             self.book.drop(("frozen", mbs, i))
         for key in self.model.groups[i]:
-            users = self.users(key)
+            users = self.users[key]
             if users[-1] == i and not any(kept(u) for u in users):
                 self.book.drop(("live", mbs, key))
 
     def release_backward(self, i, mbs) -> None:
         self.book.drop(("frozen", mbs, i))
         for key in self.model.groups[i]:
-            if self.users(key)[0] == i:
+            if self.users[key][0] == i:
                 self.book.drop(("live", mbs, key))
                 self.book.drop_all(lambda name: name[:2] == ("grad", key))
 
@@ -238,6 +239,7 @@ class _Replay:
     # -- the actions ---------------------------------------------------------------------------
     def run(self, actions) -> StepMemory:
         self.actions, self.after = list(actions), []
+        self.next_visit = next_visits(self.actions)
         book, u = self.book, self.u
         for g in range(u):  # the micro-batches: uploaded at the step's start, or their receives posted
             if self.first_stage:
@@ -261,8 +263,6 @@ class _Replay:
         step = self.run(shifted)
         step.actions = [(str(a), nbytes) for a, (_, nbytes) in zip(actions, step.actions)]
         return step
-        return StepMemory(book.peak, book.kept_peak, book.own_peak, self.host["peak"],
-                          [(str(action), nbytes) for action, nbytes in self.after])
 
     def forward(self, a) -> None:
         book, i, mbs = self.book, a.layer, a.mbs
@@ -341,7 +341,7 @@ class _Replay:
         book.sample()
         book.drop(("frozen", a.mbs, i))
         for key in self.model.groups[i]:
-            if self.users(key)[-1] == i:
+            if self.users[key][-1] == i:
                 book.drop(("live", a.mbs, key))
 
     def score(self, a) -> None:

@@ -50,6 +50,15 @@ class Action(NamedTuple):
         return f"{self.op} {self.what} mb {mbs}"
 
 
+def next_visits(actions: Sequence[Action]) -> list[Action | None]:
+    """For each action, the compute action after it (None after the last): whose weights a visit
+    starts fetching once it has its own."""
+    out: list[Action | None] = [None] * len(actions)
+    for n in range(len(actions) - 2, -1, -1):
+        out[n] = actions[n + 1] if actions[n + 1].op in COMPUTE else out[n + 1]
+    return out
+
+
 def layer_major(layers: Sequence[int], micro_batches: int) -> list[Action]:
     """The relay's step over the active `layers` (ascending, the last is the model's last): each
     layer visited once forward on every micro-batch, the last layer's loss, each layer once

@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from l2l_hw.relay.actions import COMPUTE, Action
+from l2l_hw.relay.actions import COMPUTE, Action, next_visits
 from l2l_hw.relay.recompute import grad_leaf
 from l2l_hw.relay.stage import LayerStage, flatten, to_float
 
@@ -102,6 +102,7 @@ class Interpreter:
         """Run `actions` over the `steps` they number (step t: micro-batches t*M .. t*M + M - 1).
         Each step's losses add into its `total`; a failure leaves the caller to abandon the step."""
         self.actions, self.steps = list(actions), list(steps)
+        self.next_visit = next_visits(self.actions)
         self.acts = {t * self.micro_batches + j: x for t, s in enumerate(steps) for j, x in enumerate(s.xs or ())}
         self.grads: dict[int, list] = {}
         self.live: dict[tuple[int, ...], dict[str, dict[str, torch.Tensor]]] = {}
@@ -152,7 +153,7 @@ class Interpreter:
     def _prefetch_next(self, current: Action | None) -> None:
         """Start the next compute visit's fetch (and its stashed inputs) where it reads the
         weights this one does: in the same step, or both in the stream's own version."""
-        nxt = next((a for a in self.actions[self.at + 1:] if a.op in COMPUTE), None)
+        nxt = self.next_visit[self.at]
         if nxt is None:
             return
         t = nxt.mbs[0] // self.micro_batches
